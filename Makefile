@@ -1,0 +1,32 @@
+# autotune: `make demo` runs the main job end to end; `make test` runs the whole suite.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU build of torch, installed only when the venv has no torch yet
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test lint typecheck demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev,dashboard]"
+	@touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(BIN)/ruff check autotune api tests bench
+	$(BIN)/mypy autotune
+
+test: install lint
+	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/autotune demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache demo-work

@@ -1,0 +1,213 @@
+"""Training configuration: the knobs a trial sets, declared once.
+
+Every knob has a name, a type, a default and either a set of allowed values or a range.
+`parse_config` turns a user mapping (JSON, YAML, a search-space sample) into a frozen
+`TrainConfig`, rejecting unknown knobs, bad values and impossible combinations with a
+`ConfigError` that names the knob and says what is allowed. The search space, the REST
+API and the CLI all validate through this module, so the rules live in one place.
+
+This module imports nothing heavy (no torch): the service validates with it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CHECKPOINT_MODES = ("none", "block", "attn", "mlp", "selective")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+class ConfigError(ValueError):
+    """A knob has a bad name, type or value. `knob` names it; the message says the fix."""
+
+    def __init__(self, knob: str, message: str) -> None:
+        super().__init__(f"{knob}: {message}")
+        self.knob = knob
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tunable setting: its type, default and what values are allowed."""
+
+    name: str
+    type: type
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    nullable: bool = False
+
+    def allowed(self) -> str:
+        """Human-readable description of the allowed values."""
+        if self.choices is not None:
+            text = " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in self.choices)
+        elif self.minimum is not None and self.maximum is not None:
+            text = f"{self.type.__name__} in [{self.minimum}, {self.maximum}]"
+        elif self.minimum is not None:
+            text = f"{self.type.__name__} >= {self.minimum}"
+        else:
+            text = self.type.__name__
+        return text + (" or null" if self.nullable else "")
+
+    def check(self, value: Any) -> Any:
+        """Return `value` coerced to this knob's type, or raise ConfigError."""
+        if value is None:
+            if self.nullable:
+                return None
+            raise ConfigError(self.name, f"must not be null; allowed: {self.allowed()}")
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(self.name, f"expected true or false, got {value!r}")
+        elif self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    raise ConfigError(self.name, f"expected an integer, got {value!r}; allowed: {self.allowed()}")
+        elif self.type is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(self.name, f"expected a number, got {value!r}; allowed: {self.allowed()}")
+            value = float(value)
+        elif self.type is str and not isinstance(value, str):
+            raise ConfigError(self.name, f"expected a string, got {value!r}; allowed: {self.allowed()}")
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(self.name, f"{value!r} is not allowed; allowed: {self.allowed()}")
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(self.name, f"{value!r} is too small; allowed: {self.allowed()}")
+        if self.maximum is not None and value > self.maximum:
+            raise ConfigError(self.name, f"{value!r} is too large; allowed: {self.allowed()}")
+        return value
+
+
+# The knob families, in the order they are applied by the probe (see autotune/knobs.py).
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("precision", str, "fp32",
+             "fp32 (TF32 off) | tf32 | bf16 autocast | fp16 autocast+GradScaler | fp8 (torchao)", choices=PRECISIONS),
+        Knob("cudnn_benchmark", bool, False, "torch.backends.cudnn.benchmark", choices=(False, True)),
+        Knob("checkpoint", str, "none", "activation-checkpoint granularity inside each transformer block",
+             choices=CHECKPOINT_MODES),
+        Knob("compile", str, "none", "torch.compile mode (none = eager)", choices=COMPILE_MODES),
+        Knob("bucket_cap_mb", float, 25.0, "DDP gradient bucket size in MiB (live only with world size > 1)",
+             minimum=0.001, maximum=4096.0),
+        Knob("fused_optimizer", bool, False, "AdamW implementation: true = fused kernel, false = foreach",
+             choices=(False, True)),
+        Knob("batch_size", int, None, "micro-batch size (default: the workload preset's)", minimum=1, maximum=65536,
+             nullable=True),
+        Knob("accum_steps", int, None, "micro-batches per optimizer step (default: the preset's)", minimum=1,
+             maximum=1024, nullable=True),
+        Knob("num_workers", int, 0, "DataLoader worker processes", minimum=0, maximum=256),
+        Knob("prefetch_factor", int, None, "batches prefetched per worker (only with num_workers > 0)", minimum=1,
+             maximum=64, nullable=True),
+        Knob("pin_memory", bool, False, "page-locked host batches for async host-to-device copies",
+             choices=(False, True)),
+        Knob("persistent_workers", bool, False, "keep DataLoader workers alive across epochs (only with workers > 0)",
+             choices=(False, True)),
+        Knob("inverse_loss_frequency", int, 1, "compute the workload's expensive auxiliary losses every N steps",
+             minimum=1, maximum=1000),
+        Knob("lr", float, None, "learning rate (default: the preset's; not searched by default)", minimum=0.0,
+             nullable=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One point of the search space: the knob values a probe runs with.
+
+    `batch_size`, `accum_steps` and `lr` may be None, meaning "the workload preset's
+    default"; `resolve` fills them in.
+    """
+
+    precision: str = "fp32"
+    cudnn_benchmark: bool = False
+    checkpoint: str = "none"
+    compile: str = "none"
+    bucket_cap_mb: float = 25.0
+    fused_optimizer: bool = False
+    batch_size: int | None = None
+    accum_steps: int | None = None
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    inverse_loss_frequency: int = 1
+    lr: float | None = None
+
+    @property
+    def effective_batch(self) -> int:
+        if self.batch_size is None or self.accum_steps is None:
+            raise ValueError("effective_batch needs batch_size and accum_steps; call resolve() first")
+        return self.batch_size * self.accum_steps
+
+    def resolve(self, batch_size: int, accum_steps: int, lr: float) -> TrainConfig:
+        """Fill the preset-dependent defaults that are still None."""
+        return dataclasses.replace(
+            self,
+            batch_size=self.batch_size if self.batch_size is not None else batch_size,
+            accum_steps=self.accum_steps if self.accum_steps is not None else accum_steps,
+            lr=self.lr if self.lr is not None else lr,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+assert set(KNOBS) == {f.name for f in dataclasses.fields(TrainConfig)}, "KNOBS and TrainConfig disagree"
+
+
+def check_rules(values: Mapping[str, Any]) -> None:
+    """Cross-knob rules that hold for every device. Raises ConfigError naming a knob."""
+    workers = values.get("num_workers", 0)
+    if workers == 0:
+        if values.get("prefetch_factor") is not None:
+            raise ConfigError("prefetch_factor", "only applies with num_workers > 0; set num_workers >= 1 or drop it")
+        if values.get("persistent_workers"):
+            raise ConfigError("persistent_workers", "only applies with num_workers > 0; set num_workers >= 1 or false")
+
+
+def parse_config(raw: Mapping[str, Any] | None) -> TrainConfig:
+    """Validate a mapping of knob values into a TrainConfig (unset knobs take defaults)."""
+    raw = dict(raw or {})
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        knob = KNOBS.get(name)
+        if knob is None:
+            close = difflib.get_close_matches(name, KNOBS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(name, f"unknown knob{hint}; known knobs: {', '.join(KNOBS)}")
+        values[name] = knob.check(value)
+    check_rules({**{k: v.default for k, v in KNOBS.items()}, **values})
+    return TrainConfig(**values)
+
+
+def load_config_arg(text: str) -> dict[str, Any]:
+    """Read a `--config` argument: inline JSON, or a path to a YAML/JSON file."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("config", f"not valid JSON ({e}); pass a JSON object or a path to a YAML file") from e
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise ConfigError("config", f"{text!r} is neither a JSON object nor an existing file")
+        import yaml
+
+        data = yaml.safe_load(path.read_text())
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"expected a mapping of knob -> value, got {type(data).__name__}")
+    return data

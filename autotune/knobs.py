@@ -1,0 +1,305 @@
+"""Each knob family applied for real, one small function each.
+
+The probe applies them in this order (each function checks its own preconditions):
+
+1. ``apply_backend_flags``   precision's TF32 switches, cudnn.benchmark (process-global)
+2. ``apply_checkpointing``   activation-checkpoint granularity on the model's blocks
+3. model moved to the device
+4. ``apply_fp8``             torchao float8 training (precision=fp8 only; before compile)
+5. ``apply_compile``         torch.compile with the chosen mode (wraps the whole loss)
+6. ``apply_ddp``             DDP with bucket_cap_mb (inactive in a single-process probe)
+7. ``build_optimizer``       AdamW, fused or foreach
+8. ``build_loader``          DataLoader workers / prefetch / pin_memory / persistent workers
+9. ``Trainer``               autocast + GradScaler, accumulation, inverse-loss frequency
+
+Every function returns what it built and records in ``notes`` what it did, or why it was
+inactive, so a ProbeResult says which knobs actually changed the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from autotune.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+Notes = dict[str, str]
+
+
+class ProbeError(Exception):
+    """A probe ended in a known failure kind: oom | nan | timeout | unsupported | error."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+# -- 1. backend flags -----------------------------------------------------------------------
+
+def apply_backend_flags(config: TrainConfig, device: torch.device, notes: Notes) -> None:
+    """Set the process-global matmul/cudnn switches. fp32 means TF32 *off*; tf32 turns it on.
+
+    Set explicitly both ways so a previous probe in the same process cannot leak in.
+    """
+    tf32 = config.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    if config.precision in ("fp32", "tf32"):
+        notes["precision"] = f"{config.precision}: TF32 {'on' if tf32 else 'off'}" + (
+            "" if device.type == "cuda" else " (no effect on cpu)")
+    torch.backends.cudnn.benchmark = config.cudnn_benchmark
+    notes["cudnn_benchmark"] = str(config.cudnn_benchmark).lower() + (
+        "" if device.type == "cuda" else " (no effect on cpu)")
+
+
+# -- 2. activation checkpointing ------------------------------------------------------------
+
+def apply_checkpointing(model: nn.Module, mode: str, notes: Notes) -> int:
+    """Set the checkpoint granularity on every module that has a `checkpoint` attribute
+    (the workload's transformer blocks). Returns how many blocks were set."""
+    blocks = [m for m in model.modules() if hasattr(m, "checkpoint") and not isinstance(m, nn.ModuleList)]
+    if mode != "none" and not blocks:
+        raise ProbeError("unsupported", "checkpoint: this workload's model has no checkpointable blocks; use none")
+    if mode == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+        raise ProbeError("unsupported", f"checkpoint=selective needs torch >= 2.4 (installed {torch.__version__})")
+    for block in blocks:
+        setattr(block, "checkpoint", mode)  # noqa: B010 (a plain attribute read in Block.forward)
+    notes["checkpoint"] = f"{mode} on {len(blocks)} blocks"
+    return len(blocks)
+
+
+# -- 4. fp8 -------------------------------------------------------------------------------
+
+def fp8_supported(device: torch.device) -> str | None:
+    """None when fp8 training can run here; otherwise the reason it cannot."""
+    if device.type != "cuda":
+        return f"fp8 training needs a CUDA GPU with compute capability >= 8.9; device is {device.type}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return f"fp8 training needs compute capability >= 8.9 (Ada/Hopper); this GPU is {cap[0]}.{cap[1]}"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "fp8 training needs torchao: pip install 'autotune[gpu]' (or pip install torchao)"
+    return None
+
+
+def apply_fp8(model: nn.Module, config: TrainConfig, device: torch.device, notes: Notes) -> nn.Module:
+    """Swap eligible nn.Linear layers for torchao Float8Linear (dims divisible by 16)."""
+    if config.precision != "fp8":
+        return model
+    reason = fp8_supported(device)
+    if reason:
+        raise ProbeError("unsupported", reason)
+    from torchao.float8 import convert_to_float8_training
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=eligible)
+    n = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+    notes["precision"] = f"fp8: {n} Linear layers in float8 (torchao), the rest bf16 autocast"
+    return model
+
+
+# -- 5. compile ---------------------------------------------------------------------------
+
+def apply_compile(model: nn.Module, mode: str, notes: Notes, backend: str = "inductor") -> nn.Module:
+    """torch.compile the model (its forward computes the losses, so the loss is compiled too).
+
+    ``default`` is torch.compile's own default mode. `backend` exists for tests that only
+    need to see the model go through dynamo; probes always use inductor.
+    """
+    if mode == "none":
+        notes["compile"] = "none (eager)"
+        return model
+    compiled = torch.compile(model, mode=None if mode == "default" else mode, backend=backend)
+    notes["compile"] = f"{mode} ({backend})"
+    return compiled  # type: ignore[return-value]
+
+
+# -- 6. DDP -------------------------------------------------------------------------------
+
+def apply_ddp(model: nn.Module, config: TrainConfig, notes: Notes) -> nn.Module:
+    """DDP is live only with world size > 1; a single-process probe records the knob as inactive."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world == 1:
+        notes["bucket_cap_mb"] = f"{config.bucket_cap_mb:g} (inactive: world size 1)"
+        return model
+    raise ProbeError("unsupported", "multi-process probes are not available yet (world size > 1)")
+
+
+# -- 7. optimizer -------------------------------------------------------------------------
+
+def build_optimizer(model: nn.Module, config: TrainConfig, weight_decay: float, notes: Notes) -> torch.optim.AdamW:
+    """AdamW with one fused kernel (``fused_optimizer=true``) or multi-tensor foreach."""
+    assert config.lr is not None, "resolve() the config first"
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.fused_optimizer:
+        opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=weight_decay, fused=True)
+        notes["fused_optimizer"] = "AdamW fused"
+    else:
+        opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=weight_decay, foreach=True)
+        notes["fused_optimizer"] = "AdamW foreach"
+    return opt
+
+
+# -- 8. data ------------------------------------------------------------------------------
+
+class StreamSampler(Sampler[int]):
+    """An endless stream of seeded permutations, cut into DataLoader epochs.
+
+    The order of samples depends only on `seed`, never on the batch size or worker count,
+    so every probe of a study trains on the same samples. Each ``iter()`` (one DataLoader
+    epoch) continues the stream where the previous one stopped and yields a whole number of
+    batches, so no sample is dropped or repeated at an epoch boundary.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n = n
+        self.epoch_len = -(-n // batch_size) * batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self._buffer: list[int] = []
+
+    def _next(self) -> int:
+        if not self._buffer:
+            self._buffer = torch.randperm(self.n, generator=self.generator).tolist()[::-1]
+        return self._buffer.pop()
+
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(self.epoch_len):
+            yield self._next()
+
+    def __len__(self) -> int:
+        return self.epoch_len
+
+
+def build_loader(dataset: Dataset, config: TrainConfig, device: torch.device, seed: int, notes: Notes) -> DataLoader:
+    """The training DataLoader for the data-pipeline knobs."""
+    assert config.batch_size is not None
+    kwargs: dict[str, Any] = {}
+    if config.num_workers > 0:
+        kwargs["prefetch_factor"] = config.prefetch_factor  # None → torch's default (2)
+        kwargs["persistent_workers"] = config.persistent_workers
+    pin = config.pin_memory and device.type == "cuda"
+    loader = DataLoader(
+        dataset,
+        batch_size=config.batch_size,
+        sampler=StreamSampler(len(dataset), config.batch_size, seed),  # type: ignore[arg-type]
+        num_workers=config.num_workers,
+        pin_memory=pin,
+        **kwargs,
+    )
+    notes["num_workers"] = str(config.num_workers)
+    notes["pin_memory"] = str(pin).lower() + ("" if device.type == "cuda" or not config.pin_memory
+                                              else " (inactive on cpu)")
+    return loader
+
+
+class EpochIterator:
+    """Pull micro-batches across DataLoader epochs, moving them to the device.
+
+    Re-creating the iterator at each epoch boundary is what makes `persistent_workers`
+    matter: without it the worker processes are started again every epoch.
+    """
+
+    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+        self.loader = loader
+        self.device = device
+        self.non_blocking = bool(loader.pin_memory)  # only pinned memory copies asynchronously
+        self._it: Iterator[Any] | None = None
+        self.epochs = 0
+
+    def next(self) -> dict[str, torch.Tensor]:
+        while True:
+            if self._it is None:
+                self._it = iter(self.loader)
+                self.epochs += 1
+            try:
+                batch = next(self._it)
+                break
+            except StopIteration:
+                self._it = None
+        return {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
+
+    def close(self) -> None:
+        self._it = None  # shuts non-persistent workers down
+
+
+# -- 9. the training step ----------------------------------------------------------------
+
+class Trainer:
+    """Forward/backward with autocast and GradScaler, gradient accumulation and
+    inverse-loss frequency. ``step`` is one optimizer step over ``accum_steps`` micro-batches.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+                 device: torch.device, notes: Notes) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.device = device
+        self.cudagraphs = config.compile == "reduce-overhead"
+        self.step_index = 0
+        self.inverse_steps = 0
+        dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+        self.autocast_dtype = dtype
+        self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        if dtype is not None and config.precision != "fp8":
+            notes["precision"] = f"{config.precision}: autocast {dtype}" + (" + GradScaler" if self.scaler else "")
+        notes["accum_steps"] = f"{config.accum_steps} (loss scaled by 1/{config.accum_steps})"
+        notes["inverse_loss_frequency"] = f"inverse losses on 1 step in {config.inverse_loss_frequency}"
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def with_inverse(self) -> bool:
+        return self.step_index % self.config.inverse_loss_frequency == 0
+
+    def accumulate(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward + backward over the micro-batches; returns the step's mean loss (on device, detached)."""
+        accum = len(micro_batches)
+        with_inverse = self.with_inverse()
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            if self.cudagraphs:
+                # CUDA graphs reuse their output buffers: mark each new iteration so the previous
+                # replay's outputs are not overwritten while autograd still needs them.
+                torch.compiler.cudagraph_mark_step_begin()
+            with self.autocast():
+                loss = self.model(batch, with_inverse)["total"]
+            scaled = loss / accum  # equal weight per sample, whatever the split into micro-batches
+            if self.scaler is not None:
+                self.scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+            total += scaled.detach().float()
+        if with_inverse:
+            self.inverse_steps += 1
+        return total
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_index += 1
+
+    def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        loss = self.accumulate(micro_batches)
+        self.optimizer_step()
+        return loss

@@ -1,0 +1,381 @@
+"""The probe: train one configuration for a fixed sample budget and measure it honestly.
+
+Phases of `run_probe`:
+
+setup     build the workload, data, model; apply the knobs (see autotune/knobs.py)
+warm-up   the first optimizer steps (compilation, CUDA-graph recording, cudnn autotuning,
+          allocator growth, DataLoader worker start). Timed and reported apart as
+          ``warmup_s``; never part of the throughput.
+timed     the remaining steps split into equal windows (>= 5). Each window is timed with
+          CUDA events on a GPU, or with the host clock on a CPU (where every op is
+          synchronous). Throughput is the median over windows of samples/s; the spread is
+          (max − min) / median over windows.
+validate  quality on the fixed held-out set, in fp32, with a fresh eager copy of the model
+          that holds the trained weights (so compile/checkpoint/fp8 wrappers cannot leak
+          into the number).
+
+Quality at equal cost: every probe of a study trains the same number of samples in the
+same order (seeded), so NRMSE is comparable across configurations. The sample budget is
+rounded down to a whole number of optimizer steps; ``samples_trained`` records it.
+
+Failures (OOM, NaN/inf loss, timeout, unsupported combination, any other error) end as a
+ProbeResult with ``failure = {kind, message}``: never an unrecorded crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import platform
+import resource
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autotune.config import ConfigError, TrainConfig, parse_config
+from autotune.knobs import (
+    EpochIterator,
+    Notes,
+    ProbeError,
+    Trainer,
+    apply_backend_flags,
+    apply_checkpointing,
+    apply_compile,
+    apply_ddp,
+    apply_fp8,
+    build_loader,
+    build_optimizer,
+)
+from autotune.workloads import Workload, get_workload
+
+log = logging.getLogger(__name__)
+
+FAILURE_KINDS = ("oom", "nan", "timeout", "unsupported", "error")
+MIN_WINDOWS = 5
+
+# on_report(step, metrics) -> True to stop the probe now (the caller decided to prune it)
+ReportCallback = Callable[[int, dict[str, float]], bool]
+
+
+@dataclass
+class ProbeSettings:
+    """How to measure (the same for every trial of a study)."""
+
+    samples: int | None = None  # training samples; None → the preset's default
+    seed: int = 0
+    warmup_steps: int = 5  # at least; also >= 2 × inverse_loss_frequency so both step kinds warm up
+    windows: int = 8  # timed windows (>= 5)
+    timeout_s: float | None = None  # soft limit checked between steps
+    compile_backend: str = "inductor"
+
+
+@dataclass
+class ProbeResult:
+    """Everything one probe measured. JSON-serialisable through `to_dict`."""
+
+    workload: str
+    preset: str
+    config: dict[str, Any]
+    device: str
+    torch_version: str
+    throughput_samples_per_s: float | None = None
+    throughput_spread: float | None = None
+    window_throughputs: list[float] = field(default_factory=list)
+    val_nrmse: float | None = None
+    quality_metric: str = "val_nrmse"
+    warmup_s: float | None = None
+    setup_s: float | None = None
+    process_start_s: float | None = None
+    train_s: float | None = None
+    peak_mem_reserved_bytes: int | None = None
+    peak_mem_allocated_bytes: int | None = None
+    data_wait_fraction: float | None = None
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    samples_trained: int = 0
+    steps: int = 0
+    warmup_steps: int = 0
+    window_steps: int = 0
+    inverse_steps: int = 0
+    knobs: dict[str, str] = field(default_factory=dict)
+    stopped_early: bool = False
+    failure: dict[str, str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["loss_curve"] = [list(p) for p in self.loss_curve]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProbeResult:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["loss_curve"] = [tuple(p) for p in values.get("loss_curve", [])]
+        return cls(**values)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and not self.stopped_early
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux /proc), for the fixed-overhead figure."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as up:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            uptime = float(up.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def classify_exception(exc: BaseException) -> tuple[str, str]:
+    """Map an exception to (failure kind, message)."""
+    if isinstance(exc, ProbeError):
+        return exc.kind, exc.message
+    text = f"{type(exc).__name__}: {exc}".strip()
+    short = text.splitlines()[0][:2000] if text else type(exc).__name__
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return "oom", short
+    lowered = text.lower()
+    if "out of memory" in lowered or "can't allocate memory" in lowered or "cannot allocate memory" in lowered:
+        return "oom", short
+    return "error", short
+
+
+class _Clock:
+    """Window timer: CUDA events on a GPU, the host clock on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> float:
+        """Seconds since `started`. On a GPU this waits for the window's work (a sync point)."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()  # sync: the window's kernels must finish before reading the events
+            return started.elapsed_time(end) / 1e3
+        return time.perf_counter() - started
+
+
+def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: int,
+               inverse_loss_frequency: int) -> tuple[int, int, int, int]:
+    """Split the sample budget into (total steps, warm-up steps, windows, steps per window).
+
+    Windows hold a whole number of inverse-loss periods where possible, so every window
+    has the same mix of cheap and expensive steps. Leftover steps train untimed at the end.
+    """
+    total = samples // effective_batch
+    warm = max(warmup_steps, 2 * inverse_loss_frequency)
+    timed = total - warm
+    if timed < MIN_WINDOWS:
+        need = (warm + MIN_WINDOWS) * effective_batch
+        raise ConfigError("samples", f"{samples} samples at effective batch {effective_batch} leave {max(timed, 0)} "
+                                     f"timed steps after {warm} warm-up steps; need >= {MIN_WINDOWS}: "
+                                     f"use samples >= {need} or a smaller batch_size × accum_steps")
+    n_windows = min(max(windows, MIN_WINDOWS), timed)
+    per = timed // n_windows
+    if per >= inverse_loss_frequency:
+        per -= per % inverse_loss_frequency
+    return total, warm, n_windows, per
+
+
+def _peak_memory(device: torch.device) -> tuple[int | None, int | None]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
+    # CPU: the process's peak resident set (Linux reports KiB); there is no allocator split
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None
+
+
+def run_probe(
+    workload: str | Workload,
+    config: TrainConfig | Mapping[str, Any] | None = None,
+    *,
+    preset: str = "tiny",
+    device: str | torch.device = "cpu",
+    settings: ProbeSettings | None = None,
+    on_report: ReportCallback | None = None,
+) -> ProbeResult:
+    """Train `config` on `workload` for the sample budget and measure it.
+
+    Bad knob values raise ConfigError before anything runs (a caller error); everything
+    that goes wrong while running becomes ``result.failure``.
+    """
+    settings = settings or ProbeSettings()
+    t_begin = time.perf_counter()
+    process_start_s = seconds_since_process_start()
+    wl = get_workload(workload, preset) if isinstance(workload, str) else workload
+    cfg = config if isinstance(config, TrainConfig) else parse_config(config)
+    d = wl.defaults
+    cfg = cfg.resolve(d.batch_size, d.accum_steps, d.lr)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", f"{device} requested but CUDA is not available; use --device cpu")
+    samples = settings.samples or d.samples
+    total, warm, n_windows, per = plan_steps(samples, cfg.effective_batch, settings.warmup_steps, settings.windows,
+                                             cfg.inverse_loss_frequency)
+    result = ProbeResult(
+        workload=wl.name, preset=wl.preset, config={**cfg.to_dict(), "effective_batch": cfg.effective_batch},
+        device=device_name(dev), torch_version=torch.__version__, quality_metric=wl.quality_metric,
+        process_start_s=process_start_s, warmup_steps=warm, window_steps=per,
+    )
+    notes: Notes = {}
+    try:
+        _run(wl, cfg, dev, settings, result, notes, on_report, t_begin, total, warm, n_windows, per)
+    except Exception as exc:  # every failure becomes a record
+        kind, message = classify_exception(exc)
+        log.debug("probe failed: %s", traceback.format_exc())
+        result.failure = {"kind": kind, "message": message}
+    finally:
+        result.knobs = notes
+        result.samples_trained = result.steps * cfg.effective_batch
+        result.peak_mem_reserved_bytes, result.peak_mem_allocated_bytes = _peak_memory(dev)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSettings, result: ProbeResult,
+         notes: Notes, on_report: ReportCallback | None, t_begin: float, total: int, warm: int, n_windows: int,
+         per: int) -> None:
+    deadline = None if settings.timeout_s is None else t_begin + settings.timeout_s
+
+    def check_deadline(phase: str) -> None:
+        if deadline is not None and time.perf_counter() > deadline:
+            raise ProbeError("timeout", f"probe exceeded its {settings.timeout_s:g} s budget during {phase}")
+
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    if cfg.precision == "fp8":  # fail fast, before data and model are built
+        from autotune.knobs import fp8_supported
+
+        reason = fp8_supported(dev)
+        if reason:
+            raise ProbeError("unsupported", reason)
+
+    # --- setup: the knobs, in the documented order (autotune/knobs.py) ---
+    apply_backend_flags(cfg, dev, notes)
+    train_set, val_set = wl.datasets(settings.seed)
+    torch.manual_seed(settings.seed)  # same initial weights for every probe of a study
+    model = wl.build_model()
+    apply_checkpointing(model, cfg.checkpoint, notes) if cfg.checkpoint != "none" else notes.setdefault(
+        "checkpoint", "none")
+    model.to(dev)
+    model.train()
+    model = apply_fp8(model, cfg, dev, notes)
+    plain_model = model  # the uncompiled module: its state_dict has clean keys
+    model = apply_compile(model, cfg.compile, notes, backend=settings.compile_backend)
+    model = apply_ddp(model, cfg, notes)
+    optimizer = build_optimizer(plain_model, cfg, wl.defaults.weight_decay, notes)
+    loader = build_loader(train_set, cfg, dev, settings.seed, notes)
+    data = EpochIterator(loader, dev)
+    trainer = Trainer(model, optimizer, cfg, dev, notes)
+    result.setup_s = time.perf_counter() - t_begin
+    check_deadline("setup")
+
+    accum = cfg.accum_steps
+    assert accum is not None
+    eff = cfg.effective_batch
+    clock = _Clock(dev)
+    data_wait = 0.0
+
+    def next_micro_batches() -> list[dict[str, torch.Tensor]]:
+        nonlocal data_wait
+        t0 = time.perf_counter()  # host time blocked on the DataLoader (+ H2D copy issue)
+        batches = [data.next() for _ in range(accum)]
+        data_wait += time.perf_counter() - t0
+        return batches
+
+    def check_finite(losses: torch.Tensor, step: int) -> None:
+        if not bool(torch.isfinite(losses).all()):
+            raise ProbeError("nan", f"non-finite loss at step {step} (samples {step * eff}); "
+                                    f"precision={cfg.precision}, lr={cfg.lr:g}")
+
+    try:
+        # --- warm-up: compile, CUDA-graph capture, autotuning; timed apart ---
+        t0 = time.perf_counter()
+        warm_losses = []
+        for _ in range(warm):
+            warm_losses.append(trainer.step(next_micro_batches()))
+            result.steps = trainer.step_index
+            check_deadline("warm-up")
+        stacked = torch.stack(warm_losses)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # sync: warm-up ends when its kernels have finished
+        result.warmup_s = time.perf_counter() - t0
+        check_finite(stacked, warm)
+        result.loss_curve.append((warm * eff, float(stacked[-1])))
+
+        # --- timed windows ---
+        data_wait = 0.0
+        host_window_time = 0.0
+        step = warm
+        for w in range(n_windows):
+            h0 = time.perf_counter()
+            started = clock.start()
+            losses = [trainer.step(next_micro_batches()) for _ in range(per)]
+            elapsed = clock.stop(started)
+            host_window_time += time.perf_counter() - h0
+            step += per
+            result.steps = step
+            window_losses = torch.stack(losses).cpu()  # already synchronized by clock.stop on GPU
+            check_finite(window_losses, step)
+            throughput = per * eff / elapsed
+            result.window_throughputs.append(throughput)
+            mean_loss = float(window_losses.mean())
+            result.loss_curve.append((step * eff, mean_loss))
+            check_deadline(f"window {w + 1}/{n_windows}")
+            if on_report is not None and on_report(step, {"samples": step * eff, "loss": mean_loss,
+                                                          "throughput": throughput, "window": w}):
+                result.stopped_early = True
+                break
+        result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
+        windows = result.window_throughputs
+        result.throughput_samples_per_s = statistics.median(windows)
+        result.throughput_spread = (max(windows) - min(windows)) / result.throughput_samples_per_s
+
+        if not result.stopped_early:
+            # --- leftover steps: trained (equal sample budget) but not timed ---
+            tail = [trainer.step(next_micro_batches()) for _ in range(total - step)]
+            if tail:
+                check_finite(torch.stack(tail), total)
+            step = total
+    finally:
+        data.close()
+    result.steps = step
+    result.inverse_steps = trainer.inverse_steps
+    result.train_s = time.perf_counter() - t_begin - (result.setup_s or 0.0)
+    if result.stopped_early:
+        return
+
+    # --- validation in fp32 on a fresh eager model holding the trained weights ---
+    check_deadline("validation")
+    reference = wl.build_model().to(dev)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in plain_model.state_dict().items()}
+    reference.load_state_dict(state)
+    with torch.autocast(dev.type, enabled=False):
+        value = wl.evaluate(reference, val_set, dev)
+    if not math.isfinite(value):
+        raise ProbeError("nan", f"validation {wl.quality_metric} is not finite")
+    result.val_nrmse = value

@@ -1,0 +1,84 @@
+"""The reference workload `ups`: a PDE-transformer (Universal-Physics-Stack shape) on
+Burgers and advection trajectories from the project's own solver.
+
+Presets:
+  tiny  a probe in seconds on a CPU (tests, demos)
+  full  latent 128 tokens × 128 dims, hidden 384, depth 12, batch 12 × accum 4
+        (the starting point of the source research); ≈ 23.3 M parameters
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from autotune.metrics import nrmse_per_sample
+from autotune.workloads.base import TrainingDefaults, Workload
+from autotune.workloads.ups.data import DataSpec, PairDataset, load_or_generate, split_indices
+from autotune.workloads.ups.model import ModelSpec, UPSModel
+
+
+@dataclass(frozen=True)
+class Preset:
+    data: DataSpec
+    model: ModelSpec
+    n_queries: int
+    training: TrainingDefaults
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        data=DataSpec(n_points=32, traj_per_physics=16, n_snapshots=9),
+        model=ModelSpec(n_fields=2, n_points=32, latent_tokens=8, latent_dim=16, hidden=32, depth=2, heads=2,
+                        fourier_modes=4),
+        n_queries=16,
+        training=TrainingDefaults(batch_size=4, accum_steps=2, lr=2e-3, samples=1536, weight_decay=0.03),
+    ),
+    "full": Preset(
+        data=DataSpec(n_points=256, traj_per_physics=160, n_snapshots=41),
+        model=ModelSpec(n_fields=2, n_points=256, latent_tokens=128, latent_dim=128, hidden=384, depth=12, heads=6,
+                        fourier_modes=16),
+        n_queries=128,
+        training=TrainingDefaults(batch_size=12, accum_steps=4, lr=5e-4, samples=19200, weight_decay=0.03),
+    ),
+}
+
+
+class UPSWorkload(Workload):
+    name = "ups"
+    quality_metric = "val_nrmse"
+
+    def __init__(self, preset: str) -> None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r} for workload 'ups'; known: {', '.join(PRESETS)}")
+        self.preset = preset
+        self.spec = PRESETS[preset]
+
+    @property
+    def defaults(self) -> TrainingDefaults:
+        return self.spec.training
+
+    def build_model(self) -> nn.Module:
+        return UPSModel(self.spec.model)
+
+    def datasets(self, seed: int) -> tuple[Dataset, Dataset]:
+        fields, physics = load_or_generate(self.spec.data)
+        train_idx, val_idx = split_indices(physics, self.spec.data.val_fraction)
+        train = PairDataset(fields, train_idx, n_queries=self.spec.n_queries, seed=seed)
+        val = PairDataset(fields, val_idx, n_queries=None, seed=0)
+        return train, val
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, val: Dataset, device: torch.device) -> float:
+        """Mean NRMSE of the one-step prediction on every grid point of the held-out set."""
+        model.eval()
+        total, count = 0.0, 0
+        for batch in DataLoader(val, batch_size=64, shuffle=False):
+            pred = model.predict(batch["u"].to(device), batch["q"].to(device))  # type: ignore[operator]
+            per = nrmse_per_sample(pred.cpu(), batch["y"])
+            total += float(per.sum())
+            count += per.numel()
+        return total / count
