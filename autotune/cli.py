@@ -85,6 +85,10 @@ def probe(
     (oom, nan, timeout, unsupported, error; the result is still printed), 2 for bad input.
     """
     if list_knobs:
+        if not sys.stdout.isatty():  # piped: plain lines, never truncated to a terminal width
+            for k in KNOBS.values():
+                print(f"{k.name}\tdefault={json.dumps(k.default)}\tallowed={k.allowed()}\t{k.doc}")
+            return
         table = Table("knob", "default", "allowed", "what")
         for k in KNOBS.values():
             table.add_row(k.name, json.dumps(k.default), k.allowed(), k.doc)

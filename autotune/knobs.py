@@ -250,6 +250,16 @@ class Trainer:
         self.config = config
         self.device = device
         self.cudagraphs = config.compile == "reduce-overhead"
+        # With CUDA graphs and accumulation, the first micro-batch's backward would hand its
+        # graph-owned gradient buffers to .grad, and the next replay overwrites them. Keeping
+        # .grad allocated (zeroed, never set to None) makes backward accumulate into our own
+        # tensors instead.
+        self.keep_grads = self.cudagraphs and (config.accum_steps or 1) > 1
+        if self.keep_grads:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            notes["compile"] = notes.get("compile", "reduce-overhead") + "; .grad kept allocated across micro-batches"
         self.step_index = 0
         self.inverse_steps = 0
         dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
@@ -296,7 +306,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         self.step_index += 1
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

@@ -25,6 +25,7 @@ ProbeResult with ``failure = {kind, message}``: never an unrecorded crash.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -229,8 +230,11 @@ def run_probe(
     d = wl.defaults
     cfg = cfg.resolve(d.batch_size, d.accum_steps, d.lr)
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", f"{device} requested but CUDA is not available; use --device cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{device} requested but CUDA is not available; use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     samples = settings.samples or d.samples
     total, warm, n_windows, per = plan_steps(samples, cfg.effective_batch, settings.warmup_steps, settings.windows,
                                              cfg.inverse_loss_frequency)
@@ -277,8 +281,9 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     # --- setup: the knobs, in the documented order (autotune/knobs.py) ---
     apply_backend_flags(cfg, dev, notes)
     train_set, val_set = wl.datasets(settings.seed)
-    torch.manual_seed(settings.seed)  # same initial weights for every probe of a study
-    model = wl.build_model()
+    torch.manual_seed(settings.seed)  # same initial weights for every probe of a study (per device type)
+    with dev:  # initialise directly on the device: faster than building on the host and copying
+        model = wl.build_model()
     apply_checkpointing(model, cfg.checkpoint, notes) if cfg.checkpoint != "none" else notes.setdefault(
         "checkpoint", "none")
     model.to(dev)
@@ -328,13 +333,21 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         result.loss_curve.append((warm * eff, float(stacked[-1])))
 
         # --- timed windows ---
+        # Move every object alive now (torch's modules, the dataset, the model) out of the
+        # collector's reach: a full collection over them takes long enough to distort a window.
+        gc.collect()
+        gc.freeze()
         data_wait = 0.0
         host_window_time = 0.0
         step = warm
         for w in range(n_windows):
             h0 = time.perf_counter()
             started = clock.start()
-            losses = [trainer.step(next_micro_batches()) for _ in range(per)]
+            losses = []
+            for _ in range(per):
+                losses.append(trainer.step(next_micro_batches()))
+                result.steps = trainer.step_index
+                check_deadline(f"window {w + 1}/{n_windows}")  # host clock only: no sync
             elapsed = clock.stop(started)
             host_window_time += time.perf_counter() - h0
             step += per
@@ -357,11 +370,16 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
 
         if not result.stopped_early:
             # --- leftover steps: trained (equal sample budget) but not timed ---
-            tail = [trainer.step(next_micro_batches()) for _ in range(total - step)]
+            tail = []
+            for _ in range(total - step):
+                tail.append(trainer.step(next_micro_batches()))
+                result.steps = trainer.step_index
+                check_deadline("the untimed tail")
             if tail:
                 check_finite(torch.stack(tail), total)
             step = total
     finally:
+        gc.unfreeze()
         data.close()
     result.steps = step
     result.inverse_steps = trainer.inverse_steps
@@ -371,7 +389,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
 
     # --- validation in fp32 on a fresh eager model holding the trained weights ---
     check_deadline("validation")
-    reference = wl.build_model().to(dev)
+    with dev:
+        reference = wl.build_model()
     state = {k: v.float() if v.is_floating_point() else v for k, v in plain_model.state_dict().items()}
     reference.load_state_dict(state)
     with torch.autocast(dev.type, enabled=False):

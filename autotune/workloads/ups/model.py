@@ -62,8 +62,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         b, n, d = x.shape
         context = x if context is None else context
-        q = self.q(x).view(b, n, self.heads, d // self.heads).transpose(1, 2)
-        k, v = self.kv(context).view(b, context.shape[1], 2, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q = self.q(x).reshape(b, n, self.heads, d // self.heads).transpose(1, 2)
+        k, v = self.kv(context).reshape(b, context.shape[1], 2, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, n, d))
 
@@ -208,7 +208,8 @@ class UPSModel(nn.Module):
             # (relative to the latent's own scale, so shrinking the latent cannot game it)
             z_ref = z.detach().float()
             z_again = self.encode(self.decode(z, grid_q)).float()
-            losses["inv_decode"] = F.mse_loss(z_again, z_ref) / z_ref.pow(2).mean().clamp_min(1e-6)
+            scale = z_ref.pow(2).mean((1, 2), keepdim=True).clamp_min(1e-6)  # per sample: accumulation-invariant
+            losses["inv_decode"] = ((z_again - z_ref).pow(2) / scale).mean()
             total = total + self.spec.inverse_weight * (losses["inv_encode"] + losses["inv_decode"])
         losses["total"] = total
         return losses

@@ -4,8 +4,9 @@ Two 1D families on the periodic domain [0, 2π), each with two fields (u, c):
 
 * ``burgers``: viscous Burgers for the velocity u and a passive tracer c carried by it,
       u_t + (u²/2)_x = ν u_xx,     c_t + u c_x = κ c_xx
-  (u in conservation form, so its mean is invariant; c in advective form, so it obeys a
-  maximum principle and stays bounded by its initial extremes)
+  (u in conservation form, so its mean is invariant; c in advective form, so where the grid
+  resolves the fronts it obeys a maximum principle and stays within its initial extremes;
+  the tiny preset's 32-point grid does not resolve them and overshoots)
 * ``advection``: linear advection of both fields at a constant speed a,
       u_t + a u_x = 0,             c_t + a c_x = 0
 

@@ -1,0 +1,88 @@
+"""Shared fixtures for the probe-engine tests.
+
+* Generated PDE data goes to one session-scoped temporary directory (``AUTOTUNE_DATA_DIR``),
+  so it is generated once per session, never in the home directory, and subprocesses
+  started by tests inherit the same cache.
+* Tests marked ``gpu`` are skipped when CUDA is not available.
+* The process-global torch switches that knobs set (TF32, matmul precision,
+  cudnn.benchmark) are restored after every test, so no test leaks into another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import CPU, resolved
+from torch.utils.data import Dataset
+
+from autotune.knobs import Trainer, build_optimizer
+from autotune.workloads import Workload, get_workload
+
+
+@pytest.fixture(scope="session", autouse=True)
+def autotune_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    path = tmp_path_factory.mktemp("autotune-data")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOTUNE_DATA_DIR", str(path))
+        yield path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_flags() -> Iterator[None]:
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.benchmark,
+    )
+    yield
+    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision,
+     torch.backends.cudnn.benchmark) = saved
+    torch.set_float32_matmul_precision(precision)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Workload:
+    return get_workload("ups", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_datasets(tiny: Workload, autotune_data_dir: Any) -> tuple[Dataset, Dataset]:
+    return tiny.datasets(0)
+
+
+@pytest.fixture(scope="session")
+def train_items(tiny_datasets: tuple[Dataset, Dataset]) -> list[dict[str, torch.Tensor]]:
+    """The first 8 training samples (a fixed set every accumulation split can share)."""
+    train, _ = tiny_datasets
+    return [train[i] for i in range(8)]
+
+
+MakeTrainer = Callable[..., tuple[torch.nn.Module, Trainer, dict[str, str]]]
+
+
+@pytest.fixture
+def make_trainer(tiny: Workload) -> MakeTrainer:
+    """make_trainer(**knobs) -> (model, trainer, notes): a seeded tiny model with an AdamW Trainer."""
+
+    def make(seed: int = 0, **knobs: Any) -> tuple[torch.nn.Module, Trainer, dict[str, str]]:
+        cfg = resolved(tiny, **knobs)
+        torch.manual_seed(seed)
+        model = tiny.build_model()
+        notes: dict[str, str] = {}
+        optimizer = build_optimizer(model, cfg, tiny.defaults.weight_decay, notes)
+        return model, Trainer(model, optimizer, cfg, CPU, notes), notes
+
+    return make

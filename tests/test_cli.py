@@ -1,0 +1,127 @@
+"""autotune.cli: `autotune probe` output, exit codes and input errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from autotune.cli import app
+from autotune.config import KNOBS
+
+RESULT_KEYS = {"throughput_samples_per_s", "throughput_spread", "val_nrmse", "warmup_s", "peak_mem_reserved_bytes",
+               "data_wait_fraction", "config", "device", "failure"}
+FAST = ["--samples", "80"]  # 10 steps of the tiny preset: 5 warm-up + 5 windows
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def test_probe_json_prints_exactly_one_object(tiny_datasets: Any) -> None:
+    """A real process: nothing but the JSON object may reach stdout."""
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "probe", "--json", *FAST],
+                          capture_output=True, text=True, env=dict(os.environ), timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1
+    data = json.loads(lines[0])
+    assert isinstance(data, dict)
+    assert set(data) >= RESULT_KEYS
+    assert data["failure"] is None
+    assert data["throughput_samples_per_s"] > 0 and data["val_nrmse"] > 0 and data["warmup_s"] > 0
+    assert data["device"].startswith("cpu")
+    assert data["config"]["effective_batch"] == 8 and data["config"]["precision"] == "fp32"
+    assert data["samples_trained"] == 80
+
+
+def test_probe_prints_a_table_without_json(tiny_datasets: Any) -> None:
+    result = invoke("probe", *FAST, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "probe: ups/tiny on cpu" in result.stdout
+    assert "samples/s" in result.stdout and "val_nrmse" in result.stdout
+    assert "80 in 10 steps" in result.stdout
+
+
+def test_unknown_knob_is_a_usage_error() -> None:
+    result = invoke("probe", "--config", '{"checkpont": "block"}')
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert "checkpont: unknown knob (did you mean 'checkpoint'?)" in result.stderr
+    assert "known knobs: " + ", ".join(KNOBS) in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ('{"checkpoint": "blk"}', "checkpoint: 'blk' is not allowed; allowed: none | block | attn | mlp | selective"),
+        ('{"bucket_cap_mb": 0}', "bucket_cap_mb: 0.0 is too small; allowed: float in [0.001, 4096.0]"),
+        ('{"prefetch_factor": 2}', "prefetch_factor: only applies with num_workers > 0"),
+        ('{"precision": ', "config: not valid JSON"),
+    ],
+)
+def test_bad_value_is_a_usage_error(config: str, expected: str) -> None:
+    result = invoke("probe", "--config", config)
+    assert result.exit_code == 2
+    assert expected in result.stderr
+    assert result.stdout == ""
+
+
+def test_too_few_samples_is_a_usage_error() -> None:
+    result = invoke("probe", "--samples", "16")
+    assert result.exit_code == 2
+    assert "samples: 16 samples at effective batch 8" in result.stderr
+
+
+def test_unknown_workload_is_a_usage_error() -> None:
+    result = invoke("probe", "--workload", "nope")
+    assert result.exit_code == 2
+    assert "unknown workload 'nope'; installed: ups" in result.stderr
+
+
+def test_config_from_a_yaml_file(tmp_path: Path, tiny_datasets: Any) -> None:
+    path = tmp_path / "trial.yaml"
+    path.write_text("checkpoint: block\nbatch_size: 8\naccum_steps: 1\nfused_optimizer: true\n")
+    result = invoke("probe", "--json", "--config", str(path), *FAST)
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["failure"] is None
+    assert data["config"]["checkpoint"] == "block" and data["config"]["batch_size"] == 8
+    assert data["config"]["accum_steps"] == 1 and data["config"]["fused_optimizer"] is True
+    assert data["knobs"]["checkpoint"] == "block on 2 blocks"
+    assert data["knobs"]["fused_optimizer"] == "AdamW fused"
+
+
+def test_fp8_on_cpu_exits_1_with_the_failure_in_json() -> None:
+    result = invoke("probe", "--json", "--config", '{"precision": "fp8"}', *FAST)
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["failure"]["kind"] == "unsupported"
+    assert "CUDA" in data["failure"]["message"]
+    assert data["throughput_samples_per_s"] is None
+    table = invoke("probe", "--config", '{"precision": "fp8"}', *FAST, env={"COLUMNS": "200"})
+    assert table.exit_code == 1
+    assert "unsupported: fp8 training needs a CUDA GPU" in table.stdout
+
+
+def test_list_knobs_lists_every_knob() -> None:
+    result = invoke("probe", "--list-knobs", env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for knob in KNOBS.values():
+        assert knob.name in result.stdout
+        assert knob.allowed() in result.stdout
+
+
+def test_list_knobs_lists_every_knob_when_piped() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "probe", "--list-knobs"], capture_output=True,
+                          text=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 0
+    missing = [name for name in KNOBS if name not in proc.stdout]
+    assert missing == []

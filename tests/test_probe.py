@@ -1,0 +1,334 @@
+"""autotune.probe: measurement, determinism, early stopping and failure records."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from autotune.config import ConfigError
+from autotune.knobs import ProbeError
+from autotune.probe import FAILURE_KINDS, ProbeResult, ProbeSettings, classify_exception, plan_steps, run_probe
+from autotune.workloads import UnknownWorkloadError, Workload
+from autotune.workloads.ups import UPSWorkload
+
+SAMPLES = 96  # 12 steps at the tiny preset's 4 × 2: 5 warm-up + 7 windows of 1 step
+
+
+@pytest.fixture(scope="module")
+def default_result(tiny: Workload) -> ProbeResult:
+    return run_probe("ups", {}, preset="tiny", settings=ProbeSettings(samples=SAMPLES))
+
+
+def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> None:
+    r = default_result
+    assert r.failure is None and r.ok and not r.stopped_early
+    assert (r.workload, r.preset, r.quality_metric) == ("ups", "tiny", "val_nrmse")
+    assert r.device.startswith("cpu") and r.torch_version == torch.__version__
+    assert r.config["effective_batch"] == 8 and r.config["batch_size"] == 4 and r.config["accum_steps"] == 2
+    assert r.throughput_samples_per_s is not None and r.throughput_samples_per_s > 0
+    assert len(r.window_throughputs) >= 5
+    assert all(t > 0 for t in r.window_throughputs)
+    assert r.throughput_samples_per_s == statistics.median(r.window_throughputs)
+    assert r.throughput_spread == pytest.approx(
+        (max(r.window_throughputs) - min(r.window_throughputs)) / r.throughput_samples_per_s)
+    assert r.val_nrmse is not None and math.isfinite(r.val_nrmse) and r.val_nrmse > 0
+    assert r.warmup_s is not None and r.warmup_s > 0
+    assert r.setup_s is not None and r.setup_s > 0 and r.train_s is not None and r.train_s > 0
+    assert r.data_wait_fraction is not None and 0 <= r.data_wait_fraction <= 1
+    assert r.peak_mem_reserved_bytes is not None and r.peak_mem_reserved_bytes > 0
+    assert r.steps == SAMPLES // 8 and r.warmup_steps == 5 and r.window_steps == 1
+    assert r.samples_trained == r.steps * r.config["effective_batch"] == SAMPLES
+    assert r.inverse_steps == r.steps  # inverse_loss_frequency 1
+
+
+def test_loss_curve_has_one_point_per_window(default_result: ProbeResult) -> None:
+    r = default_result
+    eff = r.config["effective_batch"]
+    assert len(r.loss_curve) == 1 + len(r.window_throughputs)
+    samples = [s for s, _ in r.loss_curve]
+    assert samples[0] == r.warmup_steps * eff
+    assert samples == [(r.warmup_steps + i * r.window_steps) * eff for i in range(len(samples))]
+    assert all(math.isfinite(loss) and loss > 0 for _, loss in r.loss_curve)
+
+
+def test_knob_notes_cover_every_applied_knob(default_result: ProbeResult) -> None:
+    expected = {"precision", "cudnn_benchmark", "checkpoint", "compile", "bucket_cap_mb", "fused_optimizer",
+                "num_workers", "pin_memory", "accum_steps", "inverse_loss_frequency"}
+    assert expected <= set(default_result.knobs)
+    assert default_result.knobs["compile"] == "none (eager)"
+    assert default_result.knobs["checkpoint"] == "none"
+
+
+class RecordingWorkload(UPSWorkload):
+    """The real tiny workload, observed: keeps every model it builds and what it evaluates."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny")
+        self.built: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+        self.evaluated: list[dict[str, torch.Tensor]] = []
+
+    def build_model(self) -> torch.nn.Module:
+        model = super().build_model()
+        self.built.append((model, _state(model)))
+        return model
+
+    def evaluate(self, model: torch.nn.Module, val: Any, device: torch.device) -> float:
+        self.evaluated.append(_state(model))
+        return super().evaluate(model, val, device)
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_validation_uses_the_trained_weights(tiny_datasets: Any) -> None:
+    wl = RecordingWorkload()
+    result = run_probe(wl, {}, settings=ProbeSettings(samples=SAMPLES))
+    assert result.ok
+    assert len(wl.built) == 2 and len(wl.evaluated) == 1  # the trained model, then the fresh eager reference
+    trained, initial = wl.built[0]
+    reference, _ = wl.built[1]
+    assert _same_state(wl.evaluated[0], _state(trained))  # the reference holds the trained weights
+    assert not _same_state(wl.evaluated[0], initial)
+    assert not reference.training  # evaluated in eval mode
+    assert result.val_nrmse == wl.evaluate(trained, tiny_datasets[1], torch.device("cpu"))
+
+
+def test_seed_sets_the_initial_weights(tiny_datasets: Any) -> None:
+    def stop(step: int, metrics: dict[str, float]) -> bool:
+        return True  # after the first window: the initial weights are all this test needs
+
+    initial = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        wl = RecordingWorkload()
+        run_probe(wl, {}, settings=ProbeSettings(samples=SAMPLES, seed=seed), on_report=stop)
+        initial[name] = wl.built[0][1]
+    assert _same_state(initial["a"], initial["b"])
+    assert not _same_state(initial["a"], initial["c"])
+
+
+def test_result_round_trips_through_json(default_result: ProbeResult) -> None:
+    data = json.loads(json.dumps(default_result.to_dict()))
+    assert data["loss_curve"][0] == list(default_result.loss_curve[0])
+    again = ProbeResult.from_dict({**data, "unknown_future_field": 1})
+    assert again == default_result
+
+
+def test_same_seed_and_config_are_deterministic(default_result: ProbeResult, tiny: Workload) -> None:
+    again = run_probe(tiny, {}, settings=ProbeSettings(samples=SAMPLES))
+    assert again.loss_curve == default_result.loss_curve
+    assert again.val_nrmse == default_result.val_nrmse
+    other_seed = run_probe(tiny, {}, settings=ProbeSettings(samples=SAMPLES, seed=1))
+    assert other_seed.loss_curve != default_result.loss_curve
+
+
+def test_samples_trained_depends_only_on_the_effective_batch(tiny: Workload) -> None:
+    results = [run_probe(tiny, {"batch_size": b, "accum_steps": a}, settings=ProbeSettings(samples=100))
+               for b, a in [(4, 2), (8, 1), (2, 4)]]
+    for r in results:
+        assert r.failure is None, r.failure
+        assert r.config["effective_batch"] == 8
+        assert r.steps == 12  # 100 samples round down to whole optimizer steps
+        assert r.samples_trained == r.steps * 8 == 96
+
+
+def test_on_report_can_stop_the_probe_early(tiny: Workload, default_result: ProbeResult) -> None:
+    reports: list[tuple[int, dict[str, float]]] = []
+
+    def on_report(step: int, metrics: dict[str, float]) -> bool:
+        reports.append((step, metrics))
+        return len(reports) == 2
+
+    r = run_probe(tiny, {}, settings=ProbeSettings(samples=SAMPLES), on_report=on_report)
+    assert r.failure is None
+    assert r.stopped_early and not r.ok
+    assert r.val_nrmse is None
+    assert len(reports) == 2
+    assert r.steps == r.warmup_steps + 2 * r.window_steps < default_result.steps
+    assert r.samples_trained == r.steps * 8
+    step, metrics = reports[-1]
+    assert step == r.steps
+    assert set(metrics) == {"samples", "loss", "throughput", "window"}
+    assert metrics["samples"] == step * 8 and metrics["window"] == 1
+    assert len(r.window_throughputs) == 2
+
+
+def test_on_report_is_called_once_per_window(tiny: Workload) -> None:
+    steps: list[int] = []
+
+    def on_report(step: int, metrics: dict[str, float]) -> bool:
+        steps.append(step)
+        return False
+
+    r = run_probe(tiny, {}, settings=ProbeSettings(samples=SAMPLES), on_report=on_report)
+    assert r.ok
+    assert steps == [r.warmup_steps + (i + 1) * r.window_steps for i in range(len(r.window_throughputs))]
+
+
+def test_too_few_samples_is_a_config_error(tiny: Workload) -> None:
+    with pytest.raises(ConfigError) as info:
+        run_probe(tiny, {}, settings=ProbeSettings(samples=79))  # 9 steps < 5 warm-up + 5 timed
+    assert info.value.knob == "samples"
+    assert "use samples >= 80" in str(info.value)
+    with pytest.raises(ConfigError, match="samples >= 168"):  # warm-up grows with inverse_loss_frequency
+        run_probe(tiny, {"inverse_loss_frequency": 8}, settings=ProbeSettings(samples=150))
+
+
+@pytest.mark.parametrize(("samples", "eff", "warmup", "windows", "freq"),
+                         [(96, 8, 5, 8, 1), (1536, 8, 5, 8, 1), (1536, 8, 5, 8, 4), (800, 16, 5, 5, 3),
+                          (2000, 1, 10, 7, 7)])
+def test_plan_steps_splits_the_budget(samples: int, eff: int, warmup: int, windows: int, freq: int) -> None:
+    total, warm, n_windows, per = plan_steps(samples, eff, warmup, windows, freq)
+    assert total == samples // eff
+    assert warm == max(warmup, 2 * freq)
+    assert 5 <= n_windows <= max(windows, 5)
+    assert per >= 1 and warm + n_windows * per <= total
+    if total - warm >= n_windows * freq:
+        assert per % freq == 0  # every window has the same mix of step kinds
+
+
+def test_unknown_workload_and_preset(tiny: Workload) -> None:
+    with pytest.raises(UnknownWorkloadError, match="installed: ups"):
+        run_probe("nope", {})
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        run_probe("ups", {}, preset="huge")
+    with pytest.raises(ConfigError):
+        run_probe(tiny, {"precision": "fp64"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_without_a_gpu_is_a_config_error(tiny: Workload) -> None:
+    with pytest.raises(ConfigError) as info:
+        run_probe(tiny, {}, device="cuda", settings=ProbeSettings(samples=SAMPLES))
+    assert info.value.knob == "device"
+
+
+# ---------------------------------------------------------------------------------------------
+# failures
+
+
+def test_exploding_learning_rate_fails_as_nan(tiny: Workload) -> None:
+    r = run_probe(tiny, {"lr": 1e30}, settings=ProbeSettings(samples=SAMPLES))
+    assert r.failure is not None
+    assert r.failure["kind"] == "nan"
+    assert "non-finite loss" in r.failure["message"]
+    assert r.val_nrmse is None and r.throughput_samples_per_s is None
+    assert r.steps == r.warmup_steps  # detected at the end of warm-up
+    assert r.samples_trained == r.steps * 8
+    assert r.knobs["compile"] == "none (eager)"  # notes are kept on failure
+
+
+OOM_SCRIPT = textwrap.dedent("""
+    import json, resource
+    import torch
+    import autotune.probe as probe
+
+    def vm_size():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+
+    limit = vm_size() + int(1.5 * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    result = probe.run_probe("ups", {"batch_size": 20000, "accum_steps": 1}, preset="tiny",
+                             settings=probe.ProbeSettings(samples=20000 * 10))
+    print(json.dumps({"failure": result.failure, "steps": result.steps}))
+""")
+
+
+def test_out_of_memory_fails_as_oom(tiny_datasets: Any) -> None:
+    """A batch far beyond a 1.5 GiB address-space limit: the probe records oom instead of crashing."""
+    env = dict(os.environ)
+    assert "AUTOTUNE_DATA_DIR" in env  # the subprocess reuses the session's data cache
+    proc = subprocess.run([sys.executable, "-c", OOM_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["failure"]["kind"] == "oom", out
+    assert out["steps"] == 0
+
+
+def test_timeout_fails_as_timeout(tiny: Workload) -> None:
+    r = run_probe(tiny, {}, settings=ProbeSettings(samples=SAMPLES, timeout_s=1e-4))
+    assert r.failure is not None
+    assert r.failure["kind"] == "timeout"
+    assert "0.0001 s budget" in r.failure["message"]
+    assert r.val_nrmse is None
+
+
+def test_timeout_is_checked_between_steps(tiny: Workload) -> None:
+    """The first window's report outlasts the budget: the probe stops after the next step."""
+
+    def slow_report(step: int, metrics: dict[str, float]) -> bool:
+        if metrics["window"] == 0:
+            time.sleep(1.0)
+        return False
+
+    r = run_probe(tiny, {}, settings=ProbeSettings(samples=8 * 40, timeout_s=1.0), on_report=slow_report)
+    assert r.failure is not None and r.failure["kind"] == "timeout"
+    assert "during window 2/" in r.failure["message"]
+    assert r.steps == r.warmup_steps + r.window_steps + 1 < 40
+    assert r.samples_trained == r.steps * 8
+    assert r.val_nrmse is None
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+        (MemoryError(), "oom"),
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"), "oom"),
+        (RuntimeError("CUDA error: out of memory"), "oom"),
+        (ProbeError("nan", "non-finite loss"), "nan"),
+        (ProbeError("unsupported", "fp8 needs a GPU"), "unsupported"),
+        (ValueError("something else"), "error"),
+        (RuntimeError(), "error"),
+    ],
+)
+def test_classify_exception(exc: BaseException, kind: str) -> None:
+    got_kind, message = classify_exception(exc)
+    assert got_kind == kind
+    assert got_kind in FAILURE_KINDS
+    assert message
+    if isinstance(exc, ProbeError):
+        assert message == exc.message
+    else:
+        assert message.startswith(type(exc).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU (skipped without one)
+
+
+@pytest.mark.gpu
+def test_probe_on_cuda(tiny: Workload) -> None:
+    r = run_probe(tiny, {"pin_memory": True, "precision": "bf16"}, device="cuda",
+                  settings=ProbeSettings(samples=SAMPLES))
+    assert r.failure is None, r.failure
+    assert r.device == torch.cuda.get_device_name()
+    assert r.knobs["pin_memory"] == "true"
+    assert r.peak_mem_allocated_bytes is not None and r.peak_mem_allocated_bytes > 0
+    assert r.val_nrmse is not None and math.isfinite(r.val_nrmse)
+
+
+@pytest.mark.gpu
+def test_tf32_probe_on_cuda_turns_tf32_on(tiny: Workload) -> None:
+    r = run_probe(tiny, {"precision": "tf32"}, device="cuda", settings=ProbeSettings(samples=SAMPLES))
+    assert r.failure is None, r.failure
+    assert r.knobs["precision"] == "tf32: TF32 on"
+    assert torch.backends.cuda.matmul.allow_tf32 is True
