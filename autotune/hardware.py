@@ -1,0 +1,52 @@
+"""What a worker runs on, and the hardware class that decides which studies it may serve.
+
+Throughputs measured on different GPUs are not comparable, so a study names one hardware
+class and only workers of that class get its trials. The class is ``cpu`` or the CUDA
+device name (e.g. ``NVIDIA H100 80GB HBM3``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Hardware:
+    hardware_class: str
+    device: str
+    device_name: str
+    memory_bytes: int | None
+    torch_version: str
+    hostname: str
+    cpu_count: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        mem = f", {self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else ""
+        return f"{self.device_name}{mem} on {self.hostname} (torch {self.torch_version})"
+
+
+def detect(device: str = "cpu") -> Hardware:
+    """Inspect `device` (cpu, cuda, cuda:N). Imports torch."""
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this host; use --device cpu")
+        dev = torch.device(device)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return Hardware(hardware_class=props.name, device=f"cuda:{index}", device_name=props.name,
+                        memory_bytes=props.total_memory, torch_version=torch.__version__,
+                        hostname=socket.gethostname(), cpu_count=os.cpu_count())
+    if device != "cpu":
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return Hardware(hardware_class="cpu", device="cpu", device_name=name, memory_bytes=None,
+                    torch_version=torch.__version__, hostname=socket.gethostname(), cpu_count=os.cpu_count())

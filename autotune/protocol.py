@@ -1,0 +1,199 @@
+"""The wire contract between the service, workers and clients (pydantic models).
+
+The service (`api/`) and the worker (`autotune/worker.py`) both import these models, so
+the protocol is written down once. Routes, all under /v1:
+
+  POST   /v1/studies                 StudySpec            → 201 StudyInfo
+  GET    /v1/studies                                      → StudyList
+  GET    /v1/studies/{name}                               → StudyInfo
+  DELETE /v1/studies/{name}          (stop leasing; data is kept) → StudyInfo
+  GET    /v1/studies/{name}/trials                        → TrialList
+  GET    /v1/studies/{name}/pareto                        → TrialList (the non-dominated completed trials)
+  GET    /v1/studies/{name}/best?format=json|yaml         → Recommendation
+  POST   /v1/trials/lease            LeaseRequest         → 200 TrialLease | 204 nothing to do
+  POST   /v1/trials/{id}/heartbeat   HeartbeatRequest     → HeartbeatReply
+  POST   /v1/trials/{id}/report      ReportRequest        → ReportReply
+  POST   /v1/trials/{id}/complete    CompleteRequest      → TrialInfo
+  GET    /v1/health                                       → {"status": "ok", ...}
+
+This module imports pydantic and the config/space validators only (no torch, no fastapi).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from autotune.config import ConfigError, parse_config
+from autotune.space import Space, SpaceError, load_space, parse_space, validate_for
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+SAMPLERS = ("tpe", "nsga2", "random", "grid", "gp")
+OBJECTIVES = {
+    "throughput": ("throughput_samples_per_s", "maximize"),
+    "val_nrmse": ("val_nrmse", "minimize"),
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProbeSpec(Strict):
+    """How every trial of a study is measured (identical for all its trials)."""
+
+    samples: int | None = Field(None, ge=1, le=10_000_000, description="training samples per probe (None: preset's)")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="weights and sample-order seed")
+    windows: int = Field(8, ge=5, le=100, description="timed windows")
+    warmup_steps: int = Field(5, ge=1, le=10_000, description="optimizer steps excluded from timing")
+    timeout_s: float = Field(900.0, gt=0, le=86_400, description="hard limit per probe, compile included")
+
+
+class GateSpec(Strict):
+    """Quality gate: feasible iff NRMSE <= baseline + abs_tol."""
+
+    abs_tol: float = Field(0.01, ge=0, le=10)
+
+
+class StudySpec(Strict):
+    """What a user submits to start a study."""
+
+    name: str = Field(..., pattern=NAME_PATTERN, description="slug: letters, digits, '_', '-', '.'")
+    workload: str = Field("ups", pattern=NAME_PATTERN)
+    preset: str = Field("tiny", pattern=NAME_PATTERN)
+    space: str | dict[str, Any] = Field("cpu", description="a name from search_spaces/ or an inline space")
+    objectives: list[Literal["throughput", "val_nrmse"]] = Field(default_factory=lambda: ["throughput", "val_nrmse"])
+    probe: ProbeSpec = Field(default_factory=lambda: ProbeSpec())
+    n_trials: int = Field(20, ge=1, le=100_000)
+    sampler: Literal["tpe", "nsga2", "random", "grid", "gp"] = "tpe"
+    hardware: str = Field("cpu", min_length=1, max_length=200,
+                          description="hardware class: 'cpu' or the GPU name a worker reports")
+    baseline: dict[str, Any] | None = Field(None, description="the user's current config; enqueued first "
+                                                              "(default: the workload preset's defaults)")
+    gate: GateSpec = Field(default_factory=lambda: GateSpec())
+    seed: int | None = Field(None, description="sampler seed")
+
+    @field_validator("objectives")
+    @classmethod
+    def _objectives(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v) or not v:
+            raise ValueError("objectives must be a non-empty list without repeats")
+        return v
+
+    @field_validator("baseline")
+    @classmethod
+    def _baseline(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            try:
+                parse_config(v)
+            except ConfigError as e:
+                raise ValueError(f"baseline.{e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _space(self) -> StudySpec:
+        try:
+            space = self.resolved_space()
+            validate_for(space, self.hardware)
+        except SpaceError as e:
+            raise ValueError(f"space.{e}") from None
+        return self
+
+    def resolved_space(self) -> Space:
+        if isinstance(self.space, str):
+            if "/" in self.space or "\\" in self.space or self.space.startswith("."):
+                raise SpaceError("space", "give a space name from search_spaces/ (no paths) or an inline mapping")
+            return load_space(self.space)
+        return parse_space(self.space)
+
+
+class StudyInfo(BaseModel):
+    name: str
+    state: Literal["running", "stopped", "finished"]
+    spec: StudySpec
+    counts: dict[str, int] = Field(default_factory=dict, description="trials by state")
+    failures: dict[str, int] = Field(default_factory=dict, description="failed trials by failure kind")
+    best: dict[str, Any] | None = None
+
+
+class StudyList(BaseModel):
+    data: list[StudyInfo]
+    count: int
+
+
+class LeaseRequest(Strict):
+    worker_id: str = Field(..., min_length=1, max_length=200)
+    hardware: str = Field(..., min_length=1, max_length=200)
+    study: str | None = Field(None, pattern=NAME_PATTERN)
+
+
+class TrialLease(BaseModel):
+    trial_id: int
+    study: str
+    number: int
+    params: dict[str, Any]
+    config: dict[str, Any] = Field(..., description="the full knob config the probe runs (fixed + params)")
+    workload: str
+    preset: str
+    probe: ProbeSpec
+    is_baseline: bool = False
+
+
+class HeartbeatRequest(Strict):
+    worker_id: str = Field(..., min_length=1, max_length=200)
+
+
+class HeartbeatReply(BaseModel):
+    action: Literal["continue", "stop"]
+    reason: str | None = None
+
+
+class ReportRequest(Strict):
+    worker_id: str = Field(..., min_length=1, max_length=200)
+    step: int = Field(..., ge=0)
+    metrics: dict[str, float]
+
+
+class ReportReply(BaseModel):
+    prune: bool
+    reason: str | None = None
+
+
+class CompleteRequest(Strict):
+    worker_id: str = Field(..., min_length=1, max_length=200)
+    result: dict[str, Any] = Field(..., description="ProbeResult.to_dict(); failure set when it failed")
+
+
+class TrialInfo(BaseModel):
+    trial_id: int
+    number: int
+    state: str
+    params: dict[str, Any]
+    config: dict[str, Any] | None = None
+    values: list[float] | None = None
+    throughput_samples_per_s: float | None = None
+    val_nrmse: float | None = None
+    feasible: bool | None = None
+    failure: dict[str, str] | None = None
+    worker_id: str | None = None
+    is_baseline: bool = False
+    duration_s: float | None = None
+
+
+class TrialList(BaseModel):
+    data: list[TrialInfo]
+    count: int
+
+
+class Recommendation(BaseModel):
+    study: str
+    config: dict[str, Any]
+    trial_number: int
+    throughput_samples_per_s: float
+    val_nrmse: float
+    baseline_throughput_samples_per_s: float | None
+    baseline_val_nrmse: float | None
+    speedup: float | None
+    gate_nrmse: float | None
+    peak_mem_reserved_bytes: int | None = None
