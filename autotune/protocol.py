@@ -36,6 +36,10 @@ OBJECTIVES = {
 }
 
 
+Objective = Literal["throughput", "val_nrmse"]
+DEFAULT_OBJECTIVES: tuple[Objective, ...] = ("throughput", "val_nrmse")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -63,7 +67,7 @@ class StudySpec(Strict):
     workload: str = Field("ups", pattern=NAME_PATTERN)
     preset: str = Field("tiny", pattern=NAME_PATTERN)
     space: str | dict[str, Any] = Field("cpu", description="a name from search_spaces/ or an inline space")
-    objectives: list[Literal["throughput", "val_nrmse"]] = Field(default_factory=lambda: ["throughput", "val_nrmse"])
+    objectives: list[Objective] = Field(default_factory=lambda: list(DEFAULT_OBJECTIVES))
     probe: ProbeSpec = Field(default_factory=lambda: ProbeSpec())
     n_trials: int = Field(20, ge=1, le=100_000)
     sampler: Literal["tpe", "nsga2", "random", "grid", "gp"] = "tpe"
@@ -76,7 +80,7 @@ class StudySpec(Strict):
 
     @field_validator("objectives")
     @classmethod
-    def _objectives(cls, v: list[str]) -> list[str]:
+    def _objectives(cls, v: list[Objective]) -> list[Objective]:
         if len(set(v)) != len(v) or not v:
             raise ValueError("objectives must be a non-empty list without repeats")
         return v
