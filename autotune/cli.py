@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Annotated, Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from autotune.client import DEFAULT_API, ApiError, Client, Conflict, Invalid, NotFound, ServiceUnavailable
 from autotune.config import KNOBS, ConfigError, load_config_arg, parse_config
+
+if TYPE_CHECKING:
+    from autotune.protocol import Recommendation, StudyInfo, TrialInfo
 
 app = typer.Typer(
     help="autotune: find the fastest PyTorch training configuration that keeps model quality.",
@@ -112,6 +119,272 @@ def probe(
         print_probe_result(result, Console())
     if result.failure:
         raise typer.Exit(code=1)
+
+
+# --- the service and its clients ------------------------------------------------------------------
+
+ApiOption = Annotated[str, typer.Option("--api", envvar="AUTOTUNE_API",
+                                        help="Base URL of the autotune service.")]
+TokenOption = Annotated[str | None, typer.Option("--token", envvar="AUTOTUNE_TOKEN",
+                                                 help="Bearer token for the service.")]
+CLI_RETRY_S = 1.0  # a command line fails fast when the service is down
+
+
+@contextmanager
+def service_client(api: str, token: str | None = None) -> Iterator[Client]:
+    """A client for one command; service errors become a message and an exit status
+    (1: unreachable, not found, conflict; 2: the service rejected the input)."""
+    client = Client(api, token, retry_for_s=CLI_RETRY_S)
+    try:
+        yield client
+    except ServiceUnavailable as e:
+        err.print(f"[bold red]error:[/] cannot reach the autotune service at {client.base_url}: start it with "
+                  f"`autotune serve` (or pass --api URL / set AUTOTUNE_API)\n  ({e.cause})", highlight=False,
+                  soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    except Invalid as e:
+        raise usage_error(e.message) from None
+    except ApiError as e:
+        err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    finally:
+        client.close()
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_knobs(params: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items()) or "(defaults)"
+
+
+def studies_table(studies: list[StudyInfo]) -> Table:
+    table = Table(title="studies")
+    table.add_column("study", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("hardware")
+    table.add_column("trials", justify="right", no_wrap=True)
+    table.add_column("outcomes")
+    table.add_column("best", justify="right", no_wrap=True)
+    for s in studies:
+        c = s.counts
+        outcomes = " · ".join(f"{n} {label}" for state, label in (("COMPLETE", "complete"), ("PRUNED", "pruned"),
+                                                                  ("FAIL", "failed"), ("RUNNING", "running"))
+                              if (n := c.get(state, 0))) or "-"
+        speedup = (s.best or {}).get("speedup")
+        table.add_row(s.name, s.state, s.spec.hardware, f"{sum(c.values())}/{s.spec.n_trials}", outcomes,
+                      "-" if speedup is None else f"{speedup:.2f}×")
+    return table
+
+
+def trials_table(trials: list[TrialInfo], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("#", "state", "samples/s", "NRMSE", "feasible", "failure", "params"):
+        table.add_column(column, justify="right" if column in ("#", "samples/s", "NRMSE") else "left")
+    colors = {"COMPLETE": "green", "FAIL": "red", "PRUNED": "yellow", "RUNNING": "cyan"}
+    for t in sorted(trials, key=lambda t: t.number):
+        state = f"[{colors.get(t.state, 'white')}]{t.state}[/]"
+        feasible = {True: "yes", False: "no", None: "-"}[t.feasible]
+        failure = t.failure["kind"] if t.failure else ""
+        params = format_knobs(t.params) + (" [cyan](baseline)[/]" if t.is_baseline else "")
+        table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.val_nrmse, ".4f"),
+                      feasible, failure, params)
+    return table
+
+
+def recommendation_table(rec: Recommendation) -> Table:
+    table = Table(title=f"recommended config of {rec.study}: trial {rec.trial_number}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    base_thr = rec.baseline_throughput_samples_per_s
+    table.add_row("throughput", f"{rec.throughput_samples_per_s:,.1f} samples/s"
+                  + ("" if base_thr is None else f" (baseline {base_thr:,.1f})"))
+    table.add_row("speedup", "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline")
+    nrmse_vs = "" if rec.baseline_val_nrmse is None else \
+        f" (baseline {rec.baseline_val_nrmse:.4f}, {rec.val_nrmse - rec.baseline_val_nrmse:+.4f})"
+    table.add_row("val NRMSE", f"{rec.val_nrmse:.4f}{nrmse_vs}")
+    if rec.gate_nrmse is not None:
+        table.add_row("quality gate", f"NRMSE <= {rec.gate_nrmse:.4f}")
+    for knob, value in rec.config.items():
+        table.add_row(f"  {knob}", json.dumps(value))
+    return table
+
+
+def spec_errors(exc: Any) -> str:
+    """A pydantic ValidationError of a StudySpec as 'field: message' lines."""
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error.get("loc", ()))
+        msg = str(error.get("msg", "")).removeprefix("Value error, ")
+        lines.append(msg if not field or msg.startswith(field) else f"{field}: {msg}")
+    return "; ".join(lines)
+
+
+@app.command()
+def serve(
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy database URL (default: AUTOTUNE_DB_URL, else "
+                                                "sqlite:///./autotune.db).")] = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
+) -> None:
+    """Run the autotune service (REST API, Optuna storage, stale-lease reaper) until interrupted."""
+    import importlib
+
+    # Imported here and by name: the core (autotune) never imports the service (fastapi,
+    # sqlalchemy) at module level, and `mypy autotune` checks the core only.
+    run_server = importlib.import_module("api.main").run_server
+    run_server(db, host, port)
+
+
+@app.command()
+def worker(
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+    study: Annotated[str | None, typer.Option(help="Serve only this study (default: any study of this "
+                                                   "hardware class).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    max_trials: Annotated[int | None, typer.Option(help="Exit after this many trials.", min=1)] = None,
+    idle_exit: Annotated[float | None, typer.Option(help="Exit after this many seconds without work "
+                                                         "(default: never).", min=0)] = None,
+    worker_id: Annotated[str | None, typer.Option(help="Worker id (default: hostname-pid-device).")] = None,
+    heartbeat: Annotated[float, typer.Option(help="Seconds between heartbeats while a probe runs.",
+                                             min=0.1)] = 5.0,
+    threads: Annotated[int | None, typer.Option(help="torch threads per probe (default: torch's; with several "
+                                                     "workers on one CPU host use cores // workers).",
+                                                min=1)] = None,
+) -> None:
+    """Pull trials from the service and run their probes, one child process per trial.
+
+    Exit status: 0 after --max-trials or --idle-exit; 128 + N when stopped by signal N;
+    1 when the service refuses this worker (unknown study, bad token); 2 for bad input.
+    """
+    from autotune.worker import WorkerOptions, run_worker
+
+    options = WorkerOptions(api=api, token=token, study=study, device=device, max_trials=max_trials,
+                            idle_exit_s=idle_exit, worker_id=worker_id, heartbeat_s=heartbeat, threads=threads)
+    try:
+        code = run_worker(options)
+    except ValueError as e:  # the device cannot be used
+        raise usage_error(str(e)) from None
+    raise typer.Exit(code=code)
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Study spec: a YAML or JSON file.")],
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+    name: Annotated[str | None, typer.Option(help="Override the spec's study name.")] = None,
+) -> None:
+    """Create a study from a YAML/JSON spec (autotune.protocol.StudySpec) and print it.
+
+    Exit status: 0 created, 1 service unreachable or the name is taken, 2 invalid spec.
+    """
+    import yaml
+    from pydantic import ValidationError
+
+    from autotune.protocol import StudySpec
+
+    if not spec_file.is_file():
+        raise usage_error(f"{spec_file}: no such file; give a YAML or JSON study spec")
+    try:
+        data = yaml.safe_load(spec_file.read_text())
+    except yaml.YAMLError as e:
+        raise usage_error(f"{spec_file}: not valid YAML/JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise usage_error(f"{spec_file}: expected a mapping of study fields (name, space, n_trials, ...)")
+    if name is not None:
+        data["name"] = name
+    try:
+        spec = StudySpec.model_validate(data)
+    except ValidationError as e:
+        raise usage_error(f"{spec_file}: {spec_errors(e)}") from None
+    with service_client(api, token) as client:
+        try:
+            info = client.create_study(spec)
+        except Conflict as e:
+            err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1) from None
+    console = Console()
+    space = info.spec.space if isinstance(info.spec.space, str) else "inline"
+    console.print(f"created study [bold]{info.name}[/] ({info.state}): {info.spec.workload}/{info.spec.preset}, "
+                  f"space {space}, {info.spec.n_trials} trials, sampler {info.spec.sampler}, "
+                  f"hardware {info.spec.hardware}", highlight=False, soft_wrap=True)
+    console.print(f"start workers: autotune worker --api {api} --study {info.name}\n"
+                  f"watch it:      autotune status {info.name} --api {api}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def status(
+    study: Annotated[str | None, typer.Argument(help="A study name (default: list the studies).")] = None,
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+) -> None:
+    """Show the studies, or one study's trials (state, throughput, NRMSE, feasibility, failure, params)."""
+    console = Console()
+    with service_client(api, token) as client:
+        if study is None:
+            studies = client.list_studies().data
+            if not studies:
+                console.print("no studies yet: create one with `autotune submit SPEC.yaml`")
+                return
+            console.print(studies_table(studies))
+            return
+        info = client.get_study(study)
+        trials = client.trials(study).data
+    counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(info.counts.items())) or "no trials yet"
+    console.print(f"study [bold]{info.name}[/]: {info.state} · {counts} of {info.spec.n_trials} · hardware "
+                  f"{info.spec.hardware}", highlight=False, soft_wrap=True)
+    if info.failures:
+        console.print("failures: " + ", ".join(f"{n} {kind}" for kind, n in sorted(info.failures.items())),
+                      highlight=False)
+    console.print(trials_table(trials, f"trials of {info.name}"))
+    if info.best and info.best.get("speedup") is not None:
+        console.print(f"best so far: trial {info.best['trial_number']}, {info.best['speedup']:.2f}× the baseline "
+                      f"(`autotune best {info.name}`)", highlight=False)
+
+
+@app.command()
+def best(
+    study: Annotated[str, typer.Argument(help="The study's name.")],
+    output_format: Annotated[str, typer.Option("--format", help="yaml (a config file `autotune probe --config` "
+                                                                "reads) or json.")] = "yaml",
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+) -> None:
+    """Print the recommended config: the fastest trial that passes the quality gate.
+
+    Exit status: 0 printed, 1 nothing to recommend yet (or the service is unreachable).
+    """
+    if output_format not in ("yaml", "json"):
+        raise usage_error(f"--format: {output_format!r} is not allowed; allowed: yaml | json")
+    with service_client(api, token) as client:
+        try:
+            if output_format == "yaml":
+                sys.stdout.write(client.best_yaml(study))
+            else:
+                sys.stdout.write(json.dumps(client.best(study).model_dump(mode="json"), indent=2) + "\n")
+        except NotFound as e:
+            err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1) from None
+
+
+@app.command()
+def demo(
+    workdir: Annotated[Path, typer.Option(help="Work directory: database and logs.")] = Path("demo-work"),
+    trials: Annotated[int, typer.Option(help="Trials in the demo study.", min=2)] = 12,
+    workers: Annotated[int, typer.Option(help="Worker processes (CPU).", min=1)] = 2,
+    port: Annotated[int, typer.Option(help="Service port (0: a free one).", min=0, max=65535)] = 0,
+) -> None:
+    """Run the whole system on this machine (no GPU needed): service, a CPU study, workers.
+
+    Prints the Pareto front, the recommended config and how to open the Optuna dashboard.
+    Exit status 0 when the study finished with completed trials.
+    """
+    from autotune.demo import run_demo
+
+    raise typer.Exit(code=run_demo(workdir, trials=trials, workers=workers, port=port))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -238,14 +240,39 @@ class EpochIterator:
 
 # -- 9. the training step ----------------------------------------------------------------
 
+def lr_factor(progress: float, warmup_fraction: float, final_fraction: float) -> float:
+    """Learning-rate multiplier at `progress` (samples seen / samples budgeted, in [0, 1]):
+    linear warm-up, then cosine decay to `final_fraction`. Defined over samples, not steps,
+    so every effective batch size follows the same schedule."""
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < warmup_fraction:
+        return (progress + 1e-9) / warmup_fraction
+    t = (progress - warmup_fraction) / max(1.0 - warmup_fraction, 1e-9)
+    return final_fraction + (1.0 - final_fraction) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The LR schedule of a probe: `total_samples` is the budget the progress is measured on."""
+
+    total_samples: int
+    warmup_fraction: float = 0.05
+    final_fraction: float = 0.1
+
+
 class Trainer:
     """Forward/backward with autocast and GradScaler, gradient accumulation and
     inverse-loss frequency. ``step`` is one optimizer step over ``accum_steps`` micro-batches.
+    With a `schedule`, the learning rate follows `lr_factor` of the samples seen so far
+    (without one it stays constant).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
-                 device: torch.device, notes: Notes) -> None:
+                 device: torch.device, notes: Notes, schedule: Schedule | None = None) -> None:
         self.model = model
+        self.schedule = schedule
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.samples_seen = 0
         self.optimizer = optimizer
         self.config = config
         self.device = device
@@ -281,6 +308,7 @@ class Trainer:
     def accumulate(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Forward + backward over the micro-batches; returns the step's mean loss (on device, detached)."""
         accum = len(micro_batches)
+        self.samples_seen += sum(len(next(iter(b.values()))) for b in micro_batches)
         with_inverse = self.with_inverse()
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:
@@ -301,6 +329,12 @@ class Trainer:
         return total
 
     def optimizer_step(self) -> None:
+        if self.schedule is not None:
+            s = self.schedule
+            factor = lr_factor(self.samples_seen / s.total_samples, s.warmup_fraction, s.final_fraction)
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+                # a plain float: fused/foreach AdamW read it on the host each step (no recompile)
+                group["lr"] = base * factor
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -45,6 +45,7 @@ from autotune.knobs import (
     EpochIterator,
     Notes,
     ProbeError,
+    Schedule,
     Trainer,
     apply_backend_flags,
     apply_checkpointing,
@@ -295,7 +296,11 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     optimizer = build_optimizer(plain_model, cfg, wl.defaults.weight_decay, notes)
     loader = build_loader(train_set, cfg, dev, settings.seed, notes)
     data = EpochIterator(loader, dev)
-    trainer = Trainer(model, optimizer, cfg, dev, notes)
+    d = wl.defaults
+    schedule = Schedule(total * cfg.effective_batch, d.warmup_fraction, d.final_lr_fraction)
+    trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule)
+    notes["lr"] = (f"{cfg.lr:g}, warm-up {d.warmup_fraction:.0%} of samples, cosine to "
+                   f"{d.final_lr_fraction:g}×")
     result.setup_s = time.perf_counter() - t_begin
     check_deadline("setup")
 

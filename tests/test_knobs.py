@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 from typing import Any
 
@@ -22,6 +23,7 @@ from autotune.config import TrainConfig
 from autotune.knobs import (
     EpochIterator,
     ProbeError,
+    Schedule,
     StreamSampler,
     Trainer,
     apply_backend_flags,
@@ -30,7 +32,9 @@ from autotune.knobs import (
     apply_ddp,
     apply_fp8,
     build_loader,
+    build_optimizer,
     fp8_supported,
+    lr_factor,
 )
 from autotune.probe import ProbeSettings, run_probe
 from autotune.workloads import Workload
@@ -514,3 +518,45 @@ def test_bucket_cap_mb_is_recorded_inactive(tiny: Workload) -> None:
     assert result.failure is None
     assert "inactive" in result.knobs["bucket_cap_mb"]
     assert result.knobs["bucket_cap_mb"].startswith("100 ")
+
+
+def test_lr_factor_warms_up_then_decays_to_the_final_fraction() -> None:
+    assert lr_factor(0.0, 0.1, 0.1) < 0.01
+    assert lr_factor(0.05, 0.1, 0.1) == pytest.approx(0.5)
+    assert lr_factor(0.1, 0.1, 0.1) == pytest.approx(1.0)
+    assert lr_factor(1.0, 0.1, 0.1) == pytest.approx(0.1)
+    values = [lr_factor(p / 100, 0.1, 0.1) for p in range(10, 101)]
+    assert all(a >= b for a, b in itertools.pairwise(values))  # monotone decay after warm-up
+
+
+def test_schedule_follows_samples_not_steps(tiny: Workload, train_items: list) -> None:
+    """Two splits of the same effective batch see the same learning rate after each step."""
+    lrs = {}
+    for batch_size, accum in ((2, 4), (8, 1)):
+        cfg = resolved(tiny, batch_size=batch_size, accum_steps=accum)
+        torch.manual_seed(0)
+        model = tiny.build_model()
+        notes: dict[str, str] = {}
+        opt = build_optimizer(model, cfg, 0.0, notes)
+        trainer = Trainer(model, opt, cfg, CPU, notes, schedule=Schedule(total_samples=80))
+        seen = []
+        for _ in range(3):
+            trainer.step(micro_batches(train_items, batch_size))
+            seen.append(opt.param_groups[0]["lr"])
+        lrs[(batch_size, accum)] = seen
+    assert lrs[(2, 4)] == pytest.approx(lrs[(8, 1)])
+    assert lrs[(8, 1)][0] < lrs[(8, 1)][1]  # still warming up: the rate changed between steps
+
+
+def test_reduce_overhead_with_accumulation_keeps_gradients_allocated(make_trainer: Any, train_items: list,
+                                                                    fresh_dynamo: Any) -> None:
+    """CUDA graphs + accumulation: .grad stays our own tensor across micro-batches and steps."""
+    model, trainer, _ = make_trainer(compile="reduce-overhead", batch_size=4, accum_steps=2)
+    assert trainer.keep_grads
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    before = {n: p.grad.data_ptr() for n, p in model.named_parameters()}
+    trainer.step(micro_batches(train_items, 4))
+    assert all(p.grad is not None for p in model.parameters())  # zeroed, not set to None
+    assert {n: p.grad.data_ptr() for n, p in model.named_parameters()} == before
+    _, plain, _ = make_trainer(compile="none", batch_size=4, accum_steps=2)
+    assert not plain.keep_grads

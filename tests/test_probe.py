@@ -274,12 +274,15 @@ def test_timeout_fails_as_timeout(tiny: Workload) -> None:
 def test_timeout_is_checked_between_steps(tiny: Workload) -> None:
     """The first window's report outlasts the budget: the probe stops after the next step."""
 
+    budget = 5.0  # generous: setup and warm-up must fit in it even on a loaded machine
+    started = time.monotonic()
+
     def slow_report(step: int, metrics: dict[str, float]) -> bool:
         if metrics["window"] == 0:
-            time.sleep(1.0)
+            time.sleep(max(0.0, started + budget + 0.2 - time.monotonic()))  # outlast the budget
         return False
 
-    r = run_probe(tiny, {}, settings=ProbeSettings(samples=8 * 40, timeout_s=1.0), on_report=slow_report)
+    r = run_probe(tiny, {}, settings=ProbeSettings(samples=8 * 40, timeout_s=budget), on_report=slow_report)
     assert r.failure is not None and r.failure["kind"] == "timeout"
     assert "during window 2/" in r.failure["message"]
     assert r.steps == r.warmup_steps + r.window_steps + 1 < 40

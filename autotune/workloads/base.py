@@ -25,6 +25,8 @@ class TrainingDefaults:
     lr: float
     samples: int  # training samples per probe (every probe of a study trains the same number)
     weight_decay: float = 0.0
+    warmup_fraction: float = 0.05  # LR warm-up, as a fraction of the probe's samples
+    final_lr_fraction: float = 0.1  # cosine decay ends at this fraction of lr
 
 
 class Workload(ABC):

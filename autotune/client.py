@@ -1,0 +1,260 @@
+"""A small typed HTTP client of the autotune service (the routes of autotune/protocol.py).
+
+Every call retries what a restart or a network hiccup looks like (connection errors,
+timeouts, HTTP 5xx) with exponential backoff capped at `max_backoff_s`, for up to
+`retry_for_s` seconds (None: until it succeeds or `cancel` is set). Any other error reply
+raises an `ApiError` subclass carrying the status and the service's ``detail``:
+
+    404 NotFound · 409 Conflict (e.g. the trial is no longer leased to this worker)
+    422 Invalid (the detail names the field) · 401/403 Unauthorized
+
+Retrying POSTs is safe by the protocol: lease is idempotent per worker (a worker that asks
+again gets back the trial it holds), complete is idempotent for the same worker, and a
+repeated report only adds a duplicate data point.
+
+Thread safety: one `Client` may be shared by threads (httpx.Client is thread-safe); the
+retry state is per call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from autotune.protocol import (
+    CompleteRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    LeaseRequest,
+    Recommendation,
+    ReportReply,
+    ReportRequest,
+    StudyInfo,
+    StudyList,
+    StudySpec,
+    TrialInfo,
+    TrialLease,
+    TrialList,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_API = "http://127.0.0.1:8000"
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class ClientError(Exception):
+    """Base class of everything this client raises."""
+
+
+class ServiceUnavailable(ClientError):
+    """The service could not be reached (or kept answering 5xx) within the retry budget."""
+
+    def __init__(self, base_url: str, cause: str) -> None:
+        super().__init__(f"cannot reach the autotune service at {base_url}: {cause}")
+        self.base_url = base_url
+        self.cause = cause
+
+
+class ApiError(ClientError):
+    """The service answered with an error status. `detail` is its ``{"detail": ...}``."""
+
+    def __init__(self, status_code: int, detail: Any, method: str, path: str) -> None:
+        self.status_code = status_code
+        self.detail = detail
+        self.method = method
+        self.path = path
+        super().__init__(f"{method} {path} → HTTP {status_code}: {format_detail(detail)}")
+
+    @property
+    def message(self) -> str:
+        return format_detail(self.detail)
+
+
+class NotFound(ApiError):
+    pass
+
+
+class Conflict(ApiError):
+    pass
+
+
+class Invalid(ApiError):
+    pass
+
+
+class Unauthorized(ApiError):
+    pass
+
+
+_ERRORS: dict[int, type[ApiError]] = {404: NotFound, 409: Conflict, 422: Invalid, 401: Unauthorized,
+                                      403: Unauthorized}
+
+
+def format_detail(detail: Any) -> str:
+    """The service's error detail as one readable line; a 422 list becomes "field: message; ..."."""
+    if isinstance(detail, list):
+        parts = []
+        for item in detail:
+            if isinstance(item, dict) and "msg" in item:
+                loc = [str(p) for p in item.get("loc") or () if p != "body"]
+                msg = str(item["msg"]).removeprefix("Value error, ")
+                field = ".".join(loc)
+                parts.append(msg if not field or msg.startswith(field + ":") else f"{field}: {msg}")
+            else:
+                parts.append(str(item))
+        return "; ".join(parts)
+    if isinstance(detail, str):
+        return detail
+    return json.dumps(detail)
+
+
+class Client:
+    """The REST API of one autotune service.
+
+    `retry_for_s`: how long one call keeps retrying transient failures (None: forever,
+    until `cancel` is set). `cancel`: an event that ends a forever-retrying call early
+    with ServiceUnavailable (the worker sets it on SIGINT/SIGTERM).
+    """
+
+    def __init__(self, base_url: str = DEFAULT_API, token: str | None = None, *, retry_for_s: float | None = 30.0,
+                 max_backoff_s: float = 10.0, timeout_s: float = 30.0, cancel: threading.Event | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry_for_s = retry_for_s
+        self.max_backoff_s = max_backoff_s
+        self.cancel = cancel
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers,
+                                  timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)), transport=transport)
+        self._outage_logged = False
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- transport -------------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, *, json_body: Any = None, params: dict[str, str] | None = None,
+                retry_for_s: float | bool | None = True,
+                on_retry: Callable[[str, float], None] | None = None) -> httpx.Response:
+        """Send one request, retrying transient failures; returns a 2xx response or raises.
+
+        `retry_for_s`: True → the client's budget; None → forever (stops when `cancel` is
+        set); a number → that many seconds (ignores `cancel`: used for a last report)."""
+        budget = self.retry_for_s if retry_for_s is True else retry_for_s
+        honour_cancel = budget is None
+        assert budget is None or isinstance(budget, (int, float))
+        started = time.monotonic()
+        delay = 0.25
+        while True:
+            try:
+                response = self._http.request(method, path, json=json_body, params=params)
+            except httpx.TransportError as e:
+                cause = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            else:
+                if response.status_code < 500:
+                    if response.status_code >= 400:
+                        raise self._error(response, method, path)
+                    if self._outage_logged:
+                        log.warning("the autotune service at %s answers again", self.base_url)
+                        self._outage_logged = False
+                    return response
+                cause = f"HTTP {response.status_code}: {_detail(response)}"
+            elapsed = time.monotonic() - started
+            if budget is not None and elapsed + delay > budget:
+                raise ServiceUnavailable(self.base_url, cause)
+            if honour_cancel and self.cancel is not None and self.cancel.is_set():
+                raise ServiceUnavailable(self.base_url, f"{cause} (gave up: interrupted)")
+            if on_retry is not None:
+                on_retry(cause, delay)
+            elif not self._outage_logged:
+                log.warning("autotune service at %s: %s; retrying (backoff up to %.0f s)", self.base_url, cause,
+                            self.max_backoff_s)
+                self._outage_logged = True
+            if self.cancel is not None and honour_cancel:
+                if self.cancel.wait(delay):
+                    raise ServiceUnavailable(self.base_url, f"{cause} (gave up: interrupted)")
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+
+    def _error(self, response: httpx.Response, method: str, path: str) -> ApiError:
+        cls = _ERRORS.get(response.status_code, ApiError)
+        return cls(response.status_code, _detail(response), method, path)
+
+    def _get(self, path: str, model: type[ModelT], **kw: Any) -> ModelT:
+        return model.model_validate(self.request("GET", path, **kw).json())
+
+    def _post(self, path: str, body: BaseModel, model: type[ModelT], **kw: Any) -> ModelT:
+        response = self.request("POST", path, json_body=body.model_dump(mode="json"), **kw)
+        return model.model_validate(response.json())
+
+    # --- the routes ------------------------------------------------------------------------------
+
+    def health(self, **kw: Any) -> dict[str, Any]:
+        data: dict[str, Any] = self.request("GET", "/v1/health", **kw).json()
+        return data
+
+    def create_study(self, spec: StudySpec, **kw: Any) -> StudyInfo:
+        return self._post("/v1/studies", spec, StudyInfo, **kw)
+
+    def list_studies(self, **kw: Any) -> StudyList:
+        return self._get("/v1/studies", StudyList, **kw)
+
+    def get_study(self, name: str, **kw: Any) -> StudyInfo:
+        return self._get(f"/v1/studies/{name}", StudyInfo, **kw)
+
+    def stop_study(self, name: str, **kw: Any) -> StudyInfo:
+        return StudyInfo.model_validate(self.request("DELETE", f"/v1/studies/{name}", **kw).json())
+
+    def trials(self, name: str, **kw: Any) -> TrialList:
+        return self._get(f"/v1/studies/{name}/trials", TrialList, **kw)
+
+    def pareto(self, name: str, **kw: Any) -> TrialList:
+        return self._get(f"/v1/studies/{name}/pareto", TrialList, **kw)
+
+    def best(self, name: str, **kw: Any) -> Recommendation:
+        return self._get(f"/v1/studies/{name}/best", Recommendation, params={"format": "json"}, **kw)
+
+    def best_yaml(self, name: str, **kw: Any) -> str:
+        return self.request("GET", f"/v1/studies/{name}/best", params={"format": "yaml"}, **kw).text
+
+    def lease(self, request: LeaseRequest, **kw: Any) -> TrialLease | None:
+        """The next trial for this worker, or None (HTTP 204: nothing to do now)."""
+        response = self.request("POST", "/v1/trials/lease", json_body=request.model_dump(mode="json"), **kw)
+        if response.status_code == 204 or not response.content:
+            return None
+        return TrialLease.model_validate(response.json())
+
+    def heartbeat(self, trial_id: int, worker_id: str, **kw: Any) -> HeartbeatReply:
+        return self._post(f"/v1/trials/{trial_id}/heartbeat", HeartbeatRequest(worker_id=worker_id), HeartbeatReply,
+                          **kw)
+
+    def report(self, trial_id: int, worker_id: str, step: int, metrics: dict[str, float], **kw: Any) -> ReportReply:
+        return self._post(f"/v1/trials/{trial_id}/report",
+                          ReportRequest(worker_id=worker_id, step=step, metrics=metrics), ReportReply, **kw)
+
+    def complete(self, trial_id: int, worker_id: str, result: dict[str, Any], **kw: Any) -> TrialInfo:
+        return self._post(f"/v1/trials/{trial_id}/complete", CompleteRequest(worker_id=worker_id, result=result),
+                          TrialInfo, **kw)
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason_phrase
+    return body.get("detail", body) if isinstance(body, dict) else body

@@ -1,0 +1,221 @@
+"""`autotune demo`: the whole system on one machine without a GPU, in a few minutes.
+
+1. start `autotune serve` on a SQLite file in the work directory (log: serve.log);
+2. submit a study: workload ups, preset tiny, space cpu, TPE, hardware cpu;
+3. start N `autotune worker --device cpu` processes (logs: worker-N.log), each with
+   cores // N torch threads so they do not thrash one another;
+4. show progress until the study is finished; print the Pareto front (throughput vs
+   NRMSE), the recommended config with its speedup over the baseline, and the command
+   that opens the Optuna dashboard on the same database.
+
+Everything it started is stopped on the way out (normal end, error or Ctrl-C): workers
+first (SIGTERM; each fails its running trial as interrupted), then the service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autotune.cli import recommendation_table, trials_table
+from autotune.client import Client, NotFound, ServiceUnavailable
+from autotune.protocol import ProbeSpec, StudyInfo, StudySpec
+
+HEALTH_TIMEOUT_S = 90.0
+STOP_GRACE_S = 25.0  # a worker may spend up to 20 s completing its interrupted trial
+POLL_S = 1.0
+FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Processes:
+    """The processes the demo started, each in its own process group, with its log file."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+
+    def start(self, name: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+        with open(log_path, "wb") as log:  # the child keeps its own handle
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.started.append((name, proc, log_path))
+        return proc
+
+    def stop_all(self) -> None:
+        """SIGTERM every group (latest first: workers before the service), then SIGKILL stragglers."""
+        for _, proc, _ in reversed(self.started):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=STOP_GRACE_S)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C while the demo runs, so its cleanup runs either way."""
+
+    def raise_interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def demo_spec(name: str, trials: int) -> StudySpec:
+    # The tiny preset's 1536 samples leave enough timed steps for the cpu space's largest
+    # effective batch (32 × 2) with inverse losses every 4 steps: (8 warm-up + 5) × 64 = 832.
+    return StudySpec(name=name, workload="ups", preset="tiny", space="cpu", n_trials=trials, sampler="tpe",
+                     hardware="cpu", probe=ProbeSpec(timeout_s=300.0), seed=0)
+
+
+def wait_for_health(client: Client, serve: subprocess.Popen[bytes], log_path: Path) -> str | None:
+    """None once /v1/health answers; else why not."""
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if serve.poll() is not None:
+            return f"the service exited with code {serve.returncode}; {log_path}:\n{log_tail(log_path)}"
+        try:
+            client.health(retry_for_s=0.0)
+            return None
+        except ServiceUnavailable:
+            time.sleep(0.2)
+    return f"the service did not answer /v1/health within {HEALTH_TIMEOUT_S:.0f} s; see {log_path}"
+
+
+def progress_text(info: StudyInfo) -> str:
+    c = info.counts
+    parts = [f"{c.get('COMPLETE', 0)} complete", f"{c.get('PRUNED', 0)} pruned", f"{c.get('FAIL', 0)} failed",
+             f"{c.get('RUNNING', 0)} running"]
+    best = info.best or {}
+    if best.get("speedup") is not None:
+        parts.append(f"best {best['speedup']:.2f}× the baseline (trial {best['trial_number']})")
+    return " · ".join(parts)
+
+
+def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
+             console: Console | None = None) -> int:
+    """Run the demo; the exit status (0: the study finished with completed trials)."""
+    console = console or Console(highlight=False)
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    db_path = workdir / "autotune.db"
+    port = port or free_port()
+    api = f"http://127.0.0.1:{port}"
+    name = f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    cli = [sys.executable, "-m", "autotune.cli"]
+    processes = Processes()
+    client = Client(api, retry_for_s=10.0)
+    started = time.monotonic()
+    try:
+        with sigterm_as_interrupt():
+            console.print(f"[bold]autotune demo[/] in {workdir}")
+            serve_log = workdir / "serve.log"
+            serve = processes.start("service", [*cli, "serve", "--db", f"sqlite:///{db_path}", "--port", str(port)],
+                                    serve_log)
+            problem = wait_for_health(client, serve, serve_log)
+            if problem:
+                console.print(f"[bold red]error:[/] {problem}")
+                return 1
+            console.print(f"service   {api} (database {db_path}, log {serve_log.name})")
+            client.create_study(demo_spec(name, trials))
+            console.print(f"study     {name}: ups/tiny, space cpu, {trials} trials, TPE sampler, hardware cpu")
+            worker_procs = []
+            for i in range(workers):
+                log_path = workdir / f"worker-{i + 1}.log"
+                worker_procs.append(processes.start(f"worker-{i + 1}", [
+                    *cli, "worker", "--api", api, "--study", name, "--device", "cpu", "--idle-exit", "10",
+                    "--threads", str(threads), "--heartbeat", "2"], log_path))
+            console.print(f"workers   {workers} × `autotune worker --device cpu --threads {threads}` "
+                          f"(logs worker-N.log)")
+            finished = follow(client, name, trials, worker_procs, serve, console)
+            if finished is None:
+                return 1
+            return report(client, finished, db_path, time.monotonic() - started, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the workers and the service[/]")
+        return 130
+    except ServiceUnavailable as e:
+        console.print(f"[bold red]error:[/] {e}; see {workdir / 'serve.log'}")
+        return 1
+    finally:
+        client.close()
+        processes.stop_all()
+
+
+def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess.Popen[bytes]],
+           serve: subprocess.Popen[bytes], console: Console) -> StudyInfo | None:
+    """Show progress until the study is finished; None (after a message) when it cannot finish."""
+    columns = (TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("starting", total=trials)
+        while True:
+            info = client.get_study(name)
+            done = sum(info.counts.get(s, 0) for s in FINISHED)
+            progress.update(task, completed=done, description=progress_text(info))
+            if info.state in ("finished", "stopped"):
+                return info
+            if serve.poll() is not None:
+                console.print(f"[bold red]error:[/] the service exited with code {serve.returncode}")
+                return None
+            if all(p.poll() is not None for p in worker_procs):
+                codes = ", ".join(str(p.returncode) for p in worker_procs)
+                console.print(f"[bold red]error:[/] every worker exited (codes {codes}) before the study finished;"
+                              " see worker-N.log")
+                return None
+            time.sleep(POLL_S)
+
+
+def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, console: Console) -> int:
+    """Print the Pareto front, the recommendation and the dashboard command."""
+    c = info.counts
+    console.print(f"\nstudy {info.name} {info.state} in {elapsed_s:.0f} s: {c.get('COMPLETE', 0)} complete, "
+                  f"{c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed"
+                  + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else ""))
+    pareto = client.pareto(info.name).data
+    pareto.sort(key=lambda t: -(t.throughput_samples_per_s or 0.0))
+    console.print(trials_table(pareto, "Pareto front: throughput (higher is better) vs val NRMSE (lower is better)"))
+    code = 0
+    try:
+        console.print(recommendation_table(client.best(info.name)))
+    except NotFound as e:
+        console.print(f"[yellow]no recommendation:[/] {e.message}")
+        code = 1
+    console.print(f"\nopen the Optuna dashboard: optuna-dashboard sqlite:///{db_path}", soft_wrap=True)
+    if info.state != "finished" or c.get("COMPLETE", 0) == 0:
+        console.print("[bold red]error:[/] the study did not finish with completed trials")
+        return 1
+    return code

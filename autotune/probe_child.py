@@ -1,0 +1,142 @@
+"""The probe child process: ``python -m autotune.probe_child`` runs one probe for a worker.
+
+The worker starts one child per trial (its own process group, its own CUDA context), so a
+crash, an OOM kill or a hang ends only the child. Protocol:
+
+stdin   one JSON object (`ChildJob.to_json`): workload, preset, config, device, probe
+        settings (samples, seed, windows, warmup_steps, timeout_s), threads.
+stdout  JSON lines, nothing else:
+          {"type": "report", "step": S, "metrics": {"samples": .., "loss": .., "throughput": .., "window": ..}}
+            after every timed window;
+          {"type": "result", "result": ProbeResult.to_dict()}  exactly once, last.
+stderr  everything else (logging, warnings, library chatter). File descriptor 1 is pointed
+        at stderr before torch is imported, so stray prints cannot corrupt the protocol.
+
+Exit status 0 whenever the result line was written (the probe's failure, if any, is in it).
+SIGTERM asks the probe to stop at the next window boundary: the result then has
+``stopped_early`` set (the worker sends it after the service said prune).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from types import FrameType
+from typing import IO, Any
+
+log = logging.getLogger("autotune.probe_child")
+
+
+@dataclass
+class ChildJob:
+    """What one probe child runs."""
+
+    workload: str
+    preset: str
+    config: dict[str, Any]
+    device: str = "cpu"
+    probe: dict[str, Any] = field(default_factory=dict)  # ProbeSpec fields
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ChildJob:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("the job must be a JSON object")
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+class ProtocolWriter:
+    """Writes the JSON lines of the protocol to the real stdout (thread-safe, flushed per line)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def write(self, message: dict[str, Any]) -> None:
+        line = json.dumps(message, allow_nan=True)
+        with self._lock:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+
+
+def claim_stdout() -> ProtocolWriter:
+    """Keep a private handle on stdout for the protocol; point fd 1 (and sys.stdout) at stderr."""
+    sys.stdout.flush()
+    protocol_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return ProtocolWriter(os.fdopen(protocol_fd, "w", buffering=1, encoding="utf-8"))
+
+
+def run_job(job: ChildJob, out: ProtocolWriter, stop: threading.Event) -> dict[str, Any]:
+    """Run the probe of `job`, writing reports to `out`; returns the ProbeResult dict (never raises)."""
+    if job.threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(job.threads))
+    import torch
+
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    from autotune.config import ConfigError
+    from autotune.probe import ProbeResult, ProbeSettings, classify_exception, device_name, run_probe
+
+    def on_report(step: int, metrics: dict[str, float]) -> bool:
+        out.write({"type": "report", "step": step, "metrics": metrics})
+        return stop.is_set()
+
+    spec = job.probe
+    try:
+        settings = ProbeSettings(samples=spec.get("samples"), seed=int(spec.get("seed", 0)),
+                                 warmup_steps=int(spec.get("warmup_steps", 5)), windows=int(spec.get("windows", 8)),
+                                 timeout_s=spec.get("timeout_s"))
+        result = run_probe(job.workload, job.config, preset=job.preset, device=job.device, settings=settings,
+                           on_report=on_report)
+        return result.to_dict()
+    except Exception as exc:  # a config the probe refuses, an unknown workload, ...: a recorded failure
+        if isinstance(exc, ConfigError):
+            kind, message = "error", f"invalid probe configuration: {exc}"
+        else:
+            kind, message = classify_exception(exc)
+        log.error("probe did not start: %s", message)
+        try:
+            device = device_name(torch.device(job.device))
+        except Exception:
+            device = job.device
+        return ProbeResult(workload=job.workload, preset=job.preset, config=job.config, device=device,
+                           torch_version=torch.__version__, failure={"kind": kind, "message": message}).to_dict()
+
+
+def main() -> int:
+    out = claim_stdout()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def on_sigterm(signum: int, _frame: FrameType | None) -> None:
+        # Stop at the next window boundary (run_probe's on_report returns True); the worker
+        # sends SIGKILL if that takes longer than its grace period.
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        job = ChildJob.from_json(sys.stdin.read())
+    except (ValueError, TypeError) as e:
+        print(f"autotune.probe_child: bad job on stdin: {e}", file=sys.stderr)
+        return 2
+    result = run_job(job, out, stop)
+    if stop.is_set() and not result.get("failure"):
+        result["stopped_early"] = True
+    out.write({"type": "result", "result": result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,595 @@
+"""The worker: lease a trial, run its probe in a child process, report, complete; repeat.
+
+One worker serves one device. The loop (`Worker.run`):
+
+lease     POST /v1/trials/lease with the worker's hardware class (and study, if given).
+          204: nothing to do: wait with backoff (capped at 5 s); exit after `idle_exit_s`.
+probe     `python -m autotune.probe_child` in its own process group (see probe_child.py for
+          the stdin/stdout protocol), with a hard limit of the study's probe.timeout_s plus a
+          small grace, torch threads and a per-host TorchInductor cache set in its environment.
+monitor   the child's report lines go to POST /report (reply prune → SIGTERM the child: it
+          stops at the next window and its result says stopped_early, or SIGKILL after a
+          grace and a partial result is built from the reports); a heartbeat every
+          `heartbeat_s` (reply stop → kill the child, complete the trial as failed).
+complete  POST /complete with the ProbeResult. A child that dies without a result (crash,
+          OOM kill, signal), hangs past the hard limit, or is interrupted becomes a failure
+          record; the worker itself goes on.
+
+Resilience: lease and complete retry connection errors and 5xx forever (backoff capped at
+10 s), so a worker outlives a service restart; reports and heartbeats retry briefly and are
+skipped if the service stays away (the probe keeps running). A 409 means the trial is no
+longer this worker's: it is dropped. SIGINT/SIGTERM: the running child is killed, its trial
+completed as failed ("worker interrupted by SIGTERM"), and the worker exits 128 + signal.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+from rich.console import Console
+
+from autotune.client import (
+    DEFAULT_API,
+    ApiError,
+    Client,
+    Conflict,
+    Invalid,
+    NotFound,
+    ServiceUnavailable,
+    Unauthorized,
+)
+from autotune.hardware import Hardware
+from autotune.probe_child import ChildJob
+from autotune.protocol import LeaseRequest, TrialInfo, TrialLease
+
+log = logging.getLogger(__name__)
+
+CHILD_MODULE = "autotune.probe_child"
+IDLE_BACKOFF_START_S = 0.5
+IDLE_BACKOFF_CAP_S = 5.0
+PRUNE_GRACE_S = 5.0  # a pruned child gets this long to stop at a window boundary and print its result
+KILL_GRACE_S = 2.0  # SIGTERM → SIGKILL when the child's result is not wanted
+STDERR_TAIL_CHARS = 1500
+# A last complete after SIGINT/SIGTERM retries this long, then the worker exits anyway
+# (the service's reaper fails the trial as "lost" later).
+FINAL_COMPLETE_RETRY_S = 20.0
+
+
+def hard_timeout_grace_s(timeout_s: float) -> float:
+    """Slack on top of probe.timeout_s before the child is killed: the probe's own (soft)
+    deadline starts after the interpreter and torch are up, so give process start room."""
+    return min(30.0, max(5.0, 0.05 * timeout_s))
+
+
+def inductor_cache_dir() -> Path:
+    """Per-host TorchInductor cache shared by a host's trials: $AUTOTUNE_INDUCTOR_CACHE_DIR,
+    else ~/.cache/autotune/inductor. Warm caches cut compile warm-up from ~30 s to ~3 s."""
+    env = os.environ.get("AUTOTUNE_INDUCTOR_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "autotune" / "inductor"
+
+
+def child_environment(threads: int | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The probe child's environment: the worker's, plus the compile cache and thread limits."""
+    env = dict(os.environ if base is None else base)
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+    if threads:
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[name] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def default_worker_id(device: str) -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{device}"
+
+
+def describe_exit(returncode: int) -> str:
+    """Why a child ended without a result, in words."""
+    if returncode < 0:
+        number = -returncode
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        hint = ": possibly the OOM killer" if number == signal.SIGKILL else ""
+        return f"probe process killed by signal {number} ({name}{hint})"
+    if returncode == 0:
+        return "probe process exited (code 0) without printing a result"
+    return f"probe process exited with code {returncode} without a result"
+
+
+@dataclass
+class WorkerOptions:
+    """What `autotune worker` is told on its command line."""
+
+    api: str = DEFAULT_API
+    token: str | None = None
+    study: str | None = None  # serve only this study (default: any study of this hardware class)
+    device: str = "cpu"
+    max_trials: int | None = None  # exit after this many trials (default: never)
+    idle_exit_s: float | None = None  # exit after this long without work (default: never)
+    worker_id: str | None = None  # default: hostname-pid-device
+    heartbeat_s: float = 5.0
+    threads: int | None = None  # torch threads in the child (default: torch's)
+    child_argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", CHILD_MODULE])
+
+
+# --- the probe child -----------------------------------------------------------------------------
+
+
+class ProbeProcess:
+    """One running probe child: its stdout protocol lines arrive on `events`, its stderr
+    is kept as a tail. The child leads its own process group; `kill` ends the whole group
+    (DataLoader workers, compile workers), so no orphans remain."""
+
+    def __init__(self, argv: list[str], job: ChildJob, env: Mapping[str, str]) -> None:
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stderr: collections.deque[str] = collections.deque(maxlen=200)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=dict(env), start_new_session=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        try:
+            self.proc.stdin.write(job.to_json().encode())  # small: fits the pipe buffer, never blocks
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the child died at once; its exit status tells why
+        self._out = threading.Thread(target=self._read_stdout, args=(self.proc.stdout,), daemon=True,
+                                     name=f"probe-{self.proc.pid}-stdout")
+        self._err = threading.Thread(target=self._read_stderr, args=(self.proc.stderr,), daemon=True,
+                                     name=f"probe-{self.proc.pid}-stderr")
+        self._out.start()
+        self._err.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read_stdout(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                self._stderr.append(f"[stdout] {line}")
+                continue
+            kind = message.get("type") if isinstance(message, dict) else None
+            if kind == "report" and isinstance(message.get("metrics"), dict):
+                self.events.put(("report", message))
+            elif kind == "result" and isinstance(message.get("result"), dict):
+                self.events.put(("result", message["result"]))
+            else:
+                self._stderr.append(f"[stdout] {line}")
+        self.events.put(("eof", None))
+
+    def _read_stderr(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._stderr.append(line)
+            log.debug("probe %d: %s", self.proc.pid, line)
+
+    def stderr_tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
+        self._err.join(timeout=1.0)
+        text = "\n".join(self._stderr).strip()
+        return text[-chars:]
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal_child(self, signum: int) -> None:
+        """Send `signum` to the child only (not its DataLoader workers)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signum)
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's whole process group (harmless when it is already gone)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM the child, give it `grace_s` to exit, then SIGKILL its group; reap it."""
+        self.signal_child(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
+        self.finish()
+
+    def finish(self) -> int:
+        """Kill what is left of the group, reap the child, let the readers drain; its exit status."""
+        self.kill_group()
+        returncode = self.proc.wait()
+        self._out.join(timeout=5.0)
+        self._err.join(timeout=5.0)
+        return returncode
+
+
+# --- outcomes ------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrialRun:
+    """What happened to one leased trial while its child ran."""
+
+    lease: TrialLease
+    started: float = field(default_factory=time.monotonic)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    returncode: int | None = None
+    prune_reason: str | None = None
+    stop_reason: str | None = None  # the service said stop (heartbeat)
+    interrupted_by: str | None = None  # SIGINT / SIGTERM name
+    timed_out: bool = False
+    dropped: str | None = None  # why the trial is no longer ours (no complete)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+
+def minimal_result(lease: TrialLease, hardware: Hardware, failure: dict[str, str] | None,
+                   **fields: Any) -> dict[str, Any]:
+    """A ProbeResult dict for a trial whose child gave none: workload, preset, config, device,
+    torch_version and the failure always present."""
+    from autotune.probe import ProbeResult  # torch is loaded already (hardware detection)
+
+    result = ProbeResult(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
+                         device=hardware.device_name, torch_version=hardware.torch_version, failure=failure)
+    for name, value in fields.items():
+        setattr(result, name, value)
+    return result.to_dict()
+
+
+def partial_result(run: TrialRun, hardware: Hardware) -> dict[str, Any]:
+    """A stopped_early result from the reports a pruned child sent before it was killed."""
+    throughputs = [float(r["metrics"]["throughput"]) for r in run.reports if "throughput" in r["metrics"]]
+    curve = [(int(r["metrics"].get("samples", 0)), float(r["metrics"]["loss"])) for r in run.reports
+             if "loss" in r["metrics"]]
+    fields: dict[str, Any] = {"stopped_early": True, "window_throughputs": throughputs, "loss_curve": curve}
+    if throughputs:
+        median = statistics.median(throughputs)
+        fields.update(throughput_samples_per_s=median, throughput_spread=(max(throughputs) - min(throughputs)) / median)
+    if run.reports:
+        last = run.reports[-1]
+        fields.update(steps=int(last["step"]), samples_trained=int(last["metrics"].get("samples", 0)))
+    return minimal_result(run.lease, hardware, None, **fields)
+
+
+def final_result(run: TrialRun, hardware: Hardware, stderr_tail: str) -> dict[str, Any]:
+    """The result to complete `run`'s trial with. The child's own result wins when it gave
+    one (marked stopped_early if the trial was pruned); otherwise, by precedence: the worker
+    was interrupted, the service said stop, the hard timeout, pruned (a partial result from
+    the reports), the child died."""
+
+    def failed(kind: str, message: str) -> dict[str, Any]:
+        return minimal_result(run.lease, hardware, {"kind": kind, "message": message})
+
+    if run.result is not None:
+        if run.prune_reason is not None and not run.result.get("failure"):
+            return {**run.result, "stopped_early": True}
+        return run.result
+    if run.interrupted_by:
+        return failed("error", f"worker interrupted by {run.interrupted_by}")
+    if run.stop_reason:
+        return failed("error", f"stopped by the service: {run.stop_reason}")
+    if run.timed_out:
+        timeout = run.lease.probe.timeout_s
+        return failed("timeout", f"probe exceeded its hard limit of {timeout:g} s "
+                                 f"(+{hard_timeout_grace_s(timeout):g} s grace) and was killed")
+    if run.prune_reason is not None:
+        return partial_result(run, hardware)
+    why = describe_exit(run.returncode if run.returncode is not None else -1)
+    return failed("error", f"{why}; stderr tail:\n{stderr_tail}" if stderr_tail else why)
+
+
+# --- display -------------------------------------------------------------------------------------
+
+
+def format_params(params: Mapping[str, Any], limit: int = 8) -> str:
+    items = [f"{k}={v}" for k, v in list(params.items())[:limit]]
+    if len(params) > limit:
+        items.append("…")
+    return " ".join(items) or "(defaults)"
+
+
+def summarize_result(result: Mapping[str, Any]) -> str:
+    """One line: throughput · NRMSE, or the failure, or pruned."""
+    failure = result.get("failure")
+    if failure:
+        message = str(failure.get("message", "")).splitlines()[0][:160] if failure.get("message") else ""
+        return f"[red]FAIL {failure.get('kind')}[/]: {message}"
+    thr = result.get("throughput_samples_per_s")
+    thr_text = f"{thr:,.1f} samples/s" if isinstance(thr, (int, float)) else "- samples/s"
+    if result.get("stopped_early"):
+        return f"[yellow]PRUNED[/] ({thr_text} before it stopped)"
+    nrmse = result.get("val_nrmse")
+    nrmse_text = f"NRMSE {nrmse:.4f}" if isinstance(nrmse, (int, float)) else "NRMSE -"
+    warm = result.get("warmup_s")
+    warm_text = f" · warm-up {warm:.1f} s" if isinstance(warm, (int, float)) else ""
+    return f"[green]{thr_text}[/] · {nrmse_text}{warm_text}"
+
+
+# --- the worker ----------------------------------------------------------------------------------
+
+
+class Worker:
+    """The lease → probe → complete loop of one device (see the module docstring)."""
+
+    def __init__(self, options: WorkerOptions, hardware: Hardware, client: Client | None = None,
+                 console: Console | None = None) -> None:
+        self.options = options
+        self.hardware = hardware
+        self.worker_id = options.worker_id or default_worker_id(hardware.device)
+        self.stop_event = threading.Event()
+        self.client = client or Client(options.api, options.token, retry_for_s=None, cancel=self.stop_event)
+        self.console = console or Console(soft_wrap=True, highlight=False)
+        self.signal_name: str | None = None
+        self.signal_number: int | None = None
+        self.trials_done = 0
+        self.current: ProbeProcess | None = None
+        self.on_child_started: Callable[[ProbeProcess], None] | None = None  # a hook for tests
+
+    # --- signals --------------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signal_name is not None:  # a second signal: stop waiting for anything
+            raise KeyboardInterrupt
+        self.signal_number = signum
+        self.signal_name = signal.Signals(signum).name
+        self.stop_event.set()
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def announce(self) -> None:
+        hw = self.hardware
+        if hw.device.startswith("cuda"):
+            mem = f", {hw.memory_bytes / 2**30:.1f} GiB" if hw.memory_bytes else ""
+            device = f"GPU {hw.device_name}{mem} ({hw.device})"
+        else:
+            device = hw.device_name
+        self.console.print(f"[bold]autotune worker[/] {self.worker_id}")
+        self.console.print(f"  device   {device}")
+        self.console.print(f"  hardware class [bold]{hw.hardware_class}[/] · torch {hw.torch_version} · "
+                           f"host {hw.hostname}")
+        threads = self.options.threads or "torch default"
+        self.console.print(f"  service  {self.client.base_url} · study {self.options.study or 'any'} · "
+                           f"threads {threads} · heartbeat {self.options.heartbeat_s:g} s")
+
+    def run(self) -> int:
+        """Serve trials until told to stop; the exit status (128 + signal when interrupted)."""
+        self.announce()
+        idle_since: float | None = None
+        delay = IDLE_BACKOFF_START_S
+        waiting_shown = False
+        request = LeaseRequest(worker_id=self.worker_id, hardware=self.hardware.hardware_class,
+                               study=self.options.study)
+        try:
+            while not self.stop_event.is_set():
+                if self.options.max_trials is not None and self.trials_done >= self.options.max_trials:
+                    self.console.print(f"done: {self.trials_done} trial(s) (--max-trials)")
+                    return 0
+                try:
+                    lease = self.client.lease(request, retry_for_s=None)
+                except ServiceUnavailable:
+                    break  # interrupted while the service was away
+                except Conflict as e:  # the service refused a second lease for this worker: ask again
+                    log.warning("lease refused: %s", e.message)
+                    self.stop_event.wait(1.0)
+                    continue
+                except (NotFound, Unauthorized, Invalid) as e:
+                    self.console.print(f"[bold red]error:[/] the service refused the lease: {e.message}")
+                    return 2 if isinstance(e, Invalid) else 1
+                if lease is None:
+                    now = time.monotonic()
+                    if idle_since is None:
+                        idle_since = now
+                    if not waiting_shown:
+                        self.console.print("waiting for trials…")
+                        waiting_shown = True
+                    idle = now - idle_since
+                    if self.options.idle_exit_s is not None and idle >= self.options.idle_exit_s:
+                        self.console.print(f"idle for {idle:.0f} s: exiting after {self.trials_done} trial(s)")
+                        return 0
+                    wait = delay
+                    if self.options.idle_exit_s is not None:
+                        wait = min(wait, max(0.05, self.options.idle_exit_s - idle))
+                    self.stop_event.wait(wait)
+                    delay = min(delay * 2, IDLE_BACKOFF_CAP_S)
+                    continue
+                idle_since, delay, waiting_shown = None, IDLE_BACKOFF_START_S, False
+                self.run_trial(lease)
+                self.trials_done += 1
+        except KeyboardInterrupt:
+            if self.current is not None:
+                self.current.finish()
+        if self.signal_number is not None:
+            self.console.print(f"stopped by {self.signal_name} after {self.trials_done} trial(s)")
+            return 128 + self.signal_number
+        return 0
+
+    # --- one trial ------------------------------------------------------------------------------
+
+    def run_trial(self, lease: TrialLease) -> TrialRun:
+        """Run `lease`'s probe in a child, forward reports and heartbeats, then complete it."""
+        run = TrialRun(lease)
+        baseline = " [cyan](baseline)[/]" if lease.is_baseline else ""
+        self.console.print(f"▶ trial {lease.number} of {lease.study} (id {lease.trial_id}){baseline}: "
+                           f"{format_params(lease.params)}")
+        job = ChildJob(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
+                       device=self.hardware.device, probe=lease.probe.model_dump(mode="json"),
+                       threads=self.options.threads)
+        if self.signal_name is None:
+            child = ProbeProcess(self.options.child_argv, job, child_environment(self.options.threads))
+            self.current = child
+            if self.on_child_started is not None:
+                self.on_child_started(child)
+            try:
+                if self.console.is_terminal:
+                    with self.console.status("") as status:
+                        self._monitor(run, child, lambda text: status.update(text))
+                else:
+                    self._monitor(run, child, None)
+            finally:
+                run.returncode = child.finish()
+                self.current = None
+            tail = child.stderr_tail()
+        else:  # interrupted between lease and start
+            run.interrupted_by = self.signal_name
+            tail = ""
+        if run.dropped:
+            self.console.print(f"  trial {lease.number}: dropped: {run.dropped}")
+            return run
+        result = final_result(run, self.hardware, tail)
+        self._complete(run, result)
+        return run
+
+    def _monitor(self, run: TrialRun, child: ProbeProcess, show: Callable[[str], None] | None) -> None:
+        """Follow the child until it exits or must be stopped."""
+        lease = run.lease
+        timeout = lease.probe.timeout_s
+        hard_deadline = run.started + timeout + hard_timeout_grace_s(timeout)
+        next_heartbeat = run.started + self.options.heartbeat_s
+        eof = False
+        while True:
+            if self.signal_name is not None:
+                run.interrupted_by = self.signal_name
+                child.stop(KILL_GRACE_S)
+                return
+            now = time.monotonic()
+            if now >= hard_deadline:
+                run.timed_out = True
+                child.stop(KILL_GRACE_S)
+                return
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.options.heartbeat_s
+                if not self._heartbeat(run, child):
+                    return
+            if show is not None:
+                show(f"trial {lease.number} of {lease.study}: {run.elapsed_s:.0f} s, {len(run.reports)} window(s)")
+            try:
+                kind, payload = child.events.get(timeout=0.2)
+            except queue.Empty:
+                if child.poll() is not None and not eof:
+                    # exited, but a grandchild may hold the pipe open: end the group so EOF comes
+                    child.kill_group()
+                continue
+            if kind == "report":
+                run.reports.append(payload)
+                if run.prune_reason is None and not self._forward_report(run, child, payload):
+                    return
+            elif kind == "result":
+                run.result = payload
+            elif kind == "eof":
+                eof = True
+                run.returncode = child.finish()
+                return
+
+    def _heartbeat(self, run: TrialRun, child: ProbeProcess) -> bool:
+        """Heartbeat; False when the child has been stopped (service said stop, or 409)."""
+        budget = min(self.options.heartbeat_s, 5.0)
+        try:
+            reply = self.client.heartbeat(run.lease.trial_id, self.worker_id, retry_for_s=budget)
+        except ServiceUnavailable as e:
+            log.warning("heartbeat for trial %d skipped: %s", run.lease.trial_id, e)
+            return True
+        except Conflict as e:
+            run.dropped = f"the service says the trial is no longer ours ({e.message})"
+            child.stop(KILL_GRACE_S)
+            return False
+        except ApiError as e:
+            log.warning("heartbeat for trial %d refused: %s", run.lease.trial_id, e)
+            return True
+        if reply.action == "stop":
+            run.stop_reason = reply.reason or "the service said stop"
+            self.console.print(f"  trial {run.lease.number}: the service said stop ({run.stop_reason})")
+            child.stop(KILL_GRACE_S)
+            return False
+        return True
+
+    def _forward_report(self, run: TrialRun, child: ProbeProcess, report: dict[str, Any]) -> bool:
+        """POST one report; on prune, ask the child to stop. False when the child was stopped
+        for good (409: the trial is no longer ours)."""
+        metrics = {k: float(v) for k, v in report["metrics"].items() if isinstance(v, (int, float))}
+        try:
+            reply = self.client.report(run.lease.trial_id, self.worker_id, int(report["step"]), metrics,
+                                       retry_for_s=min(self.options.heartbeat_s, 5.0))
+        except ServiceUnavailable as e:
+            log.warning("report of trial %d skipped: %s", run.lease.trial_id, e)
+            return True
+        except Conflict as e:
+            run.dropped = f"the service says the trial is no longer ours ({e.message})"
+            child.stop(KILL_GRACE_S)
+            return False
+        except ApiError as e:
+            log.warning("report of trial %d refused: %s", run.lease.trial_id, e)
+            return True
+        if reply.prune:
+            run.prune_reason = reply.reason or "pruned"
+            self.console.print(f"  trial {run.lease.number}: pruned at step {report['step']} ({run.prune_reason})")
+            # SIGTERM: the child stops at its next window boundary and prints a stopped_early
+            # result; a separate thread escalates to SIGKILL after the grace period.
+            child.signal_child(signal.SIGTERM)
+            threading.Thread(target=_kill_after, args=(child, PRUNE_GRACE_S), daemon=True).start()
+        return True
+
+    def _complete(self, run: TrialRun, result: dict[str, Any]) -> None:
+        lease = run.lease
+        retry: float | None = FINAL_COMPLETE_RETRY_S if self.signal_name is not None else None
+        self.console.print(f"  trial {lease.number} ({run.elapsed_s:.1f} s): {summarize_result(result)}")
+        try:
+            info: TrialInfo = self.client.complete(lease.trial_id, self.worker_id, result, retry_for_s=retry)
+        except Conflict as e:
+            self.console.print(f"  trial {lease.number}: not ours any more, dropped ({e.message})")
+            return
+        except ServiceUnavailable as e:
+            self.console.print(f"  [red]trial {lease.number}: could not be completed[/] ({e}); the service will "
+                               "fail it as lost")
+            return
+        except ApiError as e:
+            self.console.print(f"  [red]trial {lease.number}: the service refused the result[/]: {e.message}")
+            return
+        feasible = {True: " · feasible", False: " · infeasible", None: ""}[info.feasible]
+        self.console.print(f"  trial {lease.number} → {info.state}{feasible}")
+
+
+def _kill_after(child: ProbeProcess, grace_s: float) -> None:
+    try:
+        child.proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("probe %d did not stop within %.0f s of SIGTERM: killing it", child.pid, grace_s)
+        child.kill_group()
+
+
+def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
+    """Detect the hardware, install the signal handlers and serve trials (the `autotune worker` verb)."""
+    from autotune.hardware import detect
+
+    hardware = detect(options.device)
+    worker = Worker(options, hardware, console=console)
+    worker.install_signal_handlers()
+    try:
+        return worker.run()
+    finally:
+        worker.client.close()
