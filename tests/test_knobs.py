@@ -538,7 +538,7 @@ def test_schedule_follows_samples_not_steps(tiny: Workload, train_items: list) -
         model = tiny.build_model()
         notes: dict[str, str] = {}
         opt = build_optimizer(model, cfg, 0.0, notes)
-        trainer = Trainer(model, opt, cfg, CPU, notes, schedule=Schedule(total_samples=80))
+        trainer = Trainer(model, opt, cfg, CPU, notes, schedule=Schedule(total_samples=800))
         seen = []
         for _ in range(3):
             trainer.step(micro_batches(train_items, batch_size))
