@@ -1,8 +1,8 @@
 """The `ups` model: grid encoder → latent transformer operator → any-point decoder.
 
 Shaped like the Universal Physics Stack of the source research: a field sampled on a grid
-is encoded into a fixed set of latent tokens (Perceiver-style cross-attention from learned
-queries), a stack of pre-norm transformer blocks (RMSNorm, SDPA attention, MLP) advances
+is encoded into a fixed set of latent tokens (supernode pooling of grid patches refined by
+cross-attention to every point), a stack of pre-norm transformer blocks (RMSNorm, SDPA attention, MLP) advances
 the latent state by one time step, and a decoder answers queries at arbitrary coordinates
 by cross-attending to the latent tokens. Two inverse losses keep the latent space
 consistent and are the expensive auxiliary terms that `inverse_loss_frequency` thins out:
@@ -140,6 +140,7 @@ class UPSModel(nn.Module):
     """forward(batch, with_inverse) returns the training losses as a dict of scalars."""
 
     grid_x: torch.Tensor
+    latent_x: torch.Tensor
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -164,16 +165,29 @@ class UPSModel(nn.Module):
         self.dec_attn = Attention(h, spec.heads)
         self.dec_mlp = MLP(h, 2)
         self.dec_out = nn.Linear(h, c)
+        if spec.n_points % spec.latent_tokens:
+            raise ValueError(f"n_points ({spec.n_points}) must be a multiple of latent_tokens ({spec.latent_tokens})")
         self.register_buffer(
             "grid_x", 2 * math.pi * torch.arange(spec.n_points, dtype=torch.float32) / spec.n_points,
             persistent=False,
         )
+        patch = spec.n_points // spec.latent_tokens  # latent token i sits at the centre of its patch
+        self.register_buffer("latent_x", self.grid_x.reshape(spec.latent_tokens, patch).mean(dim=1),
+                             persistent=False)
 
     def encode(self, u: torch.Tensor) -> torch.Tensor:
-        """(B, C, N) on the grid → (B, T, latent_dim)."""
-        points = self.stem(u).transpose(1, 2) + self.enc_pos(self.coords(self.grid_x))
-        queries = self.latent_queries.expand(u.shape[0], -1, -1)
-        z = queries + self.enc_attn(queries, self.enc_norm(points))
+        """(B, C, N) on the grid → (B, T, latent_dim).
+
+        Supernode pooling: each latent token starts as the mean of a contiguous patch of
+        N/T grid points (so the latent carries spatial structure from initialisation), then
+        a cross-attention over all points refines it.
+        """
+        b = u.shape[0]
+        t = self.spec.latent_tokens
+        points = self.stem(u).transpose(1, 2) + self.enc_pos(self.coords(self.grid_x))  # (B, N, h)
+        pooled = points.reshape(b, t, -1, points.shape[-1]).mean(dim=2)  # (B, T, h)
+        z = pooled + self.latent_queries
+        z = z + self.enc_attn(self.enc_norm(z), self.enc_norm(points))
         return self.enc_out(z)
 
     def advance(self, z: torch.Tensor) -> torch.Tensor:
@@ -186,7 +200,8 @@ class UPSModel(nn.Module):
     def decode(self, z: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Latent (B, T, D) queried at coordinates q (B, Q) → fields (B, C, Q)."""
         pos = self.dec_pos(self.coords(q))
-        x = pos + self.dec_attn(pos, self.dec_latent(z))
+        latent = self.dec_latent(z) + self.dec_pos(self.coords(self.latent_x))  # tokens know their place
+        x = pos + self.dec_attn(pos, latent)
         x = x + self.dec_mlp(x)
         return self.dec_out(x).transpose(1, 2)
 
