@@ -1,0 +1,188 @@
+"""Reads and writes of the service tables. Every helper takes a Session and never commits.
+
+The caller (api/service.py) owns the transaction. ORM rows never leave this module:
+reads return frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from api.db import LeaseRow, ReportRow, StudyRow, WorkerRow
+
+
+@dataclass(frozen=True)
+class StudyRecord:
+    name: str
+    spec: dict[str, Any]
+    space: dict[str, Any]
+    hardware: str
+    state: str
+    created_at: datetime
+    stopped_at: datetime | None
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    trial_id: int
+    study_name: str
+    trial_number: int
+    worker_id: str
+    state: str
+    outcome: str | None
+    leased_at: datetime
+    heartbeat_at: datetime
+    finished_at: datetime | None
+
+    @property
+    def active(self) -> bool:
+        return self.state == "active"
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    trial_id: int
+    step: int
+    metrics: dict[str, float]
+    at: datetime
+
+
+def _study(row: StudyRow) -> StudyRecord:
+    return StudyRecord(name=row.name, spec=dict(row.spec), space=dict(row.space), hardware=row.hardware,
+                       state=row.state, created_at=row.created_at, stopped_at=row.stopped_at)
+
+
+def _lease(row: LeaseRow) -> LeaseRecord:
+    return LeaseRecord(trial_id=row.trial_id, study_name=row.study_name, trial_number=row.trial_number,
+                       worker_id=row.worker_id, state=row.state, outcome=row.outcome, leased_at=row.leased_at,
+                       heartbeat_at=row.heartbeat_at, finished_at=row.finished_at)
+
+
+# Non-finite floats are not valid JSON (PostgreSQL's json type rejects NaN): stored as strings.
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode_metrics(metrics: dict[str, float]) -> dict[str, Any]:
+    return {k: v if math.isfinite(v) else str(v) for k, v in metrics.items()}
+
+
+def decode_metrics(stored: dict[str, Any]) -> dict[str, float]:
+    return {k: _NON_FINITE[v] if isinstance(v, str) and v in _NON_FINITE else float(v) for k, v in stored.items()}
+
+
+# --- studies -----------------------------------------------------------------------------------
+
+def add_study(session: Session, name: str, spec: dict[str, Any], space: dict[str, Any], hardware: str,
+              now: datetime) -> None:
+    session.add(StudyRow(name=name, spec=spec, space=space, hardware=hardware, state="running", created_at=now))
+
+
+def get_study(session: Session, name: str, *, for_update: bool = False) -> StudyRecord | None:
+    """The study named `name`; with `for_update`, its row stays locked until the transaction ends
+    (SELECT ... FOR UPDATE on PostgreSQL; SQLite ignores it and relies on its single writer)."""
+    query = select(StudyRow).where(StudyRow.name == name)
+    if for_update:
+        query = query.with_for_update()
+    row = session.scalars(query).one_or_none()
+    return _study(row) if row is not None else None
+
+
+def list_studies(session: Session) -> list[StudyRecord]:
+    return [_study(r) for r in session.scalars(select(StudyRow).order_by(StudyRow.created_at, StudyRow.name))]
+
+
+def leasable_studies(session: Session, hardware: str, name: str | None = None) -> list[StudyRecord]:
+    """Running studies of exactly this hardware class (oldest first), rows locked FOR UPDATE.
+
+    The lock serialises lease creation per study across service processes on PostgreSQL.
+    """
+    query = select(StudyRow).where(StudyRow.state == "running", StudyRow.hardware == hardware)
+    if name is not None:
+        query = query.where(StudyRow.name == name)
+    query = query.order_by(StudyRow.created_at, StudyRow.name).with_for_update()
+    return [_study(r) for r in session.scalars(query)]
+
+
+def set_study_state(session: Session, name: str, state: str, now: datetime) -> None:
+    session.execute(update(StudyRow).where(StudyRow.name == name)
+                    .values(state=state, stopped_at=now if state == "stopped" else None))
+
+
+# --- leases ------------------------------------------------------------------------------------
+
+def get_lease(session: Session, trial_id: int) -> LeaseRecord | None:
+    row = session.get(LeaseRow, trial_id)
+    return _lease(row) if row is not None else None
+
+
+def active_lease_of_worker(session: Session, worker_id: str) -> LeaseRecord | None:
+    row = session.scalars(select(LeaseRow).where(LeaseRow.worker_id == worker_id, LeaseRow.state == "active")
+                          ).one_or_none()
+    return _lease(row) if row is not None else None
+
+
+def add_lease(session: Session, trial_id: int, study_name: str, trial_number: int, worker_id: str,
+              now: datetime) -> None:
+    session.add(LeaseRow(trial_id=trial_id, study_name=study_name, trial_number=trial_number, worker_id=worker_id,
+                         state="active", leased_at=now, heartbeat_at=now))
+
+
+def touch_lease(session: Session, trial_id: int, now: datetime) -> None:
+    session.execute(update(LeaseRow).where(LeaseRow.trial_id == trial_id).values(heartbeat_at=now))
+
+
+def finish_lease(session: Session, trial_id: int, outcome: str, now: datetime) -> None:
+    session.execute(update(LeaseRow).where(LeaseRow.trial_id == trial_id, LeaseRow.state == "active")
+                    .values(state="done", outcome=outcome, finished_at=now))
+
+
+def stale_leases(session: Session, heartbeat_before: datetime) -> list[LeaseRecord]:
+    """Active leases whose last heartbeat is older than `heartbeat_before`."""
+    query = select(LeaseRow).where(LeaseRow.state == "active", LeaseRow.heartbeat_at < heartbeat_before)
+    return [_lease(r) for r in session.scalars(query.order_by(LeaseRow.trial_id))]
+
+
+def leased_trial_ids(session: Session, study_name: str) -> set[int]:
+    """Every trial of the study that was ever leased (active or done)."""
+    return set(session.scalars(select(LeaseRow.trial_id).where(LeaseRow.study_name == study_name)))
+
+
+def active_leases(session: Session, study_name: str) -> list[LeaseRecord]:
+    query = select(LeaseRow).where(LeaseRow.study_name == study_name, LeaseRow.state == "active")
+    return [_lease(r) for r in session.scalars(query)]
+
+
+# --- reports -----------------------------------------------------------------------------------
+
+def add_report(session: Session, trial_id: int, study_name: str, step: int, metrics: dict[str, float],
+               now: datetime) -> None:
+    session.add(ReportRow(trial_id=trial_id, study_name=study_name, step=step, metrics=encode_metrics(metrics),
+                          at=now))
+
+
+def study_reports(session: Session, study_name: str) -> list[ReportRecord]:
+    """Every intermediate report of the study, oldest first."""
+    query = select(ReportRow).where(ReportRow.study_name == study_name).order_by(ReportRow.id)
+    return [ReportRecord(trial_id=r.trial_id, step=r.step, metrics=decode_metrics(r.metrics), at=r.at)
+            for r in session.scalars(query)]
+
+
+# --- workers -----------------------------------------------------------------------------------
+
+def see_worker(session: Session, worker_id: str, now: datetime, hardware: str | None = None) -> None:
+    """Record that `worker_id` was heard from (and its hardware, when the call says it)."""
+    row = session.get(WorkerRow, worker_id)
+    if row is None:
+        if hardware is None:
+            return
+        session.add(WorkerRow(worker_id=worker_id, hardware=hardware, last_seen=now))
+        return
+    row.last_seen = now
+    if hardware is not None:
+        row.hardware = hardware

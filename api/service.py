@@ -1,0 +1,393 @@
+"""The tuning service: studies and the trial lifecycle (lease → heartbeat/report → complete),
+plus the stale-lease reaper. Routes call this; it owns every transaction.
+
+Concurrency contract:
+
+* Every mutating operation runs under one process-wide lock (`TuningService.lock`), so
+  within a process no two leases, tells or lease updates interleave. A trial is never
+  handed out twice; beyond the lock, the database guarantees it: the lease table's primary
+  key is the trial id, a partial unique index allows one active lease per worker, and on
+  PostgreSQL lease creation locks the study rows (SELECT ... FOR UPDATE), which serialises
+  the trial count and the baseline choice across service processes.
+* Optuna's storage commits its own transactions on its own connections. A unit of work
+  therefore calls Optuna first and writes the service tables last: on SQLite (one writer at
+  a time) a service transaction holding the write lock while Optuna waits for it would
+  stall until the busy timeout. If the process dies between the two, the next call repairs
+  it: a finished trial with an active lease counts as completed, a RUNNING trial without a
+  lease is failed as "lost" by the reaper.
+* Reads take no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api import crud
+from api.db import Database, as_naive_utc, utcnow
+from api.errors import Conflict, Invalid, NotFound
+from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, TrialRecord, check_sampler_fits
+from api.outcome import probe_outcome
+from api.pruning import decide
+from api.results import (
+    NoRecommendation,
+    counts_by_state,
+    failures_by_kind,
+    gate_nrmse,
+    recommend,
+    trial_info,
+    trial_infos,
+)
+from api.settings import Settings
+from autotune.protocol import (
+    CompleteRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    LeaseRequest,
+    Recommendation,
+    ReportReply,
+    ReportRequest,
+    StudyInfo,
+    StudySpec,
+    TrialInfo,
+    TrialLease,
+)
+from autotune.space import SpaceError, parse_space
+
+log = logging.getLogger(__name__)
+
+
+def _spec(record: crud.StudyRecord) -> StudySpec:
+    """The stored spec; if it no longer validates as stored (a space file changed or vanished),
+    validate it against the space frozen at creation."""
+    try:
+        return StudySpec.model_validate(record.spec)
+    except ValidationError:
+        return StudySpec.model_validate({**record.spec, "space": record.space})
+
+
+def _context(record: crud.StudyRecord) -> StudyContext:
+    return StudyContext(name=record.name, spec=_spec(record), space=parse_space(record.space))
+
+
+class TuningService:
+    """Studies and trials on one database (service tables + Optuna storage)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.db = Database(settings.db_url, settings.sqlite_busy_timeout_s)
+        self.db.create_tables()
+        self.bridge = OptunaBridge(settings.db_url, settings.sqlite_busy_timeout_s)
+        self.lock = threading.RLock()
+
+    def close(self) -> None:
+        self.bridge.close()
+        self.db.dispose()
+
+    # --- studies -------------------------------------------------------------------------------
+
+    def create_study(self, spec: StudySpec) -> StudyInfo:
+        """Create the Optuna study and the service row. Raises Conflict if the name is taken,
+        Invalid if the sampler cannot search the space."""
+        space = spec.resolved_space()
+        try:
+            check_sampler_fits(spec, space)
+        except SpaceError as e:
+            raise Invalid(e.field, str(e)) from e
+        ctx = StudyContext(name=spec.name, spec=spec, space=space)
+        with self.lock:
+            with self.db.read() as session:
+                if crud.get_study(session, spec.name) is not None:
+                    raise Conflict(f"study {spec.name!r} already exists; choose another name "
+                                   f"(or DELETE /v1/studies/{spec.name} only stops it: data is kept)")
+            try:
+                self.bridge.create_study(ctx)
+            except StudyExists as e:
+                raise Conflict(f"an Optuna study named {spec.name!r} already exists in this database "
+                               "(not created by this service); choose another name") from e
+            try:
+                with self.db.transaction() as session:
+                    crud.add_study(session, spec.name, spec.model_dump(mode="json"), space.to_dict(), spec.hardware,
+                                   utcnow())
+            except Exception:
+                self.bridge.delete_study(spec.name)  # keep the two stores consistent
+                raise
+        log.info("created study %s (%s sampler, %d trials, hardware %s)", spec.name, spec.sampler, spec.n_trials,
+                 spec.hardware)
+        return self.get_study(spec.name)
+
+    def _record(self, name: str) -> crud.StudyRecord:
+        with self.db.read() as session:
+            record = crud.get_study(session, name)
+        if record is None:
+            raise NotFound(f"no study named {name!r}; GET /v1/studies lists them")
+        return record
+
+    def _study_info(self, record: crud.StudyRecord) -> StudyInfo:
+        ctx = _context(record)
+        trials = self.bridge.trials(record.name)
+        state: Any = record.state
+        if state == "running" and sum(t.finished for t in trials) >= self.bridge.max_trials(ctx):
+            state = "finished"
+        try:
+            best: dict[str, Any] | None = recommend(record.name, ctx.spec, trials).model_dump(mode="json")
+        except NoRecommendation:
+            best = None
+        return StudyInfo(name=record.name, state=state, spec=ctx.spec, counts=counts_by_state(trials),
+                         failures=failures_by_kind(trials), best=best)
+
+    def get_study(self, name: str) -> StudyInfo:
+        return self._study_info(self._record(name))
+
+    def list_studies(self) -> list[StudyInfo]:
+        with self.db.read() as session:
+            records = crud.list_studies(session)
+        return [self._study_info(r) for r in records]
+
+    def stop_study(self, name: str) -> StudyInfo:
+        """Stop leasing the study's trials; heartbeats of its running trials answer stop. Data is kept.
+        Stopping a stopped study changes nothing."""
+        with self.lock, self.db.transaction() as session:
+            record = crud.get_study(session, name)
+            if record is None:
+                raise NotFound(f"no study named {name!r}; GET /v1/studies lists them")
+            if record.state != "stopped":
+                crud.set_study_state(session, name, "stopped", utcnow())
+                log.info("stopped study %s", name)
+        return self.get_study(name)
+
+    def list_trials(self, name: str) -> list[TrialInfo]:
+        spec = _spec(self._record(name))
+        return trial_infos(self.bridge.trials(name), spec)
+
+    def pareto(self, name: str) -> list[TrialInfo]:
+        spec = _spec(self._record(name))
+        return trial_infos(self.bridge.pareto(name), spec, all_trials=self.bridge.trials(name))
+
+    def best(self, name: str) -> Recommendation:
+        spec = _spec(self._record(name))
+        try:
+            return recommend(name, spec, self.bridge.trials(name))
+        except NoRecommendation as e:
+            raise NotFound(str(e)) from e
+
+    # --- trials --------------------------------------------------------------------------------
+
+    def _trial_view(self, ctx: StudyContext, trial_id: int) -> TrialInfo:
+        trials = self.bridge.trials(ctx.name)
+        trial = next(t for t in trials if t.trial_id == trial_id)
+        return trial_info(trial, ctx.spec, gate_nrmse(ctx.spec, trials))
+
+    def _lease_reply(self, ctx: StudyContext, trial: TrialRecord) -> TrialLease:
+        config = trial.user_attrs.get("config")
+        return TrialLease(trial_id=trial.trial_id, study=ctx.name, number=trial.number, params=trial.params,
+                          config=config if isinstance(config, dict) else {}, workload=ctx.spec.workload,
+                          preset=ctx.spec.preset, probe=ctx.spec.probe,
+                          is_baseline=bool(trial.user_attrs.get("is_baseline")))
+
+    def lease_trial(self, request: LeaseRequest) -> TrialLease | None:
+        """The trial `request.worker_id` should run next, or None when there is nothing to do.
+
+        Idempotent per worker: a worker holding an active lease gets that trial back. Only
+        running studies of exactly the worker's hardware class are considered (oldest first;
+        only `request.study` when given, NotFound if it does not exist). A study hands out at
+        most its n_trials trials ever; its first trial is the baseline.
+        """
+        now = utcnow()
+        with self.lock, self.db.transaction() as session:
+            if request.study is not None and crud.get_study(session, request.study) is None:
+                raise NotFound(f"no study named {request.study!r}; GET /v1/studies lists them")
+            held = crud.active_lease_of_worker(session, request.worker_id)
+            if held is not None:
+                record = crud.get_study(session, held.study_name)
+                trial = self.bridge.get_trial(held.trial_id)
+                assert record is not None and trial is not None, "a lease always names a study and a trial"
+                crud.see_worker(session, request.worker_id, now, request.hardware)
+                return self._lease_reply(_context(record), trial)
+            for record in crud.leasable_studies(session, request.hardware, request.study):
+                ctx = _context(record)
+                created = self.bridge.n_trials(ctx.name)
+                if created >= self.bridge.max_trials(ctx):
+                    continue
+                baseline = (ctx.spec.baseline or {}) if created == 0 else None
+                try:
+                    asked = self.bridge.ask(ctx, baseline_config=baseline)
+                except SpaceError:
+                    log.exception("study %s: could not draw a config; trial failed", ctx.name)
+                    continue
+                self.bridge.set_user_attrs(asked.trial_id, {"worker_id": request.worker_id})
+                try:
+                    crud.add_lease(session, asked.trial_id, ctx.name, asked.number, request.worker_id, now)
+                    session.flush()  # the database guards (primary key, one active lease per worker) fire here
+                except IntegrityError as e:  # another service process leased to this worker meanwhile
+                    trial = self.bridge.get_trial(asked.trial_id)
+                    assert trial is not None
+                    self.bridge.tell(ctx, trial, "FAIL", attrs={"failure_kind": "lost", "failure_message":
+                                                                "lease refused: the worker already holds one"})
+                    raise Conflict(f"worker {request.worker_id!r} already holds a lease; ask again") from e
+                crud.see_worker(session, request.worker_id, now, request.hardware)
+                log.info("leased trial %d of %s to %s%s", asked.number, ctx.name, request.worker_id,
+                         " (baseline)" if asked.is_baseline else "")
+                trial = self.bridge.get_trial(asked.trial_id)
+                assert trial is not None
+                return self._lease_reply(ctx, trial)
+            crud.see_worker(session, request.worker_id, now, request.hardware)
+            return None
+
+    def _lease_of(self, session: Session, trial_id: int) -> crud.LeaseRecord | None:
+        """The lease of `trial_id`; NotFound when no such trial exists at all."""
+        lease = crud.get_lease(session, trial_id)
+        if lease is None and self.bridge.get_trial(trial_id) is None:
+            raise NotFound(f"no trial with id {trial_id}")
+        return lease
+
+    def heartbeat(self, trial_id: int, request: HeartbeatRequest) -> HeartbeatReply:
+        """Record that the worker still runs the trial; say stop when it should not go on."""
+        now = utcnow()
+        with self.lock, self.db.transaction() as session:
+            lease = self._lease_of(session, trial_id)
+            if lease is None:
+                return HeartbeatReply(action="stop", reason=f"trial {trial_id} was not leased by this service")
+            if lease.worker_id != request.worker_id:
+                return HeartbeatReply(action="stop", reason=f"trial {trial_id} is leased to worker "
+                                                            f"{lease.worker_id!r}, not {request.worker_id!r}")
+            if not lease.active:
+                why = "its lease was reaped (no heartbeat within the grace period)" if lease.outcome == "lost" \
+                    else "it is already completed"
+                return HeartbeatReply(action="stop", reason=f"trial {trial_id} is no longer leased: {why}")
+            crud.touch_lease(session, trial_id, now)
+            crud.see_worker(session, request.worker_id, now)
+            record = crud.get_study(session, lease.study_name)
+            if record is not None and record.state == "stopped":
+                return HeartbeatReply(action="stop", reason=f"study {lease.study_name!r} was stopped")
+            trial = self.bridge.get_trial(trial_id)
+            if trial is not None and trial.finished:
+                return HeartbeatReply(action="stop", reason=f"trial {trial_id} already finished ({trial.state})")
+            return HeartbeatReply(action="continue")
+
+    def _active_lease(self, session: Session, trial_id: int, worker_id: str, verb: str) -> crud.LeaseRecord:
+        lease = self._lease_of(session, trial_id)
+        if lease is None:
+            raise Conflict(f"cannot {verb} trial {trial_id}: it was not leased by this service")
+        if lease.worker_id != worker_id:
+            raise Conflict(f"cannot {verb} trial {trial_id}: it is leased to worker {lease.worker_id!r}, "
+                           f"not {worker_id!r}")
+        if not lease.active:
+            why = "its lease was reaped: no heartbeat within the grace period, the trial is marked FAIL (lost)" \
+                if lease.outcome == "lost" else "it is already completed"
+            raise Conflict(f"cannot {verb} trial {trial_id}: {why}; lease a new trial")
+        return lease
+
+    def report(self, trial_id: int, request: ReportRequest) -> ReportReply:
+        """Store an intermediate report and say whether the trial should stop (prune)."""
+        now = utcnow()
+        with self.lock, self.db.transaction() as session:
+            lease = self._active_lease(session, trial_id, request.worker_id, "report on")
+            crud.add_report(session, trial_id, lease.study_name, request.step, request.metrics, now)
+            crud.touch_lease(session, trial_id, now)  # a report is as good as a heartbeat
+            crud.see_worker(session, request.worker_id, now)
+            record = crud.get_study(session, lease.study_name)
+            if record is not None and record.state == "stopped":
+                return ReportReply(prune=True, reason=f"study {lease.study_name!r} was stopped")
+            session.flush()
+            decision = decide(trial_id, request.step, request.metrics, crud.study_reports(session, lease.study_name))
+            return ReportReply(prune=decision.prune, reason=decision.reason)
+
+    def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
+        """Finish the trial with the worker's ProbeResult (see api/outcome.py for the mapping).
+
+        Idempotent: the same worker completing a trial it already completed gets the stored
+        TrialInfo back and nothing changes. Conflict for any other worker, or a reaped lease.
+        """
+        now = utcnow()
+        with self.lock:
+            with self.db.read() as session:
+                lease = self._lease_of(session, trial_id)
+                if (lease is not None and lease.worker_id == request.worker_id and not lease.active
+                        and lease.outcome == "completed"):
+                    record = crud.get_study(session, lease.study_name)
+                    assert record is not None
+                    return self._trial_view(_context(record), trial_id)
+                lease = self._active_lease(session, trial_id, request.worker_id, "complete")
+                record = crud.get_study(session, lease.study_name)
+                assert record is not None
+            ctx = _context(record)
+            trial = self.bridge.get_trial(trial_id)
+            assert trial is not None
+            if not trial.finished:  # finished already: a crash between tell and the lease update; repair
+                outcome = probe_outcome(request.result, ctx.spec, request.worker_id)
+                trial = self.bridge.tell(ctx, trial, outcome.state, outcome.values, outcome.attrs)
+                log.info("trial %d of %s: %s", trial.number, ctx.name, trial.state)
+            with self.db.transaction() as session:
+                crud.finish_lease(session, trial_id, "completed", now)
+                crud.see_worker(session, request.worker_id, now)
+            return self._trial_view(ctx, trial_id)
+
+    # --- the reaper ----------------------------------------------------------------------------
+
+    def reap_stale(self, now: datetime | None = None) -> list[int]:
+        """Fail the trials of stale leases (no heartbeat for lease_grace_s at `now`, default: now)
+        as "lost" and end those leases; also fail RUNNING trials that have no lease at all (the
+        service died between creating and leasing them) once they are that old. Returns the
+        trial ids failed. Safe to call at any time, from any thread."""
+        now = as_naive_utc(now) if now is not None else utcnow()
+        grace = timedelta(seconds=self.settings.lease_grace_s)
+        reaped: list[int] = []
+        with self.lock:
+            with self.db.read() as session:
+                stale = crud.stale_leases(session, now - grace)
+                records = {r.name: r for r in crud.list_studies(session)}
+                leased = {name: crud.leased_trial_ids(session, name) for name in records}
+            for lease in stale:
+                ctx = _context(records[lease.study_name])
+                trial = self.bridge.get_trial(lease.trial_id)
+                if trial is not None and not trial.finished:
+                    silent = (now - lease.heartbeat_at).total_seconds()
+                    message = (f"worker {lease.worker_id} stopped heartbeating "
+                               f"(last heartbeat {silent:.0f} s ago; grace {grace.total_seconds():.0f} s)")
+                    self.bridge.tell(ctx, trial, "FAIL", attrs={"failure_kind": "lost", "failure_message": message})
+                    reaped.append(lease.trial_id)
+                    log.warning("trial %d of %s lost: %s", lease.trial_number, ctx.name, message)
+                with self.db.transaction() as session:
+                    crud.finish_lease(session, lease.trial_id, "lost", now)
+            # Optuna's datetimes are naive local time: compare them with a local cutoff.
+            local_cutoff = datetime.now() + (now - utcnow()) - grace
+            for name, record in records.items():
+                for trial in self.bridge.trials(name):
+                    if (trial.state == "RUNNING" and trial.trial_id not in leased[name]
+                            and trial.datetime_start is not None and trial.datetime_start < local_cutoff):
+                        self.bridge.tell(_context(record), trial, "FAIL", attrs={
+                            "failure_kind": "lost", "failure_message": "the trial was created but never leased "
+                                                                       "(the service stopped in between)"})
+                        reaped.append(trial.trial_id)
+        return reaped
+
+
+class Reaper:
+    """A daemon thread calling `service.reap_stale()` every `interval_s` seconds until stopped."""
+
+    def __init__(self, service: TuningService, interval_s: float) -> None:
+        self._service = service
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autotune-reaper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._service.reap_stale()
+            except Exception:  # the reaper must outlive a bad sweep (e.g. the database restarting)
+                log.exception("stale-lease sweep failed; retrying in %.0f s", self._interval_s)

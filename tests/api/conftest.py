@@ -1,0 +1,92 @@
+"""Fixtures for the service tests: a fresh app per test on a real database file.
+
+* ``client``: a TestClient (lifespan running) on a SQLite file in tmp_path.
+* ``db_url``: parametrised over SQLite and PostgreSQL, for the tests that must hold on both.
+  PostgreSQL gets a fresh database per test on the server named by AUTOTUNE_TEST_PG_URL
+  (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres); without a reachable
+  server those cases are skipped with a message saying how to enable them.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from service_helpers import StudyFactory, make_settings
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+
+from api.main import create_app
+
+PG_ADMIN_URL = os.environ.get("AUTOTUNE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path}/t.db"
+
+
+@pytest.fixture
+def app(sqlite_url: str) -> FastAPI:
+    return create_app(make_settings(sqlite_url))
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def pg_admin() -> Iterator[Engine]:
+    """An AUTOCOMMIT engine on the PostgreSQL server's maintenance database (skip if unreachable)."""
+    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as e:
+        engine.dispose()
+        pytest.skip(f"PostgreSQL not reachable at {make_url(PG_ADMIN_URL).render_as_string(hide_password=True)} "
+                    f"({type(e).__name__}); start PostgreSQL there or set AUTOTUNE_TEST_PG_URL to a server URL "
+                    "(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/postgres) to run the PostgreSQL cases")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_admin: Engine) -> Iterator[str]:
+    """A fresh, empty database for one test; dropped afterwards."""
+    name = f"autotune_test_{uuid.uuid4().hex[:12]}"
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, sqlite_url: str) -> str:
+    """The database URL of each backend the service supports."""
+    if request.param == "sqlite":
+        return sqlite_url
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.fixture
+def make_study(client: TestClient) -> StudyFactory:
+    """make_study(name="s", **spec) -> the created StudyInfo (asserts 201)."""
+
+    def make(name: str = "s", **spec: Any) -> dict[str, Any]:
+        r = client.post("/v1/studies", json={"name": name, **spec})
+        assert r.status_code == 201, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    return make

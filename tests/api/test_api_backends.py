@@ -1,0 +1,83 @@
+"""The contract on every backend (SQLite file, PostgreSQL), through a real uvicorn server:
+concurrent leases never hand out one trial twice, and a study runs end to end."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from service_helpers import make_settings, probe_result, serve
+
+from api.main import create_app
+
+N_WORKERS = 50
+
+
+def _lease_all(base_url: str, worker_ids: list[str]) -> list[httpx.Response]:
+    """POST /v1/trials/lease for every worker id at once (one thread and connection each)."""
+    barrier = threading.Barrier(len(worker_ids))
+
+    def one(worker_id: str) -> httpx.Response:
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            barrier.wait()  # release every request together
+            return http.post("/v1/trials/lease", json={"worker_id": worker_id, "hardware": "cpu"})
+
+    with ThreadPoolExecutor(len(worker_ids)) as pool:
+        return list(pool.map(one, worker_ids))
+
+
+def test_concurrent_leases_never_share_a_trial(db_url: str) -> None:
+    app = create_app(make_settings(db_url))
+    with serve(app) as base_url:
+        httpx.post(f"{base_url}/v1/studies", json={"name": "race", "n_trials": N_WORKERS + 5}).raise_for_status()
+        workers = [f"w{i:02d}" for i in range(N_WORKERS)]
+        replies = _lease_all(base_url, workers)
+        assert [r.status_code for r in replies] == [200] * N_WORKERS, [r.text for r in replies if r.status_code != 200]
+        leases = [r.json() for r in replies]
+        assert len({x["trial_id"] for x in leases}) == N_WORKERS
+        assert sorted(x["number"] for x in leases) == list(range(N_WORKERS))
+        assert sum(x["is_baseline"] for x in leases) == 1
+
+        # the same workers asking again, all at once, get their own trial back
+        again = _lease_all(base_url, workers)
+        assert [r.json()["trial_id"] for r in again] == [x["trial_id"] for x in leases]
+        study = httpx.get(f"{base_url}/v1/studies/race").json()
+        assert study["counts"] == {"RUNNING": N_WORKERS}
+
+
+def test_one_worker_asking_many_times_at_once_gets_one_trial(db_url: str) -> None:
+    app = create_app(make_settings(db_url))
+    with serve(app) as base_url:
+        httpx.post(f"{base_url}/v1/studies", json={"name": "dup", "n_trials": 100}).raise_for_status()
+        replies = _lease_all(base_url, ["w1"] * 10 + ["w2"] * 10)
+        assert all(r.status_code == 200 for r in replies)
+        ids = Counter((r.json()["trial_id"], r.json()["study"]) for r in replies)
+        assert sorted(ids.values()) == [10, 10]
+        assert httpx.get(f"{base_url}/v1/studies/dup").json()["counts"] == {"RUNNING": 2}
+
+
+def test_a_study_end_to_end(db_url: str) -> None:
+    app = create_app(make_settings(db_url))
+    with serve(app) as base_url, httpx.Client(base_url=base_url, timeout=60) as http:
+        assert http.get("/v1/health").json()["db"] == db_url.split(":")[0].split("+")[0]
+        assert http.post("/v1/studies", json={"name": "e2e", "n_trials": 4, "seed": 1}).status_code == 201
+        assert http.post("/v1/studies", json={"name": "e2e"}).status_code == 409
+        measured: list[tuple[float, float]] = [(100.0, 0.1), (180.0, 0.105), (250.0, 0.3), (90.0, 0.1)]
+        for i, (throughput, nrmse) in enumerate(measured):
+            got: dict[str, Any] = http.post("/v1/trials/lease", json={"worker_id": "w", "hardware": "cpu"}).json()
+            tid = got["trial_id"]
+            assert http.post(f"/v1/trials/{tid}/heartbeat", json={"worker_id": "w"}).json()["action"] == "continue"
+            reply = http.post(f"/v1/trials/{tid}/report", json={"worker_id": "w", "step": 5, "metrics": {"loss": 1.0}})
+            assert reply.json()["prune"] is False
+            result = probe_result(got["config"], throughput=throughput, nrmse=nrmse)
+            info = http.post(f"/v1/trials/{tid}/complete", json={"worker_id": "w", "result": result}).json()
+            assert info["number"] == i and info["state"] == "COMPLETE"
+        assert http.post("/v1/trials/lease", json={"worker_id": "w", "hardware": "cpu"}).status_code == 204
+        study = http.get("/v1/studies/e2e").json()
+        assert study["state"] == "finished" and study["counts"] == {"COMPLETE": 4}
+        best = http.get("/v1/studies/e2e/best").json()
+        assert best["trial_number"] == 1 and abs(best["speedup"] - 1.8) < 1e-9
+        assert {t["number"] for t in http.get("/v1/studies/e2e/pareto").json()["data"]} == {0, 1, 2}

@@ -1,0 +1,109 @@
+"""Trials list, Pareto front and the recommendation (JSON and YAML) with the quality gate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from service_helpers import StudyFactory, complete, lease
+
+from autotune.config import KNOBS, parse_config
+
+# (throughput, val_nrmse) for the baseline and three trials; gate abs_tol 0.01 → nrmse <= 0.11
+BASELINE = (100.0, 0.10)
+FAST_OK = (200.0, 0.105)  # feasible, on the front
+FASTEST_BAD = (300.0, 0.20)  # on the front (fastest), but fails the gate
+DOMINATED = (150.0, 0.12)  # dominated by FAST_OK
+
+
+def _run(client: TestClient, worker: str, measured: tuple[float, float]) -> dict[str, Any]:
+    got = lease(client, worker)
+    assert got is not None
+    return complete(client, got, worker, throughput=measured[0], nrmse=measured[1])
+
+
+@pytest.fixture
+def study(client: TestClient, make_study: StudyFactory) -> dict[str, dict[str, Any]]:
+    make_study("s", n_trials=10, seed=0, baseline={"batch_size": 4})
+    return {"baseline": _run(client, "w0", BASELINE), "fast_ok": _run(client, "w1", FAST_OK),
+            "fastest_bad": _run(client, "w2", FASTEST_BAD), "dominated": _run(client, "w3", DOMINATED)}
+
+
+def test_no_recommendation_before_the_baseline(client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s")
+    r = client.get("/v1/studies/s/best")
+    assert r.status_code == 404 and "baseline" in r.json()["detail"]
+    base = lease(client, "w0")
+    other = lease(client, "w1")
+    assert base is not None and other is not None
+    complete(client, other, "w1", throughput=500.0)
+    r = client.get("/v1/studies/s/best")
+    assert r.status_code == 404 and "still running" in r.json()["detail"]
+    trials = client.get("/v1/studies/s/trials").json()["data"]
+    assert [t["feasible"] for t in trials] == [None, None]  # no gate without the baseline
+    complete(client, base, "w0", failure={"kind": "oom", "message": "boom"})
+    r = client.get("/v1/studies/s/best")
+    assert r.status_code == 404 and "failed" in r.json()["detail"] and "oom" in r.json()["detail"]
+
+
+def test_trials_carry_the_gate(client: TestClient, study: dict[str, dict[str, Any]]) -> None:
+    trials = client.get("/v1/studies/s/trials").json()
+    assert trials["count"] == 4
+    by_number = {t["number"]: t for t in trials["data"]}
+    assert by_number[0]["is_baseline"] and by_number[0]["feasible"] is True
+    assert by_number[1]["feasible"] is True
+    assert by_number[2]["feasible"] is False
+    assert by_number[3]["feasible"] is False
+    assert all(t["worker_id"] == f"w{t['number']}" for t in trials["data"])
+
+
+def test_pareto(client: TestClient, study: dict[str, dict[str, Any]]) -> None:
+    front = client.get("/v1/studies/s/pareto").json()
+    assert front["count"] == 3
+    assert {t["number"] for t in front["data"]} == {0, 1, 2}
+    assert {t["number"]: t["feasible"] for t in front["data"]} == {0: True, 1: True, 2: False}
+
+
+def test_best_json(client: TestClient, study: dict[str, dict[str, Any]]) -> None:
+    best = client.get("/v1/studies/s/best").json()
+    assert best["study"] == "s" and best["trial_number"] == 1
+    assert best["throughput_samples_per_s"] == FAST_OK[0] and best["val_nrmse"] == FAST_OK[1]
+    assert best["baseline_throughput_samples_per_s"] == BASELINE[0]
+    assert best["baseline_val_nrmse"] == BASELINE[1]
+    assert best["speedup"] == pytest.approx(2.0)
+    assert best["gate_nrmse"] == pytest.approx(0.11)
+    assert best["peak_mem_reserved_bytes"] == 2**30
+    assert set(best["config"]) <= set(KNOBS)  # effective_batch is not a knob: left out
+    assert best["config"] == {k: v for k, v in study["fast_ok"]["config"].items() if k in KNOBS}
+    assert client.get("/v1/studies/s").json()["best"] == best
+
+
+def test_best_yaml_is_a_config_file(client: TestClient, study: dict[str, dict[str, Any]]) -> None:
+    r = client.get("/v1/studies/s/best", params={"format": "yaml"})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("application/yaml")
+    assert "speedup 2.00x" in r.text and r.text.startswith("# autotune recommendation for study s")
+    config = yaml.safe_load(r.text)
+    assert config == client.get("/v1/studies/s/best").json()["config"]
+    parse_config(config)  # `autotune probe --config best.yaml` accepts it
+    assert client.get("/v1/studies/s/best", params={"format": "xml"}).status_code == 422
+
+
+def test_the_baseline_can_be_the_best(client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s")
+    _run(client, "w0", BASELINE)
+    _run(client, "w1", (50.0, 0.1))
+    best = client.get("/v1/studies/s/best").json()
+    assert best["trial_number"] == 0 and best["speedup"] == pytest.approx(1.0)
+
+
+def test_single_objective_study(client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", objectives=["throughput"])
+    base = _run(client, "w0", BASELINE)
+    assert base["values"] == [BASELINE[0]] and base["val_nrmse"] == BASELINE[1]
+    _run(client, "w1", FASTEST_BAD)
+    front = client.get("/v1/studies/s/pareto").json()["data"]
+    assert [t["number"] for t in front] == [1]  # the fastest, whatever its quality
+    assert client.get("/v1/studies/s/best").json()["trial_number"] == 0  # the gate still rules the recommendation

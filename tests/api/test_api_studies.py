@@ -1,0 +1,122 @@
+"""Studies over REST: create, list, get, stop; validation errors name the field; health."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from service_helpers import StudyFactory, lease
+
+import autotune
+
+
+def _error(client: TestClient, spec: dict[str, Any], status: int = 422) -> list[dict[str, Any]]:
+    r = client.post("/v1/studies", json=spec)
+    assert r.status_code == status, r.text
+    detail: list[dict[str, Any]] = r.json()["detail"]
+    return detail
+
+
+def test_create_list_get(client: TestClient, make_study: StudyFactory) -> None:
+    info = make_study("first", n_trials=3)
+    assert info["name"] == "first" and info["state"] == "running"
+    assert info["spec"]["space"] == "cpu" and info["spec"]["n_trials"] == 3
+    assert info["counts"] == {} and info["failures"] == {} and info["best"] is None
+    make_study("second", sampler="random", seed=3)
+
+    listed = client.get("/v1/studies").json()
+    assert listed["count"] == 2
+    assert [s["name"] for s in listed["data"]] == ["first", "second"]
+    got = client.get("/v1/studies/second").json()
+    assert got["spec"]["sampler"] == "random" and got["spec"]["seed"] == 3
+
+
+def test_duplicate_name_is_409(client: TestClient, make_study: StudyFactory) -> None:
+    make_study("dup")
+    r = client.post("/v1/studies", json={"name": "dup"})
+    assert r.status_code == 409
+    assert "already exists" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(("spec", "loc", "words"), [
+    ({"space": {"params": {"foo": {"choices": [1, 2]}}}}, ["space", "params", "foo"], "unknown knob"),
+    ({"space": {"params": {"precision": {"choices": ["fp32", "fp8"]}}}}, ["space", "params", "precision"], "fp8"),
+    ({"space": {"params": {"num_workers": {"choices": [0, 1]}, "prefetch_factor": {"choices": [2, 4]}}}},
+     ["space", "params", "prefetch_factor"], "when"),
+    ({"space": "nope"}, ["space", "space"], "no search space"),
+    ({"space": "../cpu"}, ["space", "space"], "no paths"),
+    ({"baseline": {"batchsize": 8}}, ["baseline", "batchsize"], "did you mean 'batch_size'"),
+    ({"n_trials": 0}, ["n_trials"], "greater than or equal to 1"),
+    ({"sampler": "cmaes"}, ["sampler"], "tpe"),
+])
+def test_bad_spec_is_422_naming_the_field(client: TestClient, spec: dict[str, Any], loc: list[str],
+                                          words: str) -> None:
+    detail = _error(client, {"name": "bad", **spec})
+    assert len(detail) == 1
+    assert detail[0]["loc"] == ["body", *loc]
+    assert words in detail[0]["msg"]
+    assert client.get("/v1/studies").json()["count"] == 0
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "x" * 65])
+def test_bad_name_is_422(client: TestClient, name: str) -> None:
+    detail = _error(client, {"name": name})
+    assert detail[0]["loc"] == ["body", "name"]
+
+
+def test_grid_over_a_float_range_is_422(client: TestClient) -> None:
+    detail = _error(client, {"name": "g", "sampler": "grid",
+                             "space": {"params": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}}}})
+    assert detail[0]["loc"] == ["body", "params", "lr"]
+    assert "grid needs choices" in detail[0]["msg"]
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[]", b'{"name": 5}'])
+def test_malformed_bodies_are_422_not_500(client: TestClient, body: bytes) -> None:
+    r = client.post("/v1/studies", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert r.json()["detail"]
+
+
+def test_unknown_study_is_404_naming_it(client: TestClient) -> None:
+    for path in ("/v1/studies/ghost", "/v1/studies/ghost/trials", "/v1/studies/ghost/pareto",
+                 "/v1/studies/ghost/best"):
+        r = client.get(path)
+        assert r.status_code == 404, path
+        assert "ghost" in r.json()["detail"]
+    r = client.delete("/v1/studies/ghost")
+    assert r.status_code == 404 and "ghost" in r.json()["detail"]
+
+
+def test_delete_stops_and_keeps_data(client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", n_trials=5)
+    held = lease(client, "w1")
+    assert held is not None
+    r = client.delete("/v1/studies/s")
+    assert r.status_code == 200 and r.json()["state"] == "stopped"
+    assert client.delete("/v1/studies/s").json()["state"] == "stopped"  # stopping again is harmless
+
+    beat = client.post(f"/v1/trials/{held['trial_id']}/heartbeat", json={"worker_id": "w1"}).json()
+    assert beat["action"] == "stop" and "stopped" in beat["reason"]
+    assert lease(client, "w2") is None  # no more leases
+    report = client.post(f"/v1/trials/{held['trial_id']}/report",
+                         json={"worker_id": "w1", "step": 1, "metrics": {"loss": 0.5}}).json()
+    assert report["prune"] is True
+    # the data is kept: the trial is still there and its worker may still hand in its result
+    assert client.get("/v1/studies/s/trials").json()["count"] == 1
+    r = client.post(f"/v1/trials/{held['trial_id']}/complete",
+                    json={"worker_id": "w1", "result": {"stopped_early": True, "config": {}}})
+    assert r.status_code == 200 and r.json()["state"] == "PRUNED"
+    assert client.get("/v1/studies/s").json()["state"] == "stopped"
+
+
+def test_health(client: TestClient) -> None:
+    assert client.get("/v1/health").json() == {"status": "ok", "db": "sqlite", "version": autotune.__version__}
+
+
+def test_service_import_path_is_torch_free() -> None:
+    code = "import sys, api.main; assert 'torch' not in sys.modules, 'api imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
