@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 import optuna
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
@@ -31,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
 from autotune.protocol import OBJECTIVES, StudySpec
-from autotune.space import Space, SpaceError, TrialLike, suggest
+from autotune.space import Space, SpaceError, suggest
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +240,7 @@ class OptunaBridge:
                 study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
             trial = study.ask()
             try:
-                # cast: TrialLike declares suggest_int's step/log positional, Optuna keyword-only
-                config = suggest(ctx.space, cast(TrialLike, trial))
+                config = suggest(ctx.space, trial)
             except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
                 self.set_user_attrs(trial._trial_id, {"failure_kind": "unsupported", "failure_message": str(e)})
                 study.tell(trial.number, state=TrialState.FAIL)
