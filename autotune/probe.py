@@ -94,6 +94,7 @@ class ProbeResult:
     quality_metric: str = "val_nrmse"
     warmup_s: float | None = None
     setup_s: float | None = None
+    setup_phases: dict[str, float] = field(default_factory=dict)  # host seconds per setup phase
     process_start_s: float | None = None
     train_s: float | None = None
     peak_mem_reserved_bytes: int | None = None
@@ -269,9 +270,22 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         if deadline is not None and time.perf_counter() > deadline:
             raise ProbeError("timeout", f"probe exceeded its {settings.timeout_s:g} s budget during {phase}")
 
+    phases = result.setup_phases
+    mark = time.perf_counter()
+
+    def phase(name: str) -> None:
+        """Record the host seconds since the previous mark under `name` (setup breakdown)."""
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = round(now - mark, 4)
+        mark = now
+
+    phases["before_probe"] = round(mark - t_begin, 4)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        torch.empty(1, device=dev)  # create the CUDA context here, so its cost has a name
+    phase("device_init")
     if cfg.precision == "fp8":  # fail fast, before data and model are built
         from autotune.knobs import fp8_supported
 
@@ -282,6 +296,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     # --- setup: the knobs, in the documented order (autotune/knobs.py) ---
     apply_backend_flags(cfg, dev, notes)
     train_set, val_set = wl.datasets(settings.seed)
+    phase("data")
     torch.manual_seed(settings.seed)  # same initial weights for every probe of a study (per device type)
     with dev:  # initialise directly on the device: faster than building on the host and copying
         model = wl.build_model()
@@ -290,8 +305,10 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     model.to(dev)
     model.train()
     model = apply_fp8(model, cfg, dev, notes)
+    phase("model")
     plain_model = model  # the uncompiled module: its state_dict has clean keys
     model = apply_compile(model, cfg.compile, notes, backend=settings.compile_backend)
+    phase("compile_wrap")  # torch.compile is lazy: this is import and wrapper cost, not compilation
     model = apply_ddp(model, cfg, notes)
     optimizer = build_optimizer(plain_model, cfg, wl.defaults.weight_decay, notes)
     loader = build_loader(train_set, cfg, dev, settings.seed, notes)
@@ -301,6 +318,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule)
     notes["lr"] = (f"{cfg.lr:g}, warm-up {d.warmup_fraction:.0%} of samples, cosine to "
                    f"{d.final_lr_fraction:g}×")
+    phase("optimizer_data_loader")
     result.setup_s = time.perf_counter() - t_begin
     check_deadline("setup")
 
