@@ -155,8 +155,28 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+# Short names for the trial tables (the caption spells them out).
+KNOB_ABBREVIATIONS = {"batch_size": "bs", "accum_steps": "acc", "inverse_loss_frequency": "ilf", "checkpoint": "ckpt",
+                      "num_workers": "nw", "prefetch_factor": "pf", "fused_optimizer": "fused",
+                      "cudnn_benchmark": "cudnn", "pin_memory": "pin", "persistent_workers": "persist",
+                      "bucket_cap_mb": "bucket"}
+KNOBS_LEGEND = "bs batch_size · acc accum_steps · ilf inverse_loss_frequency · ckpt checkpoint · nw num_workers · " \
+               "pf prefetch_factor"
+
+
 def format_knobs(params: Mapping[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in params.items()) or "(defaults)"
+    """Compact knob values: ``bs=8 acc=2 ilf=4 bf16 ckpt=block fused nw=1 pf=2``."""
+    parts = []
+    for name, value in params.items():
+        short = KNOB_ABBREVIATIONS.get(name, name)
+        if name == "precision":
+            parts.append(str(value))
+        elif isinstance(value, bool):
+            if value:
+                parts.append(short)
+        else:
+            parts.append(f"{short}={value}")
+    return " ".join(parts) or "(defaults)"
 
 
 def studies_table(studies: list[StudyInfo]) -> Table:
@@ -179,9 +199,10 @@ def studies_table(studies: list[StudyInfo]) -> Table:
 
 
 def trials_table(trials: list[TrialInfo], title: str) -> Table:
-    table = Table(title=title)
-    for column in ("#", "state", "samples/s", "NRMSE", "feasible", "failure", "params"):
-        table.add_column(column, justify="right" if column in ("#", "samples/s", "NRMSE") else "left")
+    table = Table(title=title, caption=KNOBS_LEGEND)
+    for column in ("#", "state", "samples/s", "NRMSE", "feasible", "failure"):
+        table.add_column(column, justify="right" if column in ("#", "samples/s", "NRMSE") else "left", no_wrap=True)
+    table.add_column("params")
     colors = {"COMPLETE": "green", "FAIL": "red", "PRUNED": "yellow", "RUNNING": "cyan"}
     for t in sorted(trials, key=lambda t: t.number):
         state = f"[{colors.get(t.state, 'white')}]{t.state}[/]"

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.cli import recommendation_table, trials_table
@@ -127,7 +128,7 @@ def progress_text(info: StudyInfo) -> str:
 def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
              console: Console | None = None) -> int:
     """Run the demo; the exit status (0: the study finished with completed trials)."""
-    console = console or Console(highlight=False)
+    console = console or Console(highlight=False, soft_wrap=True)
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     db_path = workdir / "autotune.db"
@@ -177,15 +178,21 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
 
 def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess.Popen[bytes]],
            serve: subprocess.Popen[bytes], console: Console) -> StudyInfo | None:
-    """Show progress until the study is finished; None (after a message) when it cannot finish."""
+    """Show progress until the study is finished; None (after a message) when it cannot finish.
+    A terminal gets a live progress bar, a log file one line per finished trial."""
     columns = (TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}"))
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("starting", total=trials)
+    progress = Progress(*columns, console=console, transient=False, disable=not console.is_terminal)
+    task = progress.add_task("starting", total=trials)
+    shown = -1
+    with progress:
         while True:
             info = client.get_study(name)
             done = sum(info.counts.get(s, 0) for s in FINISHED)
             progress.update(task, completed=done, description=progress_text(info))
+            if not console.is_terminal and done != shown:
+                console.print(escape(f"[{done:>{len(str(trials))}}/{trials}] ") + progress_text(info))
+                shown = done
             if info.state in ("finished", "stopped"):
                 return info
             if serve.poll() is not None:

@@ -188,7 +188,8 @@ class ProbeProcess:
             log.debug("probe %d: %s", self.proc.pid, line)
 
     def stderr_tail(self, chars: int = STDERR_TAIL_CHARS) -> str:
-        self._err.join(timeout=1.0)
+        if self.proc.poll() is not None:
+            self._err.join(timeout=1.0)  # let the reader take the last lines
         text = "\n".join(self._stderr).strip()
         return text[-chars:]
 
@@ -249,7 +250,7 @@ def minimal_result(lease: TrialLease, hardware: Hardware, failure: dict[str, str
                    **fields: Any) -> dict[str, Any]:
     """A ProbeResult dict for a trial whose child gave none: workload, preset, config, device,
     torch_version and the failure always present."""
-    from autotune.probe import ProbeResult  # torch is loaded already (hardware detection)
+    from autotune.probe import ProbeResult  # imports torch (CPU side only: no CUDA context)
 
     result = ProbeResult(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
                          device=hardware.device_name, torch_version=hardware.torch_version, failure=failure)
@@ -323,7 +324,7 @@ def summarize_result(result: Mapping[str, Any]) -> str:
     nrmse = result.get("val_nrmse")
     nrmse_text = f"NRMSE {nrmse:.4f}" if isinstance(nrmse, (int, float)) else "NRMSE -"
     warm = result.get("warmup_s")
-    warm_text = f" · warm-up {warm:.1f} s" if isinstance(warm, (int, float)) else ""
+    warm_text = f" · warm-up {warm:.2f} s" if isinstance(warm, (int, float)) else ""
     return f"[green]{thr_text}[/] · {nrmse_text}{warm_text}"
 
 
@@ -345,7 +346,6 @@ class Worker:
         self.signal_number: int | None = None
         self.trials_done = 0
         self.current: ProbeProcess | None = None
-        self.on_child_started: Callable[[ProbeProcess], None] | None = None  # a hook for tests
 
     # --- signals --------------------------------------------------------------------------------
 
@@ -443,8 +443,6 @@ class Worker:
         if self.signal_name is None:
             child = ProbeProcess(self.options.child_argv, job, child_environment(self.options.threads))
             self.current = child
-            if self.on_child_started is not None:
-                self.on_child_started(child)
             try:
                 if self.console.is_terminal:
                     with self.console.status("") as status:
@@ -487,7 +485,10 @@ class Worker:
                 if not self._heartbeat(run, child):
                     return
             if show is not None:
-                show(f"trial {lease.number} of {lease.study}: {run.elapsed_s:.0f} s, {len(run.reports)} window(s)")
+                last = run.reports[-1]["metrics"].get("throughput") if run.reports else None
+                speed = f", last window {last:,.1f} samples/s" if isinstance(last, (int, float)) else ""
+                show(f"trial {lease.number} of {lease.study}: {run.elapsed_s:.0f} s, {len(run.reports)} timed "
+                     f"window(s){speed}")
             try:
                 kind, payload = child.events.get(timeout=0.2)
             except queue.Empty:
@@ -570,7 +571,8 @@ class Worker:
         except ApiError as e:
             self.console.print(f"  [red]trial {lease.number}: the service refused the result[/]: {e.message}")
             return
-        feasible = {True: " · feasible", False: " · infeasible", None: ""}[info.feasible]
+        feasible = {True: " · feasible", False: " · infeasible", None: ""}[info.feasible] \
+            if info.state == "COMPLETE" else ""
         self.console.print(f"  trial {lease.number} → {info.state}{feasible}")
 
 
@@ -582,11 +584,34 @@ def _kill_after(child: ProbeProcess, grace_s: float) -> None:
         child.kill_group()
 
 
+DETECT_SCRIPT = ("import json, sys\n"
+                 "from autotune.hardware import detect\n"
+                 "try:\n"
+                 "    print(json.dumps(detect(sys.argv[1]).to_dict()))\n"
+                 "except ValueError as e:\n"
+                 "    print(e, file=sys.stderr)\n"
+                 "    sys.exit(2)\n")
+
+
+def detect_hardware(device: str) -> Hardware:
+    """`autotune.hardware.detect(device)` run in a short-lived child process.
+
+    Asking torch about a GPU creates a CUDA context (~400 MiB of GPU memory on an H100)
+    that would stay with the worker for its whole life, next to each probe's own; the
+    worker itself therefore never initialises CUDA (nor imports torch). Raises ValueError
+    when the device cannot be used."""
+    proc = subprocess.run([sys.executable, "-c", DETECT_SCRIPT, device], capture_output=True, text=True,
+                          timeout=300, check=False)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise ValueError(lines[-1] if lines else f"hardware detection for {device!r} failed "
+                                                 f"(exit code {proc.returncode})")
+    return Hardware(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
 def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
     """Detect the hardware, install the signal handlers and serve trials (the `autotune worker` verb)."""
-    from autotune.hardware import detect
-
-    hardware = detect(options.device)
+    hardware = detect_hardware(options.device)
     worker = Worker(options, hardware, console=console)
     worker.install_signal_handlers()
     try:

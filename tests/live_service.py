@@ -1,0 +1,208 @@
+"""A real service and real workers in subprocesses, for the end-to-end tests.
+
+`LiveService` runs ``python -m autotune.cli serve`` on a SQLite file and a free port;
+`start_worker` runs ``python -m autotune.cli worker``. Every process starts in its own
+session (process group) and `Processes.stop_all` ends them all, workers first (SIGTERM,
+so each kills its probe child), so a failing test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+CLI = [sys.executable, "-m", "autotune.cli"]
+CHILD_MODULE = "autotune.probe_child"
+
+# A search space whose probes take a few seconds on one CPU thread: micro-batches of 2-4,
+# no accumulation, so (5 warm-up + 5 timed) steps need only 40 samples.
+SMALL_SPACE: dict[str, Any] = {
+    "name": "small",
+    "params": {"batch_size": {"choices": [2, 4]}, "inverse_loss_frequency": {"choices": [1, 2]}},
+    "fixed": {"accum_steps": 1},
+}
+SMALL_BASELINE = {"batch_size": 4, "accum_steps": 1}
+
+
+def small_spec(name: str, n_trials: int = 2, samples: int = 64, **overrides: Any) -> dict[str, Any]:
+    """A study spec on the small space (random sampler: no startup trials to wait for)."""
+    spec: dict[str, Any] = {"name": name, "space": SMALL_SPACE, "baseline": SMALL_BASELINE, "n_trials": n_trials,
+                            "sampler": "random", "seed": 0, "hardware": "cpu",
+                            "probe": {"samples": samples, "windows": 5, "warmup_steps": 5}}
+    for key, value in overrides.items():
+        if key == "probe":
+            spec["probe"].update(value)
+        else:
+            spec[key] = value
+    return spec
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and parent_pid(int(entry)) == pid:
+            out.append(int(entry))
+    return out
+
+
+def probe_children(worker_pid: int) -> list[int]:
+    """The worker's live probe child processes (found through /proc)."""
+    return [p for p in children(worker_pid) if CHILD_MODULE in cmdline(p) and is_alive(p)]
+
+
+def is_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Processes:
+    """Subprocesses of one test, each in its own session, with a log file each."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log_path = self.log_dir / log_name
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        proc.log_path = log_path  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes], grace: float = 15.0) -> int:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                for child in children(proc.pid):  # probe children live in their own sessions
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+
+
+def log_text(proc: subprocess.Popen[bytes]) -> str:
+    path: Path = proc.log_path  # type: ignore[attr-defined]
+    return path.read_text(errors="replace")
+
+
+class LiveService:
+    """`autotune serve` on `db_path` and `port`, restartable."""
+
+    def __init__(self, processes: Processes, db_path: Path, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.processes = processes
+        self.db_url = f"sqlite:///{db_path}"
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True) -> LiveService:
+        self.proc = self.processes.start([*CLI, "serve", "--db", self.db_url, "--port", str(self.port)], "serve.log",
+                                         self.env)
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        def up() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the service exited with {self.proc.returncode}:\n{log_text(self.proc)[-3000:]}")
+            return self.healthy()
+
+        wait_until(up, timeout, "the service's /v1/health")
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.processes.stop(self.proc)
+
+    # --- REST shortcuts -----------------------------------------------------------------------
+
+    def get(self, path: str) -> Any:
+        response = httpx.get(f"{self.url}{path}", timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def submit(self, spec: dict[str, Any]) -> Any:
+        response = httpx.post(f"{self.url}/v1/studies", json=spec, timeout=30)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def trials(self, study: str) -> list[dict[str, Any]]:
+        data: list[dict[str, Any]] = self.get(f"/v1/studies/{study}/trials")["data"]
+        return data
+
+
+def start_worker(processes: Processes, api: str, *args: str, log_name: str = "worker.log",
+                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`autotune worker` with one torch thread and a fast heartbeat."""
+    return processes.start([*CLI, "worker", "--api", api, "--threads", "1", "--heartbeat", "0.5", *args], log_name,
+                           env)

@@ -1,0 +1,162 @@
+"""The service verbs of `autotune`: serve, worker, submit, status, best, demo (help, errors, output)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from live_service import LiveService, Processes, free_port, log_text, small_spec, start_worker
+from typer.testing import CliRunner
+
+from autotune.cli import app
+
+VERBS = ["serve", "worker", "submit", "status", "best", "probe", "demo"]
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, autotune_data_dir: Any) -> Iterator[tuple[LiveService, str]]:
+    """A service with one finished 2-trial study ("cli")."""
+    tmp = tmp_path_factory.mktemp("cli-service")
+    processes = Processes(tmp)
+    try:
+        service = LiveService(processes, tmp / "autotune.db").start()
+        service.submit(small_spec("cli", n_trials=2))
+        worker = start_worker(processes, service.url, "--study", "cli", "--max-trials", "2")
+        assert worker.wait(timeout=90) == 0, log_text(worker)[-3000:]
+        yield service, "cli"
+    finally:
+        processes.stop_all()
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_has_help(verb: str) -> None:
+    result = invoke(verb, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.stdout and verb in result.stdout
+
+
+def test_the_app_lists_every_verb() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for verb in VERBS:
+        assert verb in result.stdout
+
+
+def write_spec(tmp_path: Path, spec: dict[str, Any]) -> str:
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"n_trials": 0}, "n_trials: Input should be greater than or equal to 1"),
+        ({"name": "bad name!"}, "name: String should match pattern"),
+        ({"sampler": "annealing"}, "sampler: Input should be"),
+        ({"space": {"params": {"batch_sise": {"choices": [2]}}}}, "space.params.batch_sise: unknown knob"),
+        ({"baseline": {"precision": "fp7"}}, "baseline.precision: 'fp7' is not allowed"),
+        ({"colour": "red"}, "colour: Extra inputs are not permitted"),
+    ],
+)
+def test_submit_of_a_bad_spec_exits_2_naming_the_field(tmp_path: Path, change: dict[str, Any], expected: str) -> None:
+    spec = {**small_spec("bad"), **change}
+    port = free_port()  # nothing listens: a local validation error comes first
+    result = invoke("submit", write_spec(tmp_path, spec), "--api", f"http://127.0.0.1:{port}")
+    assert result.exit_code == 2, result.output
+    assert expected in result.stderr
+
+
+def test_submit_of_a_missing_file_or_a_non_mapping_exits_2(tmp_path: Path) -> None:
+    result = invoke("submit", str(tmp_path / "nope.yaml"))
+    assert result.exit_code == 2 and "no such file" in result.stderr
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    result = invoke("submit", str(path))
+    assert result.exit_code == 2 and "expected a mapping" in result.stderr
+
+
+def test_an_unreachable_service_is_a_clear_error() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    for args in (["status"], ["status", "x"], ["best", "x"]):
+        result = invoke(*args, "--api", url)
+        assert result.exit_code == 1, result.output
+        assert f"cannot reach the autotune service at {url}: start it with `autotune serve`" in result.stderr
+
+
+def test_submit_creates_a_study_and_reports_server_side_errors(live: tuple[LiveService, str], tmp_path: Path) -> None:
+    service, _ = live
+    path = write_spec(tmp_path, small_spec("submitted", n_trials=3))
+    result = invoke("submit", path, "--api", service.url)
+    assert result.exit_code == 0, result.output
+    assert "created study submitted (running)" in result.stdout
+    assert service.get("/v1/studies/submitted")["spec"]["n_trials"] == 3
+
+    result = invoke("submit", path, "--api", service.url)  # the name is taken
+    assert result.exit_code == 1
+    assert "study 'submitted' already exists" in result.stderr
+
+    # valid locally, refused by the service (a grid sampler cannot search a float range): 422 → exit 2
+    spec = small_spec("grid", sampler="grid", space={"params": {"lr": {"low": 1e-4, "high": 1e-3}}})
+    result = invoke("submit", write_spec(tmp_path, spec), "--api", service.url)
+    assert result.exit_code == 2, result.output
+    assert "space.params.lr" in result.stderr or "params.lr" in result.stderr
+
+
+def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str]) -> None:
+    service, study = live
+    result = invoke("status", "--api", service.url)
+    assert result.exit_code == 0, result.output
+    assert study in result.stdout and "finished" in result.stdout and "2/2" in result.stdout
+
+    result = invoke("status", study, "--api", service.url)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert f"study {study}: finished" in out
+    for header in ("state", "samples/s", "NRMSE", "feasible", "failure", "params"):
+        assert header in out
+    assert out.count("COMPLETE") == 2
+    assert "(baseline)" in out and "bs=" in out
+
+    result = invoke("status", "nope", "--api", service.url)
+    assert result.exit_code == 1
+    assert "no study named 'nope'" in result.stderr
+
+
+def test_best_prints_yaml_and_json(live: tuple[LiveService, str]) -> None:
+    service, study = live
+    result = invoke("best", study, "--api", service.url)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"# autotune recommendation for study {study}")
+    config = yaml.safe_load(result.stdout)
+    assert isinstance(config, dict) and config["accum_steps"] == 1
+
+    result = invoke("best", study, "--format", "json", "--api", service.url)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["study"] == study and data["throughput_samples_per_s"] > 0 and data["speedup"] > 0
+
+    result = invoke("best", study, "--format", "toml", "--api", service.url)
+    assert result.exit_code == 2 and "allowed: yaml | json" in result.stderr
+
+
+def test_best_before_any_result_exits_1_with_the_reason(live: tuple[LiveService, str], tmp_path: Path) -> None:
+    service, _ = live
+    service.submit(small_spec("empty", n_trials=1, hardware="NVIDIA H100 80GB HBM3"))
+    result = invoke("best", "empty", "--api", service.url)
+    assert result.exit_code == 1
+    assert "no recommendation yet" in result.stderr
+
+
+def test_worker_refuses_an_unknown_device() -> None:
+    result = invoke("worker", "--device", "tpu")
+    assert result.exit_code == 2
+    assert "unknown device 'tpu'" in result.stderr

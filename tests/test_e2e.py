@@ -1,0 +1,167 @@
+"""End to end: the real service (uvicorn on a free port, SQLite) and real worker processes.
+
+What must hold whatever happens to a probe: every trial ends in a finished state with a
+reason, no trial is run by two workers, and a worker outlives its child, a service restart
+and a service that is not up yet. Probes use a small inline space (micro-batches of 2-4)
+and one torch thread, so each takes a few seconds including process start.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from live_service import (
+    CLI,
+    LiveService,
+    Processes,
+    cmdline,
+    free_port,
+    is_alive,
+    log_text,
+    probe_children,
+    small_spec,
+    start_worker,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+LEASED = re.compile(r"▶ trial (\d+) of (\S+) \(id (\d+)\)")
+LONG_PROBE = 4000  # samples: ~1000-2000 steps, long enough to act on a probe mid-run
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    yield procs
+    procs.stop_all()
+
+
+@pytest.fixture
+def service(processes: Processes, tmp_path: Path, tiny_datasets: Any) -> LiveService:
+    return LiveService(processes, tmp_path / "autotune.db").start()
+
+
+def trial_by_number(service: LiveService, study: str, number: int) -> dict[str, Any]:
+    return next(t for t in service.trials(study) if t["number"] == number)
+
+
+def finished(service: LiveService, study: str, number: int) -> dict[str, Any] | None:
+    trials = [t for t in service.trials(study) if t["number"] == number]
+    return trials[0] if trials and trials[0]["state"] in ("COMPLETE", "FAIL", "PRUNED") else None
+
+
+def test_two_workers_finish_a_study_without_running_a_trial_twice(service: LiveService,
+                                                                  processes: Processes) -> None:
+    service.submit(small_spec("e2e", n_trials=6, sampler="tpe"))
+    workers = [start_worker(processes, service.url, "--study", "e2e", "--idle-exit", "3", "--worker-id", wid,
+                            log_name=f"{wid}.log") for wid in ("e2e-a", "e2e-b")]
+    for w in workers:
+        assert w.wait(timeout=90) == 0, log_text(w)[-3000:]
+
+    study = service.get("/v1/studies/e2e")
+    assert study["state"] == "finished"
+    trials = service.trials("e2e")
+    assert len(trials) == 6
+    assert all(t["state"] == "COMPLETE" for t in trials), [(t["number"], t["state"], t["failure"]) for t in trials]
+    assert {t["worker_id"] for t in trials} <= {"e2e-a", "e2e-b"}
+    leased = {w: [int(m.group(3)) for m in LEASED.finditer(log_text(p))]
+              for w, p in zip(("a", "b"), workers, strict=True)}
+    assert len(leased["a"]) + len(leased["b"]) == 6  # each trial leased exactly once
+    assert set(leased["a"]) | set(leased["b"]) == {t["trial_id"] for t in trials}
+    for t in trials:  # ... and completed by the worker that leased it
+        assert t["trial_id"] in leased[t["worker_id"][-1]]
+    pareto = service.get("/v1/studies/e2e/pareto")
+    assert pareto["count"] >= 1
+    best = service.get("/v1/studies/e2e/best")
+    assert best["throughput_samples_per_s"] > 0 and best["speedup"] > 0
+
+
+def test_a_killed_probe_child_fails_its_trial_and_the_worker_goes_on(service: LiveService,
+                                                                     processes: Processes) -> None:
+    service.submit(small_spec("killed", n_trials=3, samples=LONG_PROBE))
+    worker = start_worker(processes, service.url, "--study", "killed", "--idle-exit", "2")
+    first = wait_until(lambda: probe_children(worker.pid), 60, "the first probe child")[0]
+    time.sleep(1.0)  # mid-probe
+    os.kill(first, signal.SIGKILL)
+
+    trial = wait_until(lambda: finished(service, "killed", 0), 30, "trial 0 to finish")
+    assert trial["state"] == "FAIL"
+    assert trial["failure"]["kind"] == "error"
+    assert "killed by signal 9 (SIGKILL" in trial["failure"]["message"]
+
+    # the worker goes on: a new child for the next trial; stopping the study stops it
+    wait_until(lambda: [p for p in probe_children(worker.pid) if p != first], 60, "the next probe child")
+    httpx.delete(f"{service.url}/v1/studies/killed", timeout=10).raise_for_status()
+    trial = wait_until(lambda: finished(service, "killed", 1), 30, "trial 1 to be stopped")
+    assert trial["state"] == "FAIL"
+    assert trial["failure"]["message"].startswith("stopped by the service")
+    assert worker.wait(timeout=30) == 0, log_text(worker)[-3000:]  # idle: the study is stopped
+    assert probe_children(worker.pid) == []
+
+
+def test_a_probe_past_its_timeout_fails_with_kind_timeout(service: LiveService, processes: Processes) -> None:
+    service.submit(small_spec("slow", n_trials=1, samples=LONG_PROBE, probe={"timeout_s": 1.0}))
+    worker = start_worker(processes, service.url, "--study", "slow", "--max-trials", "1")
+    assert worker.wait(timeout=60) == 0, log_text(worker)[-3000:]
+    trial = trial_by_number(service, "slow", 0)
+    assert trial["state"] == "FAIL"
+    assert trial["failure"]["kind"] == "timeout", trial["failure"]
+    assert "1 s" in trial["failure"]["message"]
+
+
+def test_sigterm_to_a_worker_mid_probe_fails_its_trial_as_interrupted(service: LiveService,
+                                                                      processes: Processes) -> None:
+    service.submit(small_spec("term", n_trials=2, samples=LONG_PROBE))
+    worker = start_worker(processes, service.url, "--study", "term")
+    child = wait_until(lambda: probe_children(worker.pid), 60, "a probe child")[0]
+    time.sleep(0.5)
+    with open(f"/proc/{worker.pid}/maps") as maps:  # torch (and CUDA) live in the child only
+        assert "libtorch" not in maps.read()
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 128 + signal.SIGTERM, log_text(worker)[-3000:]
+    assert not is_alive(child)
+    trial = trial_by_number(service, "term", 0)
+    assert trial["state"] == "FAIL"
+    assert trial["failure"] == {"kind": "error", "message": "worker interrupted by SIGTERM"}
+
+
+def test_a_worker_waits_for_the_service_and_survives_its_restart(processes: Processes, tmp_path: Path,
+                                                                 tiny_datasets: Any) -> None:
+    service = LiveService(processes, tmp_path / "autotune.db")
+    worker = start_worker(processes, service.url, "--max-trials", "2")  # any cpu study
+    wait_until(lambda: "retrying" in log_text(worker), 30, "the worker to retry")
+    service.start()
+    service.submit(small_spec("restart", n_trials=2, samples=2000))
+    wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
+    service.stop()  # mid-probe: reports, heartbeats and maybe the complete find no service
+    time.sleep(1.0)
+    service.start()
+    assert worker.wait(timeout=90) == 0, log_text(worker)[-3000:]
+    trials = service.trials("restart")
+    assert [t["state"] for t in trials] == ["COMPLETE", "COMPLETE"], [t["failure"] for t in trials]
+
+
+def test_the_demo_runs_a_study_and_stops_everything_it_started(tmp_path: Path, tiny_datasets: Any) -> None:
+    workdir = tmp_path / "demo"
+    port = free_port()
+    proc = subprocess.run([*CLI, "demo", "--workdir", str(workdir), "--trials", "3", "--workers", "2",
+                           "--port", str(port)], capture_output=True, text=True, timeout=180, check=False,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "finished in" in out and "3 complete" in out
+    assert "Pareto front" in out and "recommended config" in out and "speedup" in out
+    assert f"optuna-dashboard sqlite:///{workdir.resolve()}/autotune.db" in out
+    assert {p.name for p in workdir.iterdir()} >= {"autotune.db", "serve.log", "worker-1.log", "worker-2.log"}
+    leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                 if f"127.0.0.1:{port}" in cmdline(pid) or str(workdir) in cmdline(pid)]
+    assert leftovers == []

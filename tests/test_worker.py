@@ -1,0 +1,378 @@
+"""autotune.probe_child (the stdin/stdout protocol) and autotune.worker's handling of its child.
+
+The worker tests run `Worker.run_trial` in-process against a scripted fake client, with
+fake child programs (a crash, a SIGKILL, a hang, a child that ignores SIGTERM, ...), so
+every way a probe can end is exercised in a fraction of a second each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from live_service import is_alive
+from rich.console import Console
+
+from autotune import worker as worker_module
+from autotune.client import Conflict, ServiceUnavailable
+from autotune.hardware import Hardware
+from autotune.probe_child import ChildJob
+from autotune.protocol import HeartbeatReply, ProbeSpec, ReportReply, TrialInfo, TrialLease
+from autotune.worker import (
+    ProbeProcess,
+    Worker,
+    WorkerOptions,
+    child_environment,
+    describe_exit,
+    detect_hardware,
+    hard_timeout_grace_s,
+)
+
+RESULT_KEYS = {"workload", "preset", "config", "device", "torch_version", "failure"}
+HARDWARE = Hardware(hardware_class="cpu", device="cpu", device_name="cpu (test)", memory_bytes=None,
+                    torch_version=torch.__version__, hostname="testhost", cpu_count=2)
+
+
+def tiny_job(**probe: Any) -> ChildJob:
+    settings = {"samples": 40, "windows": 5, "warmup_steps": 5, "timeout_s": 120.0, **probe}
+    return ChildJob(workload="ups", preset="tiny", config={"batch_size": 4, "accum_steps": 1}, device="cpu",
+                    probe=settings, threads=1)
+
+
+def run_child(job: ChildJob | str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    text = job if isinstance(job, str) else job.to_json()
+    return subprocess.run([sys.executable, "-m", "autotune.probe_child"], input=text, capture_output=True, text=True,
+                          timeout=timeout, env=child_environment(1), check=False)
+
+
+# --- the child protocol ----------------------------------------------------------------------------
+
+
+def test_child_writes_report_lines_then_one_result_line(tiny_datasets: Any) -> None:
+    proc = run_child(tiny_job())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    messages = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is JSON
+    kinds = [m["type"] for m in messages]
+    assert kinds == ["report"] * 5 + ["result"]
+    steps = [m["step"] for m in messages[:-1]]
+    assert steps == sorted(steps) and steps[-1] == 10
+    assert set(messages[0]["metrics"]) == {"samples", "loss", "throughput", "window"}
+    result = messages[-1]["result"]
+    assert set(result) >= RESULT_KEYS
+    assert result["failure"] is None and not result["stopped_early"]
+    assert result["throughput_samples_per_s"] > 0 and result["val_nrmse"] > 0
+    assert result["samples_trained"] == 40
+
+
+def test_child_turns_a_config_the_probe_refuses_into_a_failure_result() -> None:
+    job = tiny_job(samples=8)  # 2 steps: fewer than warm-up + 5 timed windows
+    proc = run_child(job)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])["result"]
+    assert set(result) >= RESULT_KEYS
+    assert result["failure"]["kind"] == "error"
+    assert "samples: 8 samples at effective batch 4" in result["failure"]["message"]
+
+
+def test_child_rejects_a_malformed_job_with_exit_2() -> None:
+    proc = run_child("not json")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "bad job on stdin" in proc.stderr
+
+
+def test_child_stops_at_a_window_boundary_on_sigterm(tiny_datasets: Any) -> None:
+    job = tiny_job(samples=4000)  # ~1000 steps: many seconds, so SIGTERM lands mid-probe
+    proc = subprocess.Popen([sys.executable, "-m", "autotune.probe_child"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_environment(1))
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(job.to_json())
+    proc.stdin.close()
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["type"] == "report"
+        proc.send_signal(signal.SIGTERM)
+        rest = [json.loads(line) for line in proc.stdout]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert rest[-1]["type"] == "result"
+    result = rest[-1]["result"]
+    assert result["stopped_early"] is True and result["failure"] is None
+    assert result["samples_trained"] < 4000
+
+
+# --- the worker's side: a fake service and fake children -------------------------------------------
+
+
+class FakeClient:
+    """Records every call; replies as scripted."""
+
+    base_url = "http://fake"
+
+    def __init__(self, prune_at: int | None = None, heartbeat: str = "continue", report_error: Exception | None = None,
+                 complete_error: Exception | None = None, leases: list[TrialLease | None] | None = None) -> None:
+        self.prune_at = prune_at
+        self.heartbeat_action = heartbeat
+        self.report_error = report_error
+        self.complete_error = complete_error
+        self.leases = list(leases or [])
+        self.calls: list[tuple[str, Any]] = []
+        self.completed: list[dict[str, Any]] = []
+
+    def lease(self, request: Any, **kw: Any) -> TrialLease | None:
+        self.calls.append(("lease", request))
+        return self.leases.pop(0) if self.leases else None
+
+    def heartbeat(self, trial_id: int, worker_id: str, **kw: Any) -> HeartbeatReply:
+        self.calls.append(("heartbeat", trial_id))
+        return HeartbeatReply(action=self.heartbeat_action, reason="study 'x' was stopped")  # type: ignore[arg-type]
+
+    def report(self, trial_id: int, worker_id: str, step: int, metrics: dict[str, float], **kw: Any) -> ReportReply:
+        self.calls.append(("report", step))
+        if self.report_error is not None:
+            raise self.report_error
+        return ReportReply(prune=self.prune_at is not None and step >= self.prune_at, reason="test prune")
+
+    def complete(self, trial_id: int, worker_id: str, result: dict[str, Any], **kw: Any) -> TrialInfo:
+        self.calls.append(("complete", trial_id))
+        if self.complete_error is not None:
+            raise self.complete_error
+        self.completed.append(result)
+        state = "FAIL" if result.get("failure") else "PRUNED" if result.get("stopped_early") else "COMPLETE"
+        return TrialInfo(trial_id=trial_id, number=0, state=state, params={})
+
+    def close(self) -> None:
+        pass
+
+
+def make_lease(timeout_s: float = 60.0, trial_id: int = 7) -> TrialLease:
+    return TrialLease(trial_id=trial_id, study="s", number=0, params={"batch_size": 4}, config={"batch_size": 4},
+                      workload="ups", preset="tiny", probe=ProbeSpec(samples=40, timeout_s=timeout_s))
+
+
+def fake_child(tmp_path: Path, code: str) -> list[str]:
+    script = tmp_path / "fake_child.py"
+    script.write_text(textwrap.dedent(code))
+    return [sys.executable, str(script)]
+
+
+def make_worker(client: FakeClient, argv: list[str], heartbeat_s: float = 5.0, **options: Any) -> Worker:
+    opts = WorkerOptions(worker_id="w1", heartbeat_s=heartbeat_s, child_argv=argv, **options)
+    return Worker(opts, HARDWARE, client=client, console=Console(file=open(os.devnull, "w")))  # type: ignore[arg-type]
+
+
+REPORTS = """
+import json, sys, time
+for step in (7, 9, 11):
+    print(json.dumps({"type": "report", "step": step, "metrics": {"samples": step * 4, "loss": 0.5,
+                                                                  "throughput": 100.0 + step, "window": 0}}),
+          flush=True)
+"""
+
+
+def test_the_childs_result_is_completed_as_is(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, REPORTS + """
+print("stray library chatter on stdout", flush=True)
+print(json.dumps({"type": "result", "result": {"workload": "ups", "preset": "tiny", "config": {}, "device": "cpu",
+      "torch_version": "x", "throughput_samples_per_s": 5.0, "val_nrmse": 0.5, "failure": None}}), flush=True)
+""")
+    client = FakeClient()
+    make_worker(client, argv).run_trial(make_lease())
+    assert [c[0] for c in client.calls] == ["report", "report", "report", "complete"]
+    assert client.completed == [{"workload": "ups", "preset": "tiny", "config": {}, "device": "cpu",
+                                 "torch_version": "x", "throughput_samples_per_s": 5.0, "val_nrmse": 0.5,
+                                 "failure": None}]
+
+
+def test_a_crashing_child_becomes_an_error_with_its_exit_code_and_stderr(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, """
+import sys
+print("Traceback: something broke in the probe", file=sys.stderr)
+sys.exit(3)
+""")
+    client = FakeClient()
+    make_worker(client, argv).run_trial(make_lease())
+    (result,) = client.completed
+    assert set(result) >= RESULT_KEYS
+    assert result["workload"] == "ups" and result["config"] == {"batch_size": 4} and result["device"] == "cpu (test)"
+    assert result["failure"]["kind"] == "error"
+    assert "probe process exited with code 3" in result["failure"]["message"]
+    assert "something broke in the probe" in result["failure"]["message"]
+
+
+def test_a_child_killed_by_sigkill_is_reported_with_the_signal(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, REPORTS + """
+import os, signal
+os.kill(os.getpid(), signal.SIGKILL)
+""")
+    client = FakeClient()
+    make_worker(client, argv).run_trial(make_lease())
+    (result,) = client.completed
+    assert result["failure"]["kind"] == "error"
+    assert "killed by signal 9 (SIGKILL: possibly the OOM killer)" in result["failure"]["message"]
+
+
+def test_a_hanging_child_is_killed_at_the_hard_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_module, "hard_timeout_grace_s", lambda timeout_s: 0.3)
+    argv = fake_child(tmp_path, """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a hang that even ignores SIGTERM
+pid = os.fork()  # a grandchild in the same process group: it must not survive either
+if pid == 0:
+    time.sleep(120)
+    os._exit(0)
+open(os.environ["GRANDCHILD_FILE"], "w").write(str(pid))
+time.sleep(120)
+""")
+    pid_file = tmp_path / "grandchild.pid"
+    monkeypatch.setenv("GRANDCHILD_FILE", str(pid_file))
+    client = FakeClient()
+    started = time.monotonic()
+    make_worker(client, argv).run_trial(make_lease(timeout_s=0.5))
+    assert time.monotonic() - started < 30
+    (result,) = client.completed
+    assert result["failure"]["kind"] == "timeout"
+    assert "hard limit of 0.5 s" in result["failure"]["message"]
+    grandchild = int(pid_file.read_text())
+    assert not is_alive(grandchild)
+
+
+def test_prune_stops_the_child_and_completes_a_partial_stopped_early_result(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_module, "PRUNE_GRACE_S", 0.3)
+    argv = fake_child(tmp_path, """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # does not stop by itself: the worker must SIGKILL it
+""" + REPORTS + """
+time.sleep(120)
+""")
+    client = FakeClient(prune_at=9)
+    make_worker(client, argv).run_trial(make_lease())
+    assert [c for c in client.calls if c[0] == "report"] == [("report", 7), ("report", 9)]  # none after prune
+    (result,) = client.completed
+    assert result["stopped_early"] is True and result["failure"] is None
+    assert result["window_throughputs"] == [107.0, 109.0, 111.0]
+    assert result["throughput_samples_per_s"] == 109.0
+    assert set(result) >= RESULT_KEYS
+
+
+def test_a_pruned_child_that_stops_cleanly_has_its_own_result_marked_stopped_early(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, """
+import json, signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+print(json.dumps({"type": "report", "step": 7, "metrics": {"throughput": 10.0, "loss": 1.0}}), flush=True)
+while not stop:
+    time.sleep(0.01)
+print(json.dumps({"type": "result", "result": {"workload": "ups", "preset": "tiny", "config": {}, "device": "cpu",
+      "torch_version": "x", "throughput_samples_per_s": 10.0, "failure": None, "stopped_early": True}}), flush=True)
+""")
+    client = FakeClient(prune_at=0)
+    make_worker(client, argv).run_trial(make_lease())
+    (result,) = client.completed
+    assert result["stopped_early"] is True and result["throughput_samples_per_s"] == 10.0
+
+
+def test_heartbeat_stop_kills_the_child_and_fails_the_trial(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, "import time\ntime.sleep(120)\n")
+    client = FakeClient(heartbeat="stop", complete_error=Conflict(409, "already finished", "POST", "/x"))
+    started = time.monotonic()
+    make_worker(client, argv, heartbeat_s=0.2).run_trial(make_lease())  # a 409 on complete is tolerated
+    assert time.monotonic() - started < 10
+    assert ("heartbeat", 7) in client.calls and client.calls[-1] == ("complete", 7)
+    client = FakeClient(heartbeat="stop")
+    make_worker(client, argv, heartbeat_s=0.2).run_trial(make_lease())
+    (result,) = client.completed
+    assert result["failure"] == {"kind": "error", "message": "stopped by the service: study 'x' was stopped"}
+
+
+def test_a_409_on_report_drops_the_trial_without_completing(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, REPORTS + "time.sleep(120)\n")
+    client = FakeClient(report_error=Conflict(409, "the lease was reaped", "POST", "/v1/trials/7/report"))
+    run = make_worker(client, argv).run_trial(make_lease())
+    assert run.dropped and "the lease was reaped" in run.dropped
+    assert [c[0] for c in client.calls] == ["report"]
+
+
+def test_reports_are_skipped_while_the_service_is_away(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, REPORTS + """
+print(json.dumps({"type": "result", "result": {"workload": "ups", "preset": "tiny", "config": {}, "device": "cpu",
+      "torch_version": "x", "failure": None}}), flush=True)
+""")
+    client = FakeClient(report_error=ServiceUnavailable("http://fake", "ConnectError"))
+    make_worker(client, argv).run_trial(make_lease())
+    assert len(client.completed) == 1
+
+
+def test_the_loop_exits_after_max_trials_and_after_idle_exit(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, """
+import json
+print(json.dumps({"type": "result", "result": {"workload": "ups", "preset": "tiny", "config": {}, "device": "cpu",
+      "torch_version": "x", "failure": None}}), flush=True)
+""")
+    client = FakeClient(leases=[make_lease(trial_id=1), make_lease(trial_id=2), make_lease(trial_id=3)])
+    assert make_worker(client, argv, max_trials=2).run() == 0
+    assert [c for c in client.calls if c[0] == "complete"] == [("complete", 1), ("complete", 2)]
+    client = FakeClient(leases=[make_lease(trial_id=4)])
+    started = time.monotonic()
+    assert make_worker(client, argv, idle_exit_s=0.5).run() == 0
+    assert time.monotonic() - started < 10
+    assert client.calls[-1][0] == "lease" and ("complete", 4) in client.calls
+
+
+def test_child_environment_shares_the_compile_cache_and_limits_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("AUTOTUNE_INDUCTOR_CACHE_DIR", "/tmp/inductor-here")
+    env = child_environment(2)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/inductor-here"
+    assert env["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/already/set")
+    assert child_environment(None)["TORCHINDUCTOR_CACHE_DIR"] == "/already/set"
+    assert "OMP_NUM_THREADS" not in child_environment(None, base={})
+
+
+def test_exit_descriptions_and_grace() -> None:
+    assert describe_exit(-9) == "probe process killed by signal 9 (SIGKILL: possibly the OOM killer)"
+    assert describe_exit(-11) == "probe process killed by signal 11 (SIGSEGV)"
+    assert describe_exit(1) == "probe process exited with code 1 without a result"
+    assert 5.0 <= hard_timeout_grace_s(1.0) <= hard_timeout_grace_s(900.0) <= 30.0
+
+
+def test_probe_process_kill_group_leaves_no_orphans(tmp_path: Path) -> None:
+    argv = fake_child(tmp_path, """
+import os, subprocess, sys, time
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(grandchild.pid, file=sys.stderr, flush=True)
+time.sleep(120)
+""")
+    child = ProbeProcess(argv, tiny_job(), child_environment(None))
+    deadline = time.monotonic() + 20
+    while not child.stderr_tail().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(child.stderr_tail().split()[-1])
+    assert is_alive(grandchild)
+    child.stop(0.2)
+    assert child.poll() is not None
+    deadline = time.monotonic() + 5
+    while is_alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_alive(grandchild)
+
+
+def test_hardware_is_detected_in_a_child_process() -> None:
+    hardware = detect_hardware("cpu")
+    assert hardware.hardware_class == "cpu" and hardware.torch_version == torch.__version__
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        detect_hardware("tpu")
