@@ -392,6 +392,35 @@ def best(
 
 
 @app.command()
+def report(
+    study: Annotated[str, typer.Argument(help="The study's name.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for report.html and the PNG figures.")] = Path(
+        "autotune-report"),
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+) -> None:
+    """Write report.html with PNGs: Pareto front, best-so-far speedup, importances, failures.
+
+    Exit status: 0 written, 1 no such study (or the service is unreachable).
+    """
+    from autotune.report import write_report
+
+    with service_client(api, token) as client:
+        try:
+            info = client.get_study(study)
+            trials = client.trials(study).data
+        except NotFound as e:
+            err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1) from None
+        try:
+            recommendation = client.best(study)
+        except NotFound:
+            recommendation = None  # nothing passes the gate yet: the report says so
+    files = write_report(info, trials, recommendation, out)
+    Console().print(f"wrote {files.html} and {len(files.figures)} figures", highlight=False)
+
+
+@app.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="Work directory: database and logs.")] = Path("demo-work"),
     trials: Annotated[int, typer.Option(help="Trials in the demo study.", min=2)] = 12,

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from autotune.cli import app
 
-VERBS = ["serve", "worker", "submit", "status", "best", "probe", "demo"]
+VERBS = ["serve", "worker", "submit", "status", "best", "report", "probe", "demo"]
 
 
 def invoke(*args: str) -> Any:
@@ -160,3 +160,19 @@ def test_worker_refuses_an_unknown_device() -> None:
     result = invoke("worker", "--device", "tpu")
     assert result.exit_code == 2
     assert "unknown device 'tpu'" in result.stderr
+
+
+def test_report_writes_html_and_valid_pngs(live: tuple[LiveService, str], tmp_path: Path) -> None:
+    service, study = live
+    out = tmp_path / "report"
+    result = invoke("report", study, "--out", str(out), "--api", service.url)
+    assert result.exit_code == 0, result.output
+    page = (out / "report.html").read_text()
+    assert f"autotune report: {study}" in page and "(baseline)" in page
+    for name in ("pareto", "progress", "importances", "failures"):
+        data = (out / f"{name}.png").read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+        assert f'src="{name}.png"' in page
+
+    result = invoke("report", "nope", "--out", str(tmp_path / "x"), "--api", service.url)
+    assert result.exit_code == 1 and "no study named 'nope'" in result.stderr

@@ -1,0 +1,78 @@
+"""The study report on constructed API answers (the report is under test, not the service)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from autotune.protocol import Recommendation, StudyInfo, StudySpec, TrialInfo
+from autotune.report import best_so_far, importances, pareto_front, write_report
+
+
+def trial(number: int, tp: float | None, nrmse: float | None, feasible: bool | None, state: str = "COMPLETE",
+          baseline: bool = False, failure: dict[str, str] | None = None, **params: object) -> TrialInfo:
+    return TrialInfo(trial_id=100 + number, number=number, state=state, params=dict(params),
+                     throughput_samples_per_s=tp, val_nrmse=nrmse, feasible=feasible, is_baseline=baseline,
+                     failure=failure)
+
+
+@pytest.fixture
+def study() -> StudyInfo:
+    spec = StudySpec(name="s", space="cpu")
+    return StudyInfo(name="s", state="finished", spec=spec, counts={"COMPLETE": 7, "FAIL": 1},
+                     failures={"oom": 1})
+
+
+@pytest.fixture
+def trials() -> list[TrialInfo]:
+    return [
+        trial(0, 100.0, 0.50, True, baseline=True),
+        trial(1, 150.0, 0.52, True, batch_size=8, precision="fp32"),
+        trial(2, 300.0, 0.90, False, batch_size=32, precision="fp32"),
+        trial(3, 120.0, 0.45, True, batch_size=4, precision="bf16"),
+        trial(4, None, None, None, state="FAIL", failure={"kind": "oom", "message": "out of memory"},
+              batch_size=32, precision="bf16"),
+        trial(5, 140.0, 0.60, False, batch_size=16, precision="bf16"),
+        trial(6, 200.0, 0.51, True, batch_size=16, precision="fp32"),
+        trial(7, 90.0, 0.70, False, batch_size=4, precision="fp32"),
+    ]
+
+
+def test_pareto_front_keeps_only_non_dominated_trials(trials: list[TrialInfo]) -> None:
+    assert [t.number for t in pareto_front(trials)] == [3, 6, 2]
+
+
+def test_best_so_far_tracks_feasible_speedup(trials: list[TrialInfo]) -> None:
+    curve = dict(best_so_far(trials))
+    assert curve[0] == pytest.approx(1.0)  # the baseline passes its own gate
+    assert curve[1] == pytest.approx(1.5)
+    assert curve[2] == pytest.approx(1.5)  # infeasible, even though faster
+    assert curve[6] == pytest.approx(2.0)
+    assert curve[7] == pytest.approx(2.0)
+
+
+def test_importances_name_searched_params(study: StudyInfo, trials: list[TrialInfo]) -> None:
+    imp = importances(study, trials)
+    assert set(imp) == {"throughput", "val_nrmse"}
+    assert set(imp["throughput"]) == {"batch_size", "precision"}
+    assert sum(imp["throughput"].values()) == pytest.approx(1.0)
+
+
+def test_write_report_produces_html_and_images(study: StudyInfo, trials: list[TrialInfo], tmp_path: Path) -> None:
+    rec = Recommendation(study="s", config={"batch_size": 16}, trial_number=6, throughput_samples_per_s=200.0,
+                         val_nrmse=0.51, baseline_throughput_samples_per_s=100.0, baseline_val_nrmse=0.5,
+                         speedup=2.0, gate_nrmse=0.51)
+    files = write_report(study, trials, rec, tmp_path / "out")
+    page = files.html.read_text()
+    assert "2.00× the baseline" in page and "oom: out of memory" in page
+    for path in files.figures.values():
+        image = matplotlib.image.imread(path)  # a decodable PNG, not just a file
+        assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_report_without_recommendation_or_trials(study: StudyInfo, tmp_path: Path) -> None:
+    files = write_report(study, [], None, tmp_path)
+    assert "No recommendation yet" in files.html.read_text()
+    assert all(p.stat().st_size > 0 for p in files.figures.values())
