@@ -25,6 +25,7 @@ compute capability >= 8.9, bucket_cap_mb only with world size > 1).
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,7 +34,9 @@ import yaml
 
 from autotune.config import KNOBS, ConfigError, check_rules, parse_config
 
-SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+# The named spaces: $AUTOTUNE_SPACES_DIR, else the repository's search_spaces/ (editable
+# installs and checkouts; the Docker image sets the variable).
+SPACES_DIR = Path(os.environ.get("AUTOTUNE_SPACES_DIR") or Path(__file__).resolve().parent.parent / "search_spaces")
 
 
 class SpaceError(ValueError):
