@@ -1,0 +1,100 @@
+"""The quality gate: which trials keep the model's quality.
+
+A study's baseline (the user's current config) runs with R seeds. With their NRMSE mean μ
+and sample standard deviation σ, a trial is *feasible* iff it completed and
+
+    NRMSE ≤ μ + max(abs_tol, k · σ)
+
+abs_tol = 0.01 follows the source research's gate (validation NRMSE ≤ baseline + 0.01);
+the k · σ term widens it where the baseline's own seed-to-seed spread is larger, so the
+gate never rejects what is only noise. Samplers learn it as an Optuna constraint:
+``constraint_value`` is ≤ 0 when feasible (Optuna's convention), and a failed trial gets a
+large positive value so its region is avoided rather than ignored.
+
+Pure functions, no I/O: the service and the reports share them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FAILED_CONSTRAINT = 1.0e3  # constraint value of a trial that produced no NRMSE (OOM, crash, …)
+
+
+@dataclass(frozen=True)
+class BaselineStats:
+    """NRMSE of the baseline over its seeds."""
+
+    mean: float
+    std: float  # sample standard deviation (0 with one seed)
+    n: int
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> BaselineStats:
+        finite = [v for v in values if v is not None and math.isfinite(v)]
+        if not finite:
+            raise ValueError("the baseline has no finite NRMSE: the gate cannot be set")
+        std = statistics.stdev(finite) if len(finite) > 1 else 0.0
+        return cls(mean=statistics.fmean(finite), std=std, n=len(finite))
+
+
+@dataclass(frozen=True)
+class Gate:
+    abs_tol: float = 0.01
+    k: float = 2.0
+
+    def threshold(self, baseline: BaselineStats) -> float:
+        """The largest NRMSE a feasible trial may have."""
+        return baseline.mean + max(self.abs_tol, self.k * baseline.std)
+
+    def margin(self, baseline: BaselineStats) -> float:
+        """How far above the baseline mean the gate lies (the larger of the two terms)."""
+        return max(self.abs_tol, self.k * baseline.std)
+
+
+def constraint_value(nrmse: float | None, threshold: float) -> float:
+    """Optuna constraint: ≤ 0 feasible; the NRMSE excess otherwise; FAILED_CONSTRAINT without NRMSE."""
+    if nrmse is None or not math.isfinite(nrmse):
+        return FAILED_CONSTRAINT
+    return nrmse - threshold
+
+
+def is_feasible(nrmse: float | None, threshold: float | None) -> bool | None:
+    """True/False once the gate is known; None while the baseline has not finished."""
+    if threshold is None:
+        return None
+    return nrmse is not None and math.isfinite(nrmse) and nrmse <= threshold
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean with a confidence interval (Student t over repeated measurements)."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+    @classmethod
+    def from_values(cls, values: Sequence[float], confidence: float = 0.95) -> Estimate:
+        if not values:
+            raise ValueError("no values")
+        mean = statistics.fmean(values)
+        if len(values) < 2:
+            return cls(mean, mean, mean, len(values))
+        half = _t_quantile(confidence, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+        return cls(mean, mean - half, mean + half, len(values))
+
+
+def _t_quantile(confidence: float, dof: int) -> float:
+    """Two-sided Student-t quantile (scipy when available, else a table for 95 %)."""
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.5 + confidence / 2, dof))
+    except ImportError:  # pragma: no cover - scipy ships with optuna's extras on most installs
+        table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+        return table.get(dof, 1.96)

@@ -1,0 +1,97 @@
+"""Multi-objective pruning: stop a running trial that cannot matter.
+
+Optuna cannot prune multi-objective trials (`Trial.should_prune` raises), so the service
+decides on every intermediate report with `decide`, a pure function of curves:
+
+1. **diverged**: a non-finite loss, or a loss that has grown to `divergence_factor` × its
+   own best so far;
+2. **cannot reach the front**: its stable throughput (the median of its windows so far,
+   after `min_windows`) is below ρ × the best feasible throughput, *and* its loss at equal
+   samples is no better than that best trial's — slower and not better, it is dominated;
+3. **predicts a gate failure**: after `min_fraction` of the sample budget, its loss at
+   equal samples exceeds the baseline's by more than `loss_margin` (relative).
+
+Curves are lists of (samples seen, training loss); losses at equal samples are compared
+by linear interpolation on the reference curve. Every decision carries its reason, which
+the service stores on the trial.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Curve = Sequence[tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class PruneRules:
+    rho: float = 0.5  # slower than rho × the best feasible throughput …
+    min_windows: int = 2  # … judged on at least this many windows
+    loss_margin: float = 0.5  # loss above the baseline's by this fraction predicts a gate failure
+    min_fraction: float = 0.3  # … but only after this fraction of the sample budget
+    divergence_factor: float = 3.0  # loss grown to this multiple of its own minimum
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a running trial is compared with (None where not known yet)."""
+
+    best_feasible_throughput: float | None = None
+    best_feasible_curve: Curve | None = None
+    baseline_curve: Curve | None = None
+    total_samples: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    prune: bool
+    reason: str | None = None
+    rule: str | None = None
+
+
+KEEP = Decision(False)
+
+
+def loss_at(curve: Curve, samples: float) -> float | None:
+    """The curve's loss at `samples` by linear interpolation; None outside its range."""
+    points = sorted(curve)
+    if not points or samples < points[0][0] or samples > points[-1][0]:
+        return None
+    for (s0, l0), (s1, l1) in itertools.pairwise(points):
+        if s0 <= samples <= s1:
+            return l0 if s1 == s0 else l0 + (l1 - l0) * (samples - s0) / (s1 - s0)
+    return points[-1][1]
+
+
+def decide(curve: Curve, throughputs: Sequence[float], ref: Reference, rules: PruneRules = PruneRules()) -> Decision:
+    """Prune or keep a trial given its loss curve and window throughputs so far."""
+    if not curve:
+        return KEEP
+    samples, loss = curve[-1]
+    if not math.isfinite(loss):
+        return Decision(True, f"training loss is {loss} at {samples:.0f} samples: the trial diverged", "diverged")
+    best_loss = min(v for _, v in curve)
+    if len(curve) >= 3 and best_loss > 0 and loss > rules.divergence_factor * best_loss:
+        return Decision(True, f"loss {loss:.4g} at {samples:.0f} samples is {loss / best_loss:.1f}× its best "
+                              f"({best_loss:.4g}): diverging", "diverged")
+
+    if (ref.best_feasible_throughput and ref.best_feasible_curve and len(throughputs) >= rules.min_windows):
+        stable = statistics.median(throughputs)
+        ref_loss = loss_at(ref.best_feasible_curve, samples)
+        if stable < rules.rho * ref.best_feasible_throughput and ref_loss is not None and loss >= ref_loss:
+            return Decision(True, f"throughput {stable:,.1f} samples/s is below {rules.rho:g} × the best feasible "
+                                  f"{ref.best_feasible_throughput:,.1f}, and its loss {loss:.4g} at {samples:.0f} "
+                                  f"samples is no better than that trial's {ref_loss:.4g}: it cannot reach the front",
+                            "dominated")
+
+    if ref.baseline_curve and ref.total_samples and samples >= rules.min_fraction * ref.total_samples:
+        base = loss_at(ref.baseline_curve, samples)
+        if base is not None and base > 0 and loss > base * (1 + rules.loss_margin):
+            return Decision(True, f"loss {loss:.4g} at {samples:.0f} samples exceeds the baseline's {base:.4g} by "
+                                  f"{loss / base - 1:.0%} (> {rules.loss_margin:.0%}): predicts a gate failure",
+                            "gate")
+    return KEEP

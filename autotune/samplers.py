@@ -1,0 +1,48 @@
+"""Optuna samplers for a study, with the quality gate as a constraint.
+
+`make_sampler(name, seed, constraints_func)`:
+
+tpe     multi-objective TPE, multivariate (+ group, for conditional spaces), constant_liar
+        (parallel workers do not all sample the same point while trials run), constraints
+nsga2   NSGA-II with constraints
+random  uniform sampling (and the base of the grid sampler, whose configs are enqueued)
+gp      Gaussian-process sampler with constraints (imports torch: only when chosen)
+
+`constraints_func(frozen_trial) -> [value]` reads the trial's stored constraint (≤ 0 is
+feasible; see autotune.gate). Trials without one (running, or told before the gate was
+known) count as feasible-unknown for the sampler (Optuna's convention for missing values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optuna
+from optuna.samplers import BaseSampler, NSGAIISampler, RandomSampler, TPESampler
+
+CONSTRAINT_ATTR = "constraint"  # the user attr holding the gate constraint value
+
+ConstraintsFunc = Callable[[optuna.trial.FrozenTrial], Sequence[float]]
+
+
+def stored_constraint(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
+    """The constraint value a trial was told with; 0 (neutral) when it has none."""
+    value: Any = trial.user_attrs.get(CONSTRAINT_ATTR)
+    return [float(value)] if value is not None else [0.0]
+
+
+def make_sampler(name: str, seed: int | None = None,
+                 constraints_func: ConstraintsFunc | None = stored_constraint) -> BaseSampler:
+    if name == "tpe":
+        return TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed,
+                          constraints_func=constraints_func)
+    if name == "nsga2":
+        return NSGAIISampler(seed=seed, constraints_func=constraints_func)
+    if name == "gp":
+        from optuna.samplers import GPSampler
+
+        return GPSampler(seed=seed, constraints_func=constraints_func)
+    if name in ("random", "grid"):
+        return RandomSampler(seed=seed)
+    raise ValueError(f"unknown sampler {name!r}; allowed: tpe | nsga2 | random | grid | gp")
