@@ -97,15 +97,19 @@ def list_studies(session: Session) -> list[StudyRecord]:
     return [_study(r) for r in session.scalars(select(StudyRow).order_by(StudyRow.created_at, StudyRow.name))]
 
 
-def leasable_studies(session: Session, hardware: str, name: str | None = None) -> list[StudyRecord]:
-    """Running studies of exactly this hardware class (oldest first), rows locked FOR UPDATE.
+def leasable_studies(session: Session, hardware: str, name: str | None = None, *,
+                     for_update: bool = True) -> list[StudyRecord]:
+    """Running studies of exactly this hardware class (oldest first), rows locked FOR UPDATE
+    unless `for_update` is False.
 
     The lock serialises lease creation per study across service processes on PostgreSQL.
     """
     query = select(StudyRow).where(StudyRow.state == "running", StudyRow.hardware == hardware)
     if name is not None:
         query = query.where(StudyRow.name == name)
-    query = query.order_by(StudyRow.created_at, StudyRow.name).with_for_update()
+    query = query.order_by(StudyRow.created_at, StudyRow.name)
+    if for_update:
+        query = query.with_for_update()
     return [_study(r) for r in session.scalars(query)]
 
 
@@ -135,6 +139,17 @@ def add_lease(session: Session, trial_id: int, study_name: str, trial_number: in
 
 def touch_lease(session: Session, trial_id: int, now: datetime) -> None:
     session.execute(update(LeaseRow).where(LeaseRow.trial_id == trial_id).values(heartbeat_at=now))
+
+
+def touch_active_lease(session: Session, trial_id: int, worker_id: str, now: datetime) -> str | None:
+    """Refresh the heartbeat of `trial_id`'s lease if it is active and held by `worker_id`, in one
+    conditional UPDATE (atomic against a concurrent reap or complete: the row is locked until
+    the transaction ends). Returns the lease's study name, or None when nothing matched."""
+    result = session.execute(update(LeaseRow)
+                             .where(LeaseRow.trial_id == trial_id, LeaseRow.worker_id == worker_id,
+                                    LeaseRow.state == "active")
+                             .values(heartbeat_at=now).returning(LeaseRow.study_name))
+    return result.scalar_one_or_none()
 
 
 def finish_lease(session: Session, trial_id: int, outcome: str, now: datetime) -> None:

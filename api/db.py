@@ -132,12 +132,14 @@ def install_sqlite_pragmas(engine: Engine, busy_timeout_s: float) -> None:
 
 
 def make_engine(url: str, busy_timeout_s: float = 30.0) -> Engine:
-    """An engine for `url`; SQLite gets WAL mode and a busy timeout, other databases a pre-ping pool."""
+    """An engine for `url`; SQLite gets WAL mode and a busy timeout, other databases a pool."""
     if is_sqlite(url):
         engine = create_engine(url, **sqlite_engine_kwargs(busy_timeout_s))
         install_sqlite_pragmas(engine, busy_timeout_s)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # No pool_pre_ping (a round trip per checkout, i.e. per call): a connection that died with a
+    # database restart fails one call and invalidates the pool; clients retry 5xx.
+    return create_engine(url, pool_recycle=1800, pool_size=10, max_overflow=20)
 
 
 class Database:

@@ -7,27 +7,39 @@ tables in a unit of work (see api/service.py).
 
 Thread safety: reads are safe from any thread (one shared `_CachedStorage`, which locks
 internally). `create_study`, `ask` and `tell` mutate a study and its sampler; the service
-calls them under its process-wide lock, never concurrently.
+calls them for one study under that study's lock, never concurrently.
+
+Writes are batched: the user attrs of a trial are written in one transaction (one multi-row
+upsert), not one transaction per attribute as `storage.set_trial_user_attr` would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
 import logging
 import math
 import random
 import threading
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import optuna
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
 from optuna.samplers import BaseSampler, NSGAIISampler, RandomSampler, TPESampler
 from optuna.storages import RDBStorage
+from optuna.storages._rdb import models as rdb_models
+from optuna.storages._rdb.storage import _create_scoped_session
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
 from autotune.protocol import OBJECTIVES, StudySpec
@@ -88,9 +100,82 @@ class StudyContext:
     space: Space
 
 
+class _AskSnapshot:
+    """The storage a TPE study's sampler sees: Optuna's shared storage, except `get_all_trials`
+    within `scope()` (one ask, under the study's lock), answered from a view of the study's
+    trials kept in this process.
+
+    Optuna re-reads every unfinished trial from the database on each `get_all_trials` (the
+    running trials may change), and one TPE ask with constant_liar asks three times: for
+    waiting trials, for the search space and, uncached, for the liars; with 64 trials running
+    that was most of a lease. A running trial changes only when its ask sets its params (done
+    before the ask returns) and when it finishes; this process finishes its trials through
+    the bridge, which calls `finished()`. So the view reads, per ask, only the trials created
+    since the last read and those finished since (one query), and everything once every
+    FULL_REFRESH_S (trials that another service process finished; until then they count as
+    running, i.e. as constant-liar liars). Answers within one ask come from one read; the trial
+    being asked is not in it, which constant_liar filters out anyway."""
+
+    FULL_REFRESH_S = 60.0
+
+    def __init__(self, base: Any, backend: RDBStorage) -> None:
+        self._base = base
+        self._backend = backend
+        self._view: dict[int, FrozenTrial] | None = None  # trial id -> trial
+        self._refreshed = 0.0
+        self._dirty: set[int] = set()  # finished (or popped) since the last read
+        self._memo: list[FrozenTrial] | None = None
+        self._in_scope = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        self._in_scope, self._memo = True, None
+        try:
+            yield
+        finally:
+            self._in_scope, self._memo = False, None
+
+    def finished(self, trial_id: int) -> None:
+        self._dirty.add(trial_id)
+
+    def _read(self, study_id: int) -> list[FrozenTrial]:
+        now = time.monotonic()
+        if self._view is None or now - self._refreshed > self.FULL_REFRESH_S:
+            self._view = {t._trial_id: t for t in self._base.get_all_trials(study_id, deepcopy=False)}
+            self._refreshed = now
+        else:
+            newest = max(self._view, default=-1)
+            fresh = self._backend._get_trials(study_id, states=None, included_trial_ids=set(self._dirty),
+                                              trial_id_greater_than=newest)
+            self._view.update((t._trial_id, t) for t in fresh)
+        self._dirty.clear()
+        return sorted(self._view.values(), key=lambda t: t.number)
+
+    def get_all_trials(self, study_id: int, deepcopy: bool = True, states: Any = None) -> list[FrozenTrial]:
+        if not self._in_scope:
+            trials: list[FrozenTrial] = self._base.get_all_trials(study_id, deepcopy=deepcopy, states=states)
+            return trials
+        if self._memo is None:
+            self._memo = self._read(study_id)
+        trials = self._memo
+        if states is not None:
+            trials = [t for t in trials if t.state in states]
+        return copy.deepcopy(trials) if deepcopy else list(trials)
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Any = None) -> bool:
+        self._dirty.add(trial_id)  # a waiting trial popped, or a trial failed: read it again
+        self._memo = None
+        ok: bool = self._base.set_trial_state_values(trial_id, state, values)
+        return ok
+
+
 @dataclass
 class _Handle:
     study: optuna.Study
+    snapshot: _AskSnapshot | None = None  # TPE studies: one trial read per ask (see _AskSnapshot)
     grid: list[dict[str, Any]] | None = None  # grid sampler: the shuffled, de-duplicated configurations
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -142,7 +227,11 @@ def build_sampler(spec: StudySpec, seed: int | None) -> BaseSampler:
 
 
 def _engine_kwargs(url: str, busy_timeout_s: float) -> dict[str, Any]:
-    return sqlite_engine_kwargs(busy_timeout_s) if is_sqlite(url) else {"pool_pre_ping": True}
+    # No pool_pre_ping: Optuna checks a connection out for every storage call (~10 per lease), and
+    # a ping is a round trip each. A connection that died (database restart) fails one call, which
+    # invalidates the pool; clients retry 5xx. pool_recycle bounds idle-connection age instead.
+    return sqlite_engine_kwargs(busy_timeout_s) if is_sqlite(url) else {"pool_recycle": 1800, "pool_size": 10,
+                                                                         "max_overflow": 20}
 
 
 class OptunaBridge:
@@ -158,6 +247,7 @@ class OptunaBridge:
         self.storage = optuna.storages.get_storage(rdb)
         self._handles: dict[str, _Handle] = {}
         self._handles_lock = threading.Lock()
+        self._study_ids: dict[str, int] = {}  # name -> Optuna study id (fixed for a study's life)
 
     def close(self) -> None:
         self._rdb.engine.dispose()
@@ -177,11 +267,12 @@ class OptunaBridge:
             study.set_metric_names(metric_names(ctx.spec))
         study.set_user_attr("autotune_spec", ctx.spec.model_dump(mode="json"))
         with self._handles_lock:
-            self._handles[ctx.name] = _Handle(study)
+            self._handles[ctx.name] = self._new_handle(ctx, study)
 
     def delete_study(self, name: str) -> None:
         with self._handles_lock:
             self._handles.pop(name, None)
+            self._study_ids.pop(name, None)
         optuna.delete_study(study_name=name, storage=self.storage)
 
     def exists(self, name: str) -> bool:
@@ -200,8 +291,15 @@ class OptunaBridge:
                 seed = None if ctx.spec.seed is None else ctx.spec.seed + self.n_trials(ctx.name)
                 study = optuna.load_study(study_name=ctx.name, storage=self.storage,
                                           sampler=build_sampler(ctx.spec, seed))
-                handle = self._handles[ctx.name] = _Handle(study)
+                handle = self._handles[ctx.name] = self._new_handle(ctx, study)
             return handle
+
+    def _new_handle(self, ctx: StudyContext, study: optuna.Study) -> _Handle:
+        if ctx.spec.sampler != "tpe":
+            return _Handle(study)
+        snapshot = _AskSnapshot(self.storage, self._rdb)
+        study._storage = snapshot  # only this Study object (the sampler's) reads through it
+        return _Handle(study, snapshot=snapshot)
 
     def _grid(self, ctx: StudyContext, handle: _Handle) -> list[dict[str, Any]]:
         with handle.lock:
@@ -211,9 +309,21 @@ class OptunaBridge:
                 handle.grid = grid
             return handle.grid
 
+    def study_id(self, name: str) -> int:
+        """Optuna's id of the study `name` (KeyError if there is none); cached."""
+        study_id = self._study_ids.get(name)
+        if study_id is None:
+            study_id = self._study_ids[name] = self.storage.get_study_id_from_name(name)
+        return study_id
+
     def n_trials(self, name: str) -> int:
-        """Every trial the study ever created, whatever its state."""
-        return self.storage.get_n_trials(self.storage.get_study_id_from_name(name))
+        """Every trial the study ever created, whatever its state: one COUNT on the trials table
+        (Optuna's get_n_trials would re-read every unfinished trial)."""
+        study_id = self.study_id(name)
+        with _create_scoped_session(self._rdb.scoped_session) as session:
+            count = session.scalar(select(func.count(rdb_models.TrialModel.trial_id))
+                                   .where(rdb_models.TrialModel.study_id == study_id))
+        return int(count or 0)
 
     def max_trials(self, ctx: StudyContext) -> int:
         """How many trials the study may hand out: n_trials, or fewer when a grid runs out."""
@@ -223,11 +333,14 @@ class OptunaBridge:
 
     # --- trials --------------------------------------------------------------------------------
 
-    def ask(self, ctx: StudyContext, baseline_config: Mapping[str, Any] | None = None) -> AskedTrial:
+    def ask(self, ctx: StudyContext, baseline_config: Mapping[str, Any] | None = None,
+            attrs: Mapping[str, Any] | None = None, created: int | None = None) -> AskedTrial:
         """Create the next trial. With `baseline_config`, the trial is the baseline: no suggestion
         (its values may lie outside the space), user attr is_baseline=True. Otherwise the space
         is sampled (grid: the next grid configuration). The config is stored as user attr
-        "config". A config that fails the knob rules is told FAIL and SpaceError is raised."""
+        "config", together with `attrs` (one write). `created`: the study's trial count before
+        this ask, when the caller knows it. A config that fails the knob rules is told FAIL and
+        SpaceError is raised."""
         handle = self._handle(ctx)
         study = handle.study
         if baseline_config is not None:
@@ -236,24 +349,47 @@ class OptunaBridge:
         else:
             if ctx.spec.sampler == "grid":
                 grid = self._grid(ctx, handle)
-                index = self.n_trials(ctx.name) - 1  # trial 0 is the baseline
+                index = (self.n_trials(ctx.name) if created is None else created) - 1  # trial 0 is the baseline
                 study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
-            trial = study.ask()
-            try:
-                config = suggest(ctx.space, trial)
-            except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
-                self.set_user_attrs(trial._trial_id, {"failure_kind": "unsupported", "failure_message": str(e)})
-                study.tell(trial.number, state=TrialState.FAIL)
-                raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
+            with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
+                trial = study.ask()
+                try:
+                    config = suggest(ctx.space, trial)
+                except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
+                    self.set_user_attrs(trial._trial_id, {"failure_kind": "unsupported", "failure_message": str(e)})
+                    study.tell(trial.number, state=TrialState.FAIL)
+                    raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
         is_baseline = baseline_config is not None
-        self.set_user_attrs(trial._trial_id, {"is_baseline": is_baseline, "config": config})
+        self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": is_baseline, "config": config})
         return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=dict(trial.params),
                           config=config, is_baseline=is_baseline)
 
     def set_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
-        """Set user attrs on an unfinished trial (non-finite floats become None: JSON has no NaN)."""
-        for key, value in attrs.items():
-            self.storage.set_trial_user_attr(trial_id, key, json_safe(value))
+        """Set user attrs on an unfinished trial (non-finite floats become None: JSON has no NaN),
+        all in one transaction. Raises UpdateFinishedTrialError if the trial is finished."""
+        if not attrs:
+            return
+        with _create_scoped_session(self._rdb.scoped_session, True) as session:
+            trial = rdb_models.TrialModel.find_or_raise_by_id(trial_id, session)
+            self._rdb.check_trial_is_updatable(trial_id, trial.state)
+            self._upsert_user_attrs(session, trial_id, attrs)
+
+    def _upsert_user_attrs(self, session: Any, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        """One multi-row upsert of user attrs (PostgreSQL, SQLite), else Optuna's one-by-one."""
+        if not attrs:
+            return
+        rdb = self._rdb
+        model = rdb_models.TrialUserAttributeModel
+        safe = {key: json_safe(value) for key, value in attrs.items()}
+        dialect = rdb.engine.name
+        if dialect in ("postgresql", "sqlite"):
+            rows = [{"trial_id": trial_id, "key": key, "value_json": json.dumps(value)} for key, value in safe.items()]
+            insert = (pg_dialect if dialect == "postgresql" else sqlite_dialect).insert(model).values(rows)
+            session.execute(insert.on_conflict_do_update(index_elements=[model.trial_id, model.key],
+                                                         set_={"value_json": insert.excluded.value_json}))
+        else:
+            for key, value in safe.items():
+                rdb._set_trial_attr_without_commit(session, model, trial_id, key, value)
 
     def tell(self, ctx: StudyContext, trial: TrialRecord, state: str, values: list[float] | None = None,
              attrs: Mapping[str, Any] | None = None) -> TrialRecord:
@@ -262,16 +398,47 @@ class OptunaBridge:
         Telling an already finished trial changes nothing."""
         if trial.finished:
             return trial
+        return self.finish(ctx, trial.trial_id, state, values, attrs)
+
+    def finish(self, ctx: StudyContext, trial_id: int, state: str, values: list[float] | None = None,
+               attrs: Mapping[str, Any] | None = None) -> TrialRecord:
+        """`tell` by trial id: one read (the sampler's after_trial needs the trial), then attrs,
+        values and state in one write. Returns the finished trial built from what is in hand.
+        A trial finished already is returned as it is."""
+        handle = self._handle(ctx)
+        study = handle.study
+        if handle.snapshot is not None:  # the caller holds the study's lock: the next ask reads it again
+            handle.snapshot.finished(trial_id)
+        told = TrialState[state]
+        values = [float(v) for v in values] if values is not None and told == TrialState.COMPLETE else None
+        frozen = self.storage.get_trial(trial_id)
+        if frozen.state.is_finished():
+            return _record(frozen)
+        study._thread_local.cached_all_trials = None
+        done_at = datetime.now()  # naive local time, as Optuna stores it
         try:
-            if attrs:
-                self.set_user_attrs(trial.trial_id, attrs)
-            self._handle(ctx).study.tell(trial.number, values=values if state == "COMPLETE" else None,
-                                         state=TrialState[state])
+            try:
+                study.sampler.after_trial(study, frozen, told, values)
+            finally:
+                # attrs, values and state in one transaction (Optuna's tell takes one per attr, plus one)
+                with _create_scoped_session(self._rdb.scoped_session, True) as session:
+                    row = rdb_models.TrialModel.find_or_raise_by_id(trial_id, session, for_update=True)
+                    self._rdb.check_trial_is_updatable(trial_id, row.state)
+                    self._upsert_user_attrs(session, trial_id, attrs or {})
+                    for objective, value in enumerate(values or []):
+                        self._rdb._set_trial_value_without_commit(session, row, objective, value)
+                    row.state = told
+                    row.datetime_complete = done_at
         except UpdateFinishedTrialError:
-            log.info("trial %s of %s finished meanwhile; leaving it as it is", trial.number, ctx.name)
-        finished = self.get_trial(trial.trial_id)
-        assert finished is not None
-        return finished
+            log.info("trial %s of %s finished meanwhile; leaving it as it is", trial_id, ctx.name)
+            finished = self.get_trial(trial_id)
+            assert finished is not None
+            return finished
+        user_attrs = dict(frozen.user_attrs)
+        user_attrs.update({k: json_safe(v) for k, v in (attrs or {}).items()})
+        return TrialRecord(trial_id=trial_id, number=frozen.number, state=told.name, params=dict(frozen.params),
+                           values=values, user_attrs=user_attrs, datetime_start=frozen.datetime_start,
+                           datetime_complete=done_at)
 
     def get_trial(self, trial_id: int) -> TrialRecord | None:
         """The trial with Optuna's global id `trial_id`, or None if there is none."""
@@ -279,6 +446,17 @@ class OptunaBridge:
             return _record(self.storage.get_trial(trial_id))
         except KeyError:
             return None
+
+    def running_started_before(self, name: str, cutoff: datetime) -> list[int]:
+        """Ids of the study's RUNNING trials started before `cutoff` (naive local time, as Optuna
+        stores it): one light query, no trial loading (the reaper runs it every few seconds)."""
+        model = rdb_models.TrialModel
+        cutoff_utc = cutoff.astimezone(timezone.utc).replace(tzinfo=None)  # the column holds naive UTC
+        with _create_scoped_session(self._rdb.scoped_session) as session:
+            ids = session.scalars(select(model.trial_id).where(
+                model.study_id == self.study_id(name), model.state == TrialState.RUNNING,
+                model._datetime_start_utc < cutoff_utc).order_by(model.trial_id)).all()
+        return list(ids)
 
     def trials(self, name: str) -> list[TrialRecord]:
         """Every trial of the study, by number."""

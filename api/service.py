@@ -3,12 +3,17 @@ plus the stale-lease reaper. Routes call this; it owns every transaction.
 
 Concurrency contract:
 
-* Every mutating operation runs under one process-wide lock (`TuningService.lock`), so
-  within a process no two leases, tells or lease updates interleave. A trial is never
-  handed out twice; beyond the lock, the database guarantees it: the lease table's primary
-  key is the trial id, a partial unique index allows one active lease per worker, and on
-  PostgreSQL lease creation locks the study rows (SELECT ... FOR UPDATE), which serialises
-  the trial count and the baseline choice across service processes.
+* Calls that ask or tell Optuna (lease, complete, the reaper) run under the lock of the
+  study they touch (`TuningService._study_lock`), so within a process no two asks/tells of
+  one study interleave (its sampler is not thread safe) while other studies go on. A lease
+  also holds the asking worker's lock, so "does it hold a lease? else create one" is atomic
+  per worker. Reports and heartbeats write only the service tables and take no lock: they
+  check and refresh the lease in one conditional UPDATE, so a reaped or completed lease is
+  seen atomically (409/stop). Study creation keeps the process-wide `lock`.
+  A trial is never handed out twice; beyond the locks, the database guarantees it: the
+  lease table's primary key is the trial id, a partial unique index allows one active
+  lease per worker, and on PostgreSQL lease creation locks the study rows (SELECT ... FOR
+  UPDATE), which serialises the trial count and the baseline choice across service processes.
 * Optuna's storage commits its own transactions on its own connections. A unit of work
   therefore calls Optuna first and writes the service tables last: on SQLite (one writer at
   a time) a service transaction holding the write lock while Optuna waits for it would
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -37,6 +43,7 @@ from api.outcome import probe_outcome
 from api.pruning import decide
 from api.results import (
     NoRecommendation,
+    baseline_of,
     counts_by_state,
     failures_by_kind,
     gate_nrmse,
@@ -84,7 +91,48 @@ class TuningService:
         self.db = Database(settings.db_url, settings.sqlite_busy_timeout_s)
         self.db.create_tables()
         self.bridge = OptunaBridge(settings.db_url, settings.sqlite_busy_timeout_s)
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # study creation only; the trial lifecycle takes per-study locks
+        self.lock_factory: Callable[[], Any] = threading.RLock
+        self._study_locks: dict[str, Any] = {}
+        self._worker_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._contexts: dict[str, StudyContext] = {}  # a study's spec and space never change
+        self._gates: dict[str, float | None] = {}  # the gate, once the baseline has finished
+
+    def _study_lock(self, name: str) -> Any:
+        with self._locks_guard:
+            lock = self._study_locks.get(name)
+            if lock is None:
+                lock = self._study_locks[name] = self.lock_factory()
+            return lock
+
+    def _worker_lock(self, worker_id: str) -> Any:
+        with self._locks_guard:
+            lock = self._worker_locks.get(worker_id)
+            if lock is None:
+                lock = self._worker_locks[worker_id] = threading.Lock()
+            return lock
+
+    def _ctx(self, record: crud.StudyRecord) -> StudyContext:
+        ctx = self._contexts.get(record.name)
+        if ctx is None:
+            ctx = self._contexts[record.name] = _context(record)
+        return ctx
+
+    def _gate(self, ctx: StudyContext, told: TrialRecord | None = None) -> float | None:
+        """The study's quality gate (see api/results.py). Cached once the baseline has finished (a
+        finished trial never changes); until then read from the study, or from `told` when that
+        is the baseline just finished."""
+        if ctx.name in self._gates:
+            return self._gates[ctx.name]
+        if told is not None and told.user_attrs.get("is_baseline") and told.finished:
+            baseline: TrialRecord | None = told
+        else:
+            baseline = baseline_of(self.bridge.trials(ctx.name))
+        if baseline is None or not baseline.finished:
+            return None
+        gate = self._gates[ctx.name] = gate_nrmse(ctx.spec, [baseline])
+        return gate
 
     def close(self) -> None:
         self.bridge.close()
@@ -130,7 +178,7 @@ class TuningService:
         return record
 
     def _study_info(self, record: crud.StudyRecord) -> StudyInfo:
-        ctx = _context(record)
+        ctx = self._ctx(record)
         trials = self.bridge.trials(record.name)
         state: Any = record.state
         if state == "running" and sum(t.finished for t in trials) >= self.bridge.max_trials(ctx):
@@ -153,7 +201,7 @@ class TuningService:
     def stop_study(self, name: str) -> StudyInfo:
         """Stop leasing the study's trials; heartbeats of its running trials answer stop. Data is kept.
         Stopping a stopped study changes nothing."""
-        with self.lock, self.db.transaction() as session:
+        with self.db.transaction() as session:
             record = crud.get_study(session, name)
             if record is None:
                 raise NotFound(f"no study named {name!r}; GET /v1/studies lists them")
@@ -179,10 +227,8 @@ class TuningService:
 
     # --- trials --------------------------------------------------------------------------------
 
-    def _trial_view(self, ctx: StudyContext, trial_id: int) -> TrialInfo:
-        trials = self.bridge.trials(ctx.name)
-        trial = next(t for t in trials if t.trial_id == trial_id)
-        return trial_info(trial, ctx.spec, gate_nrmse(ctx.spec, trials))
+    def _trial_view(self, ctx: StudyContext, trial: TrialRecord) -> TrialInfo:
+        return trial_info(trial, ctx.spec, self._gate(ctx, trial))
 
     def _lease_reply(self, ctx: StudyContext, trial: TrialRecord) -> TrialLease:
         config = trial.user_attrs.get("config")
@@ -200,44 +246,58 @@ class TuningService:
         most its n_trials trials ever; its first trial is the baseline.
         """
         now = utcnow()
-        with self.lock, self.db.transaction() as session:
-            if request.study is not None and crud.get_study(session, request.study) is None:
-                raise NotFound(f"no study named {request.study!r}; GET /v1/studies lists them")
-            held = crud.active_lease_of_worker(session, request.worker_id)
-            if held is not None:
-                record = crud.get_study(session, held.study_name)
-                trial = self.bridge.get_trial(held.trial_id)
-                assert record is not None and trial is not None, "a lease always names a study and a trial"
-                crud.see_worker(session, request.worker_id, now, request.hardware)
-                return self._lease_reply(_context(record), trial)
-            for record in crud.leasable_studies(session, request.hardware, request.study):
-                ctx = _context(record)
-                created = self.bridge.n_trials(ctx.name)
-                if created >= self.bridge.max_trials(ctx):
-                    continue
-                baseline = (ctx.spec.baseline or {}) if created == 0 else None
-                try:
-                    asked = self.bridge.ask(ctx, baseline_config=baseline)
-                except SpaceError:
-                    log.exception("study %s: could not draw a config; trial failed", ctx.name)
-                    continue
-                self.bridge.set_user_attrs(asked.trial_id, {"worker_id": request.worker_id})
-                try:
-                    crud.add_lease(session, asked.trial_id, ctx.name, asked.number, request.worker_id, now)
-                    session.flush()  # the database guards (primary key, one active lease per worker) fire here
-                except IntegrityError as e:  # another service process leased to this worker meanwhile
-                    trial = self.bridge.get_trial(asked.trial_id)
-                    assert trial is not None
-                    self.bridge.tell(ctx, trial, "FAIL", attrs={"failure_kind": "lost", "failure_message":
-                                                                "lease refused: the worker already holds one"})
-                    raise Conflict(f"worker {request.worker_id!r} already holds a lease; ask again") from e
-                crud.see_worker(session, request.worker_id, now, request.hardware)
+        # The worker's lock makes "holds a lease already? else create one" atomic for one worker.
+        # Lock order: worker lock, then study lock, then a database connection: no transaction
+        # (pooled connection) is held while waiting for a study's lock, or a complete holding
+        # that lock could wait for a connection forever (pool exhausted by waiting leases).
+        with self._worker_lock(request.worker_id):
+            with self.db.transaction() as session:
+                if request.study is not None and crud.get_study(session, request.study) is None:
+                    raise NotFound(f"no study named {request.study!r}; GET /v1/studies lists them")
+                held = crud.active_lease_of_worker(session, request.worker_id)
+                if held is not None:
+                    record = crud.get_study(session, held.study_name)
+                    trial = self.bridge.get_trial(held.trial_id)
+                    assert record is not None and trial is not None, "a lease always names a study and a trial"
+                    crud.see_worker(session, request.worker_id, now, request.hardware)
+                    return self._lease_reply(self._ctx(record), trial)
+                candidates = crud.leasable_studies(session, request.hardware, request.study, for_update=False)
+                if not candidates:
+                    crud.see_worker(session, request.worker_id, now, request.hardware)
+                    return None
+            for candidate in candidates:
+                ctx = self._ctx(candidate)
+                with self._study_lock(ctx.name), self.db.transaction() as session:
+                    # PostgreSQL: the study row stays locked until the lease is in, which serialises
+                    # the trial count and the baseline choice across service processes
+                    record = crud.get_study(session, ctx.name, for_update=True)
+                    if record is None or record.state != "running":
+                        continue
+                    created = self.bridge.n_trials(ctx.name)
+                    if created >= self.bridge.max_trials(ctx):
+                        continue
+                    baseline = (ctx.spec.baseline or {}) if created == 0 else None
+                    try:
+                        asked = self.bridge.ask(ctx, baseline_config=baseline, created=created,
+                                                attrs={"worker_id": request.worker_id})
+                    except SpaceError:
+                        log.exception("study %s: could not draw a config; trial failed", ctx.name)
+                        continue
+                    try:
+                        crud.add_lease(session, asked.trial_id, ctx.name, asked.number, request.worker_id, now)
+                        session.flush()  # the database guards (primary key, one active lease per worker) fire here
+                    except IntegrityError as e:  # another service process leased to this worker meanwhile
+                        self.bridge.finish(ctx, asked.trial_id, "FAIL", attrs={
+                            "failure_kind": "lost", "failure_message": "lease refused: the worker already holds one"})
+                        raise Conflict(f"worker {request.worker_id!r} already holds a lease; ask again") from e
+                    crud.see_worker(session, request.worker_id, now, request.hardware)
                 log.info("leased trial %d of %s to %s%s", asked.number, ctx.name, request.worker_id,
                          " (baseline)" if asked.is_baseline else "")
-                trial = self.bridge.get_trial(asked.trial_id)
-                assert trial is not None
-                return self._lease_reply(ctx, trial)
-            crud.see_worker(session, request.worker_id, now, request.hardware)
+                return TrialLease(trial_id=asked.trial_id, study=ctx.name, number=asked.number, params=asked.params,
+                                  config=asked.config, workload=ctx.spec.workload, preset=ctx.spec.preset,
+                                  probe=ctx.spec.probe, is_baseline=asked.is_baseline)
+            with self.db.transaction() as session:
+                crud.see_worker(session, request.worker_id, now, request.hardware)
             return None
 
     def _lease_of(self, session: Session, trial_id: int) -> crud.LeaseRecord | None:
@@ -250,22 +310,22 @@ class TuningService:
     def heartbeat(self, trial_id: int, request: HeartbeatRequest) -> HeartbeatReply:
         """Record that the worker still runs the trial; say stop when it should not go on."""
         now = utcnow()
-        with self.lock, self.db.transaction() as session:
-            lease = self._lease_of(session, trial_id)
-            if lease is None:
-                return HeartbeatReply(action="stop", reason=f"trial {trial_id} was not leased by this service")
-            if lease.worker_id != request.worker_id:
-                return HeartbeatReply(action="stop", reason=f"trial {trial_id} is leased to worker "
-                                                            f"{lease.worker_id!r}, not {request.worker_id!r}")
-            if not lease.active:
+        with self.db.transaction() as session:
+            study_name = crud.touch_active_lease(session, trial_id, request.worker_id, now)
+            if study_name is None:
+                lease = self._lease_of(session, trial_id)
+                if lease is None:
+                    return HeartbeatReply(action="stop", reason=f"trial {trial_id} was not leased by this service")
+                if lease.worker_id != request.worker_id:
+                    return HeartbeatReply(action="stop", reason=f"trial {trial_id} is leased to worker "
+                                                                f"{lease.worker_id!r}, not {request.worker_id!r}")
                 why = "its lease was reaped (no heartbeat within the grace period)" if lease.outcome == "lost" \
                     else "it is already completed"
                 return HeartbeatReply(action="stop", reason=f"trial {trial_id} is no longer leased: {why}")
-            crud.touch_lease(session, trial_id, now)
             crud.see_worker(session, request.worker_id, now)
-            record = crud.get_study(session, lease.study_name)
+            record = crud.get_study(session, study_name)
             if record is not None and record.state == "stopped":
-                return HeartbeatReply(action="stop", reason=f"study {lease.study_name!r} was stopped")
+                return HeartbeatReply(action="stop", reason=f"study {study_name!r} was stopped")
             trial = self.bridge.get_trial(trial_id)
             if trial is not None and trial.finished:
                 return HeartbeatReply(action="stop", reason=f"trial {trial_id} already finished ({trial.state})")
@@ -287,16 +347,21 @@ class TuningService:
     def report(self, trial_id: int, request: ReportRequest) -> ReportReply:
         """Store an intermediate report and say whether the trial should stop (prune)."""
         now = utcnow()
-        with self.lock, self.db.transaction() as session:
-            lease = self._active_lease(session, trial_id, request.worker_id, "report on")
-            crud.add_report(session, trial_id, lease.study_name, request.step, request.metrics, now)
-            crud.touch_lease(session, trial_id, now)  # a report is as good as a heartbeat
+        with self.db.transaction() as session:
+            # check and refresh the lease in one conditional UPDATE (a report is as good as a heartbeat)
+            study_name = crud.touch_active_lease(session, trial_id, request.worker_id, now)
+            if study_name is None:
+                self._active_lease(session, trial_id, request.worker_id, "report on")  # raises the right 404/409
+                raise Conflict(f"cannot report on trial {trial_id}: its lease changed meanwhile; lease a new trial")
+            crud.add_report(session, trial_id, study_name, request.step, request.metrics, now)
             crud.see_worker(session, request.worker_id, now)
-            record = crud.get_study(session, lease.study_name)
+            record = crud.get_study(session, study_name)
             if record is not None and record.state == "stopped":
-                return ReportReply(prune=True, reason=f"study {lease.study_name!r} was stopped")
-            session.flush()
-            decision = decide(trial_id, request.step, request.metrics, crud.study_reports(session, lease.study_name))
+                return ReportReply(prune=True, reason=f"study {study_name!r} was stopped")
+            # the pruning rule needs only this report today; study-wide history would come from a
+            # per-study summary, not from reading every report of the study on every call
+            current = crud.ReportRecord(trial_id=trial_id, step=request.step, metrics=dict(request.metrics), at=now)
+            decision = decide(trial_id, request.step, request.metrics, [current])
             return ReportReply(prune=decision.prune, reason=decision.reason)
 
     def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
@@ -306,28 +371,31 @@ class TuningService:
         TrialInfo back and nothing changes. Conflict for any other worker, or a reaped lease.
         """
         now = utcnow()
-        with self.lock:
-            with self.db.read() as session:
+        with self.db.read() as session:
+            lease = self._lease_of(session, trial_id)
+            if lease is not None:
+                record = crud.get_study(session, lease.study_name)
+        if lease is None:
+            raise Conflict(f"cannot complete trial {trial_id}: it was not leased by this service")
+        assert record is not None
+        ctx = self._ctx(record)
+        with self._study_lock(ctx.name):
+            with self.db.read() as session:  # re-read under the study's lock: a reap or complete may have won
                 lease = self._lease_of(session, trial_id)
                 if (lease is not None and lease.worker_id == request.worker_id and not lease.active
                         and lease.outcome == "completed"):
-                    record = crud.get_study(session, lease.study_name)
-                    assert record is not None
-                    return self._trial_view(_context(record), trial_id)
+                    trial = self.bridge.get_trial(trial_id)
+                    assert trial is not None
+                    return self._trial_view(ctx, trial)
                 lease = self._active_lease(session, trial_id, request.worker_id, "complete")
-                record = crud.get_study(session, lease.study_name)
-                assert record is not None
-            ctx = _context(record)
-            trial = self.bridge.get_trial(trial_id)
-            assert trial is not None
-            if not trial.finished:  # finished already: a crash between tell and the lease update; repair
-                outcome = probe_outcome(request.result, ctx.spec, request.worker_id)
-                trial = self.bridge.tell(ctx, trial, outcome.state, outcome.values, outcome.attrs)
-                log.info("trial %d of %s: %s", trial.number, ctx.name, trial.state)
+            # a trial finished already (a crash between tell and the lease update) is left as it is: repair
+            outcome = probe_outcome(request.result, ctx.spec, request.worker_id)
+            trial = self.bridge.finish(ctx, trial_id, outcome.state, outcome.values, outcome.attrs)
+            log.info("trial %d of %s: %s", trial.number, ctx.name, trial.state)
             with self.db.transaction() as session:
                 crud.finish_lease(session, trial_id, "completed", now)
                 crud.see_worker(session, request.worker_id, now)
-            return self._trial_view(ctx, trial_id)
+            return self._trial_view(ctx, trial)
 
     # --- the reaper ----------------------------------------------------------------------------
 
@@ -339,16 +407,20 @@ class TuningService:
         now = as_naive_utc(now) if now is not None else utcnow()
         grace = timedelta(seconds=self.settings.lease_grace_s)
         reaped: list[int] = []
-        with self.lock:
-            with self.db.read() as session:
-                stale = crud.stale_leases(session, now - grace)
-                records = {r.name: r for r in crud.list_studies(session)}
-                leased = {name: crud.leased_trial_ids(session, name) for name in records}
-            for lease in stale:
-                ctx = _context(records[lease.study_name])
+        with self.db.read() as session:
+            stale = crud.stale_leases(session, now - grace)
+            records = {r.name: r for r in crud.list_studies(session)}
+            leased = {name: crud.leased_trial_ids(session, name) for name in records}
+        for lease in stale:
+            ctx = self._ctx(records[lease.study_name])
+            with self._study_lock(ctx.name):
+                with self.db.read() as session:  # a complete or a heartbeat may have come in meanwhile
+                    current = crud.get_lease(session, lease.trial_id)
+                if current is None or not current.active or current.heartbeat_at >= now - grace:
+                    continue
                 trial = self.bridge.get_trial(lease.trial_id)
                 if trial is not None and not trial.finished:
-                    silent = (now - lease.heartbeat_at).total_seconds()
+                    silent = (now - current.heartbeat_at).total_seconds()
                     message = (f"worker {lease.worker_id} stopped heartbeating "
                                f"(last heartbeat {silent:.0f} s ago; grace {grace.total_seconds():.0f} s)")
                     self.bridge.tell(ctx, trial, "FAIL", attrs={"failure_kind": "lost", "failure_message": message})
@@ -356,16 +428,20 @@ class TuningService:
                     log.warning("trial %d of %s lost: %s", lease.trial_number, ctx.name, message)
                 with self.db.transaction() as session:
                     crud.finish_lease(session, lease.trial_id, "lost", now)
-            # Optuna's datetimes are naive local time: compare them with a local cutoff.
-            local_cutoff = datetime.now() + (now - utcnow()) - grace
-            for name, record in records.items():
-                for trial in self.bridge.trials(name):
-                    if (trial.state == "RUNNING" and trial.trial_id not in leased[name]
-                            and trial.datetime_start is not None and trial.datetime_start < local_cutoff):
-                        self.bridge.tell(_context(record), trial, "FAIL", attrs={
-                            "failure_kind": "lost", "failure_message": "the trial was created but never leased "
-                                                                       "(the service stopped in between)"})
-                        reaped.append(trial.trial_id)
+        # Optuna's datetimes are naive local time: compare them with a local cutoff.
+        local_cutoff = datetime.now() + (now - utcnow()) - grace
+        for name, record in records.items():
+            for trial_id in self.bridge.running_started_before(name, local_cutoff):
+                if trial_id in leased[name]:
+                    continue
+                with self._study_lock(name):
+                    trial = self.bridge.get_trial(trial_id)
+                    if trial is None or trial.finished:
+                        continue
+                    self.bridge.tell(self._ctx(record), trial, "FAIL", attrs={
+                        "failure_kind": "lost", "failure_message": "the trial was created but never leased "
+                                                                   "(the service stopped in between)"})
+                reaped.append(trial_id)
         return reaped
 
 
