@@ -176,9 +176,15 @@ def active_leases(session: Session, study_name: str) -> list[LeaseRecord]:
 # --- reports -----------------------------------------------------------------------------------
 
 def add_report(session: Session, trial_id: int, study_name: str, step: int, metrics: dict[str, float],
-               now: datetime) -> None:
+               now: datetime, prune: bool = False, prune_reason: str | None = None) -> None:
     session.add(ReportRow(trial_id=trial_id, study_name=study_name, step=step, metrics=encode_metrics(metrics),
-                          at=now))
+                          at=now, prune=prune, prune_reason=prune_reason[:2000] if prune_reason else None))
+
+
+def prune_reason(session: Session, trial_id: int) -> str | None:
+    """The reason of the trial's latest report answered with prune, if any (one indexed query)."""
+    return session.scalars(select(ReportRow.prune_reason).where(ReportRow.trial_id == trial_id, ReportRow.prune)
+                           .order_by(ReportRow.id.desc()).limit(1)).first()
 
 
 def study_reports(session: Session, study_name: str) -> list[ReportRecord]:

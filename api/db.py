@@ -13,7 +13,8 @@ Tables:
 * ``autotune_leases``: one row per trial handed to a worker. ``trial_id`` (Optuna's global
   trial id) is the primary key, so a trial can never be handed out twice; a partial unique
   index allows at most one *active* lease per worker.
-* ``autotune_reports``: intermediate metrics a worker reported for a trial.
+* ``autotune_reports``: intermediate metrics a worker reported for a trial, with the prune
+  decision the service answered (and its reason).
 * ``autotune_workers``: every worker seen, with its hardware and when it was last heard from.
 
 Engines: SQLite files run in WAL mode with a busy timeout (readers never block the single
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Engine, ForeignKey, Index, Integer, String, create_engine, event, text
+from sqlalchemy import JSON, Boolean, DateTime, Engine, ForeignKey, Index, Integer, String, create_engine, event, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 STUDY_STATES = ("running", "stopped")
@@ -92,6 +93,8 @@ class ReportRow(Base):
     step: Mapped[int] = mapped_column(Integer, nullable=False)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
     at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
+    prune: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    prune_reason: Mapped[str | None] = mapped_column(String(2000), nullable=True)
 
 
 class WorkerRow(Base):

@@ -31,7 +31,7 @@ from typing import Any
 
 import optuna
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
-from optuna.samplers import BaseSampler, NSGAIISampler, RandomSampler, TPESampler
+from optuna.samplers import BaseSampler
 from optuna.storages import RDBStorage
 from optuna.storages._rdb import models as rdb_models
 from optuna.storages._rdb.storage import _create_scoped_session
@@ -43,6 +43,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
 from autotune.protocol import OBJECTIVES, StudySpec
+from autotune.samplers import make_sampler
 from autotune.space import Space, SpaceError, suggest
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class AskedTrial:
     params: dict[str, Any]
     config: dict[str, Any]
     is_baseline: bool
+    role: str = "search"
 
 
 @dataclass(frozen=True)
@@ -211,19 +213,30 @@ def check_sampler_fits(spec: StudySpec, space: Space) -> None:
 
 
 def build_sampler(spec: StudySpec, seed: int | None) -> BaseSampler:
-    """The sampler the spec names. Grid studies use RandomSampler: their configs are enqueued."""
+    """The sampler the spec names (autotune.samplers.make_sampler: the gate is a constraint
+    read from the trial's user attr ``constraint``). Grid studies use RandomSampler: their
+    configs are enqueued."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExperimentalWarning)
-        if spec.sampler == "tpe":
-            # group=True: the space may be conditional (prefetch_factor only with workers > 0)
-            return TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed)
-        if spec.sampler == "nsga2":
-            return NSGAIISampler(seed=seed)
-        if spec.sampler == "gp":
-            from optuna.samplers import GPSampler  # torch is imported on first use only
+        # Optuna 5 deprecates constraints_func (for Trial.set_constraint, which ask/tell by trial id
+        # cannot use); it still reads the same stored constraints
+        warnings.simplefilter("ignore", FutureWarning)
+        return make_sampler(spec.sampler, seed)
 
-            return GPSampler(seed=seed)
-        return RandomSampler(seed=seed)  # random, and grid (configs come from the enqueued grid)
+
+class _BufferedSystemAttrs:
+    """A storage stand-in for a sampler's `after_trial`: system attrs it sets (the constraints)
+    are kept here and written in the finishing transaction, not one transaction each."""
+
+    def __init__(self, base: Any) -> None:
+        self._base = base
+        self.attrs: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self.attrs[key] = value
 
 
 def _engine_kwargs(url: str, busy_timeout_s: float) -> dict[str, Any]:
@@ -326,43 +339,55 @@ class OptunaBridge:
         return int(count or 0)
 
     def max_trials(self, ctx: StudyContext) -> int:
-        """How many trials the study may hand out: n_trials, or fewer when a grid runs out."""
+        """How many baseline + search trials the study may hand out: n_trials (at least the
+        baseline seeds), or fewer when a grid runs out. Re-measurements come on top."""
+        seeds = ctx.spec.baseline_seeds
         if ctx.spec.sampler == "grid":
-            return min(ctx.spec.n_trials, 1 + len(self._grid(ctx, self._handle(ctx))))
-        return ctx.spec.n_trials
+            return max(seeds, min(ctx.spec.n_trials, seeds + len(self._grid(ctx, self._handle(ctx)))))
+        return max(seeds, ctx.spec.n_trials)
 
     # --- trials --------------------------------------------------------------------------------
 
     def ask(self, ctx: StudyContext, baseline_config: Mapping[str, Any] | None = None,
-            attrs: Mapping[str, Any] | None = None, created: int | None = None) -> AskedTrial:
-        """Create the next trial. With `baseline_config`, the trial is the baseline: no suggestion
-        (its values may lie outside the space), user attr is_baseline=True. Otherwise the space
-        is sampled (grid: the next grid configuration). The config is stored as user attr
-        "config", together with `attrs` (one write). `created`: the study's trial count before
-        this ask, when the caller knows it. A config that fails the knob rules is told FAIL and
-        SpaceError is raised."""
+            attrs: Mapping[str, Any] | None = None, created: int | None = None,
+            role: str | None = None) -> AskedTrial:
+        """Create the next trial. With `baseline_config` (a fixed config), nothing is suggested (its
+        values may lie outside the space) and the trial's role is `role` (default baseline:
+        user attr is_baseline=True). Otherwise the space is sampled (grid: the next grid
+        configuration) for a search trial. The config is stored as user attr "config",
+        together with `attrs` and "role" (one write). `created`: the study's trial count
+        before this ask, when the caller knows it. A config that fails the knob rules is
+        told as a failed trial ("unsupported": COMPLETE with worst-case values and the
+        failed constraint, see api/outcome.py) and SpaceError is raised."""
+        from api.outcome import failed_attrs, worst_values  # api.outcome imports nothing of this module
+
         handle = self._handle(ctx)
         study = handle.study
         if baseline_config is not None:
             trial = study.ask()
             config = dict(baseline_config)
+            role = role or "baseline"
         else:
+            role = "search"
             if ctx.spec.sampler == "grid":
                 grid = self._grid(ctx, handle)
-                index = (self.n_trials(ctx.name) if created is None else created) - 1  # trial 0 is the baseline
+                # the first baseline_seeds trials are the baseline
+                index = (self.n_trials(ctx.name) if created is None else created) - ctx.spec.baseline_seeds
                 study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
             with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
                 trial = study.ask()
                 try:
                     config = suggest(ctx.space, trial)
                 except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
-                    self.set_user_attrs(trial._trial_id, {"failure_kind": "unsupported", "failure_message": str(e)})
-                    study.tell(trial.number, state=TrialState.FAIL)
+                    self.finish(ctx, trial._trial_id, "COMPLETE", worst_values(ctx.spec), {
+                        **(attrs or {}), "role": role, "is_baseline": False,
+                        **failed_attrs("unsupported", str(e))})
                     raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
-        is_baseline = baseline_config is not None
-        self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": is_baseline, "config": config})
+        is_baseline = role == "baseline"
+        self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": is_baseline, "role": role,
+                                              "config": config})
         return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=dict(trial.params),
-                          config=config, is_baseline=is_baseline)
+                          config=config, is_baseline=is_baseline, role=role)
 
     def set_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
         """Set user attrs on an unfinished trial (non-finite floats become None: JSON has no NaN),
@@ -416,15 +441,27 @@ class OptunaBridge:
             return _record(frozen)
         study._thread_local.cached_all_trials = None
         done_at = datetime.now()  # naive local time, as Optuna stores it
+        # the sampler's after_trial reads the trial's constraint (a user attr set below) and stores
+        # it as a system attr: let it see the new attrs, and write what it sets in our transaction
+        told_frozen = copy.copy(frozen)
+        told_frozen.user_attrs = {**frozen.user_attrs, **{k: json_safe(v) for k, v in (attrs or {}).items()}}
+        buffered = _BufferedSystemAttrs(study._storage)
         try:
             try:
-                study.sampler.after_trial(study, frozen, told, values)
+                study._storage = buffered  # type: ignore[assignment]
+                try:
+                    study.sampler.after_trial(study, told_frozen, told, values)
+                finally:
+                    study._storage = buffered._base
             finally:
                 # attrs, values and state in one transaction (Optuna's tell takes one per attr, plus one)
                 with _create_scoped_session(self._rdb.scoped_session, True) as session:
                     row = rdb_models.TrialModel.find_or_raise_by_id(trial_id, session, for_update=True)
                     self._rdb.check_trial_is_updatable(trial_id, row.state)
                     self._upsert_user_attrs(session, trial_id, attrs or {})
+                    for key, value in buffered.attrs.items():
+                        self._rdb._set_trial_attr_without_commit(session, rdb_models.TrialSystemAttributeModel,
+                                                                 trial_id, key, value)
                     for objective, value in enumerate(values or []):
                         self._rdb._set_trial_value_without_commit(session, row, objective, value)
                     row.state = told
@@ -463,10 +500,6 @@ class OptunaBridge:
         study_id = self.storage.get_study_id_from_name(name)
         return [_record(t) for t in self.storage.get_all_trials(study_id, deepcopy=False)]
 
-    def pareto(self, name: str) -> list[TrialRecord]:
-        """The non-dominated completed trials (Optuna's best_trials), by number."""
-        study = optuna.study.Study(study_name=name, storage=self.storage, sampler=RandomSampler())
-        return sorted((_record(t) for t in study.best_trials), key=lambda t: t.number)
 
 
 def json_safe(value: Any) -> Any:

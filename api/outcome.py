@@ -2,15 +2,32 @@
 
 The mapping is explicit (one place, one function):
 
-* ``result["failure"]`` set           → FAIL, user attrs failure_kind / failure_message
+* ``result["failure"]`` set           → *failed*: user attrs failure_kind / failure_message
 * ``result["stopped_early"]``         → PRUNED (pruned or stopped by the service; no values)
 * otherwise                           → COMPLETE with values in the study's objective order,
   provided both throughput_samples_per_s (> 0) and val_nrmse are finite numbers: the
   gate and the recommendation need both, whichever objectives the study optimises.
-  Otherwise FAIL with kind "error" saying which value was bad.
+  Otherwise *failed* with kind "error" saying which value was bad.
+
+Failed trials teach the sampler (a design choice): an OOM, crash, unsupported combination or
+timeout says something about its region of the space, and an Optuna FAIL is invisible to
+the samplers. So a failed probe is told to Optuna as **COMPLETE with worst-case values**
+(throughput 0, val_nrmse WORST_NRMSE) and the gate constraint
+``autotune.gate.FAILED_CONSTRAINT`` (user attr ``constraint``), keeping failure_kind /
+failure_message. Everything the service shows reads the failure attrs first
+(`api.results.service_state`): such a trial is FAIL in TrialInfo.state, in the counts by state
+and in the failures by kind, it is never feasible, and it is excluded from the Pareto front
+and the recommendation. (Trials *lost* by a silent worker stay Optuna FAIL: that says nothing
+about the config.)
+
+Every completed trial carries the constraint the samplers learn (≤ 0 feasible):
+``constraint_value(nrmse, gate)``, or the larger of it and the memory constraint
+``peak reserved GiB − max_memory_gb`` when the study sets one. Baselines run before the
+gate exists; their constraint is the memory one (or 0).
 
 Every outcome carries the measurement user attrs (config, device, torch version, warm-up,
-spread, memory, data wait, samples, worker, knob notes, failure kind or None).
+spread, memory, data wait, samples, window throughputs, loss curve, worker, knob notes,
+failure kind or None).
 """
 
 from __future__ import annotations
@@ -20,13 +37,42 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from autotune.gate import FAILED_CONSTRAINT, constraint_value
 from autotune.protocol import OBJECTIVES, StudySpec
+from autotune.samplers import CONSTRAINT_ATTR
 
 # ProbeResult fields copied verbatim into user attrs
 RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
                 "peak_mem_allocated_bytes", "data_wait_fraction", "samples_trained", "throughput_samples_per_s",
-                "val_nrmse")
+                "val_nrmse", "window_throughputs", "loss_curve")
 MAX_MESSAGE = 2000
+WORST_NRMSE = 10.0  # the val_nrmse a failed trial is told with (with throughput 0)
+GIB = 2**30
+
+
+def worst_values(spec: StudySpec) -> list[float]:
+    """The objective values a failed trial is told with (see the module docstring)."""
+    worst = {"throughput_samples_per_s": 0.0, "val_nrmse": WORST_NRMSE}
+    return [worst[OBJECTIVES[o][0]] for o in spec.objectives]
+
+
+def failed_attrs(kind: str, message: str) -> dict[str, Any]:
+    return {"failure_kind": kind, "failure_message": message[:MAX_MESSAGE], CONSTRAINT_ATTR: FAILED_CONSTRAINT}
+
+
+def memory_constraint(peak_reserved_bytes: Any, spec: StudySpec) -> float | None:
+    """peak reserved GiB − max_memory_gb (≤ 0 fits); None without a limit or a measurement."""
+    peak = _number(peak_reserved_bytes)
+    if spec.max_memory_gb is None or peak is None:
+        return None
+    return peak / GIB - spec.max_memory_gb
+
+
+def constraint_of(nrmse: float | None, peak_reserved_bytes: Any, spec: StudySpec, gate: float | None) -> float | None:
+    """The constraint a completed trial is told with; None when neither the gate nor a memory limit applies."""
+    parts = [c for c in (constraint_value(nrmse, gate) if gate is not None else None,
+                         memory_constraint(peak_reserved_bytes, spec)) if c is not None]
+    return max(parts) if parts else None
 
 
 @dataclass(frozen=True)
@@ -52,8 +98,10 @@ def _failure(failure: Any) -> tuple[str, str]:
     return kind, message[:MAX_MESSAGE]
 
 
-def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str) -> TrialOutcome:
-    """The trial outcome for `result` (ProbeResult.to_dict()) reported by `worker_id`."""
+def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, gate: float | None = None,
+                  baseline: bool = False) -> TrialOutcome:
+    """The trial outcome for `result` (ProbeResult.to_dict()) reported by `worker_id`; `gate`:
+    the study's NRMSE threshold when known; `baseline`: the trial is a baseline seed."""
     attrs: dict[str, Any] = {k: result.get(k) for k in RESULT_ATTRS}
     attrs["worker_id"] = worker_id
     knobs = result.get("knobs")
@@ -67,8 +115,8 @@ def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str) ->
 
     if result.get("failure"):
         kind, message = _failure(result["failure"])
-        attrs.update(failure_kind=kind, failure_message=message)
-        return TrialOutcome("FAIL", None, attrs)
+        attrs.update(failed_attrs(kind, message))
+        return TrialOutcome("COMPLETE", worst_values(spec), attrs)
     if result.get("stopped_early"):
         return TrialOutcome("PRUNED", None, attrs)
 
@@ -80,10 +128,16 @@ def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str) ->
     if nrmse is None:
         problems.append(f"val_nrmse is {result.get('val_nrmse')!r}")
     if problems:
-        attrs.update(failure_kind="error", failure_message="the probe reported no failure but "
-                     + " and ".join(problems) + " (need finite numbers)")
-        return TrialOutcome("FAIL", None, attrs)
+        attrs.update(failed_attrs("error", "the probe reported no failure but " + " and ".join(problems)
+                                  + " (need finite numbers)"))
+        return TrialOutcome("COMPLETE", worst_values(spec), attrs)
     assert throughput is not None and nrmse is not None
     measured = {"throughput_samples_per_s": throughput, "val_nrmse": nrmse}
     values = [measured[OBJECTIVES[o][0]] for o in spec.objectives]
+    constraint = constraint_of(None if baseline else nrmse, result.get("peak_mem_reserved_bytes"), spec,
+                               None if baseline else gate)
+    if baseline and constraint is None:
+        constraint = 0.0
+    if constraint is not None:
+        attrs[CONSTRAINT_ATTR] = constraint
     return TrialOutcome("COMPLETE", values, attrs)

@@ -1,40 +1,106 @@
 """Whether a running trial should stop early, from what its worker reported.
 
 Optuna's `Trial.report`/`should_prune` raise for multi-objective studies, so the decision
-is ours and lives here, in one pure function. Today's rule: a non-finite training loss
-(NaN/inf) prunes at once, since that trial can only end as a failure. Multi-objective
-pruning against the study's history (a later issue) extends `decide` without changing
-its callers.
+is ours: `decide` delegates to `autotune.pruning.decide` (diverged · cannot reach the front ·
+predicts a gate failure) with a `Reference` built from a cheap per-study summary
+(`StudySummary`) that the service keeps in memory and updates when a trial completes: the
+best feasible throughput and its loss curve, the baseline seeds' mean loss curve, the
+sample budget. The running trial's own curve and window throughputs come from a small
+per-trial cache of its reports (`TrialReports`). No report of the study is ever read.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from api.crud import ReportRecord
+from autotune import pruning as rules_
+from autotune.protocol import StudySpec
 
-
-@dataclass(frozen=True)
-class PruneDecision:
-    prune: bool
-    reason: str | None = None
-
-
-KEEP = PruneDecision(prune=False)
+KEEP = rules_.KEEP
+PruneDecision = rules_.Decision
 
 
-def decide(trial_id: int, step: int, metrics: Mapping[str, float], history: Sequence[ReportRecord]) -> PruneDecision:
-    """Prune or keep trial `trial_id` after it reported `metrics` at `step`.
+def curve_of(value: Any) -> list[tuple[float, float]]:
+    """A stored loss curve ([[samples, loss], …]) as finite (samples, loss) pairs."""
+    points: list[tuple[float, float]] = []
+    if isinstance(value, list):
+        for p in value:
+            if (isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
+                    and math.isfinite(p[0]) and math.isfinite(p[1])):
+                points.append((float(p[0]), float(p[1])))
+    return points
 
-    `history` holds the reports the rule needs, oldest first, this one included. Today's rule
-    needs none, so the service passes only the current report (reading every report of the
-    study on every call made reports slower as the study grew); a rule that compares a trial
-    with its peers should get them from a cheap per-study summary kept by the service, not
-    from a full read. Pure: no I/O, no side effects.
-    """
-    loss = metrics.get("loss")
-    if loss is not None and not math.isfinite(loss):
-        return PruneDecision(prune=True, reason=f"training loss is {loss} at step {step}: the trial diverged")
-    return KEEP
+
+def mean_curve(curves: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The pointwise mean of `curves` at the first curve's sample counts (interpolated)."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return []
+    out = []
+    for samples, _ in sorted(curves[0]):
+        losses = [v for c in curves if (v := rules_.loss_at(c, samples)) is not None]
+        if losses:
+            out.append((samples, statistics.fmean(losses)))
+    return out
+
+
+@dataclass
+class StudySummary:
+    """What running trials are compared with; updated at complete time, never from reports."""
+
+    total_samples: int | None = None
+    best_feasible_throughput: float | None = None
+    best_feasible_curve: list[tuple[float, float]] | None = None
+    baseline_curves: list[list[tuple[float, float]]] = field(default_factory=list)
+    _baseline_mean: list[tuple[float, float]] | None = None
+
+    def add_baseline(self, curve: list[tuple[float, float]], samples: int | None) -> None:
+        if curve:
+            self.baseline_curves.append(curve)
+            self._baseline_mean = None
+        if self.total_samples is None and samples:
+            self.total_samples = samples
+
+    def add_feasible(self, throughput: float, curve: list[tuple[float, float]]) -> None:
+        if curve and (self.best_feasible_throughput is None or throughput > self.best_feasible_throughput):
+            self.best_feasible_throughput, self.best_feasible_curve = throughput, curve
+
+    def reference(self) -> rules_.Reference:
+        if self._baseline_mean is None:
+            self._baseline_mean = mean_curve(self.baseline_curves)
+        return rules_.Reference(best_feasible_throughput=self.best_feasible_throughput,
+                                best_feasible_curve=self.best_feasible_curve,
+                                baseline_curve=self._baseline_mean or None, total_samples=self.total_samples)
+
+
+@dataclass
+class TrialReports:
+    """A running trial's own reports so far (kept in memory by the service)."""
+
+    curve: list[tuple[float, float]] = field(default_factory=list)
+    throughputs: list[float] = field(default_factory=list)
+
+    def add(self, step: int, metrics: Mapping[str, float]) -> None:
+        loss = metrics.get("loss")
+        if loss is not None:
+            self.curve.append((float(metrics.get("samples", step)), float(loss)))
+        throughput = metrics.get("throughput")
+        if throughput is not None and math.isfinite(throughput):
+            self.throughputs.append(float(throughput))
+
+
+def rules_for(spec: StudySpec) -> rules_.PruneRules:
+    p = spec.pruning
+    return rules_.PruneRules(rho=p.rho, loss_margin=p.loss_margin, min_fraction=p.min_fraction)
+
+
+def decide(reports: TrialReports, reference: rules_.Reference | None, spec: StudySpec) -> rules_.Decision:
+    """Prune or keep a trial given its reports so far. `reference` None: only divergence is judged
+    (baseline and re-measure runs are never pruned for being slow). Pure."""
+    if not spec.pruning.enabled:
+        return KEEP
+    return rules_.decide(reports.curve, reports.throughputs, reference or rules_.Reference(), rules_for(spec))

@@ -1,22 +1,37 @@
 """Judging a study's trials: quality gate, wire views, the recommendation. Pure functions.
 
-Gate (DESIGN.md): a completed trial is feasible iff its val_nrmse <= the baseline's
-val_nrmse + gate.abs_tol. Until the baseline has completed, feasibility is unknown (None).
-The recommendation is the fastest feasible completed trial, the baseline included, with
-its speedup over the baseline.
+Roles (user attr ``role``): the study's first `baseline_seeds` trials are *baseline* runs of
+the user's config (probe seeds seed, seed+1, …), then *search* trials, then, once the search
+is done, *remeasure* trials (user attr ``remeasure_of``: the trial number re-measured).
+
+Gate (autotune.gate): a completed trial is feasible iff its val_nrmse ≤ μ + max(abs_tol, k·σ)
+over the baseline seeds' NRMSE (and, with max_memory_gb, its peak reserved memory fits).
+Until every baseline has finished, feasibility is unknown (None).
+
+Failed probes are told to Optuna as COMPLETE with worst-case values (api/outcome.py); every
+view here reads `service_state`, which says FAIL for them.
+
+The recommendation is the fastest feasible config: among the re-measured configs (throughput
+= the re-measure run's median, CI over its windows) and the baseline when re-measurement
+happened, else among every feasible trial (CI over the trial's own windows).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from api.optuna_bridge import TrialRecord
 from autotune.config import KNOBS
+from autotune.gate import BaselineStats, Estimate, Gate
 from autotune.protocol import OBJECTIVES, Recommendation, StudySpec, TrialInfo
+
+GIB = 2**30
 
 
 class NoRecommendation(Exception):
@@ -29,26 +44,78 @@ def _finite(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def role(trial: TrialRecord) -> str:
+    value = trial.user_attrs.get("role")
+    if value in ("baseline", "search", "remeasure"):
+        return str(value)
+    return "baseline" if trial.user_attrs.get("is_baseline") else "search"
+
+
+def service_state(trial: TrialRecord) -> str:
+    """The state the service shows: FAIL for a failed probe told COMPLETE to teach the sampler."""
+    if trial.state == "COMPLETE" and trial.user_attrs.get("failure_kind"):
+        return "FAIL"
+    return trial.state
+
+
+def completed(trial: TrialRecord) -> bool:
+    return service_state(trial) == "COMPLETE"
+
+
 def metric(trial: TrialRecord, spec: StudySpec, name: str) -> float | None:
-    """`name` (throughput_samples_per_s | val_nrmse) of a trial: its objective value, else its user attr."""
+    """`name` (throughput_samples_per_s | val_nrmse) of a trial: its objective value, else its user attr.
+    None for a failed trial (its told values are the worst case, not a measurement)."""
+    if trial.user_attrs.get("failure_kind"):
+        return None
     objective_names = [OBJECTIVES[o][0] for o in spec.objectives]
     if trial.values is not None and name in objective_names:
         return _finite(trial.values[objective_names.index(name)])
     return _finite(trial.user_attrs.get(name))
 
 
+def baselines(trials: Sequence[TrialRecord]) -> list[TrialRecord]:
+    return [t for t in trials if role(t) == "baseline"]
+
+
 def baseline_of(trials: Sequence[TrialRecord]) -> TrialRecord | None:
-    """The baseline trial (user attr is_baseline, the study's first trial)."""
-    return next((t for t in trials if t.user_attrs.get("is_baseline")), None)
+    """The first baseline trial."""
+    return next(iter(baselines(trials)), None)
+
+
+@dataclass(frozen=True)
+class BaselineSummary:
+    nrmse: BaselineStats | None
+    throughput: float | None  # mean over the completed seeds
+    finished: bool  # every baseline seed has finished
+    failures: list[str]
+
+
+def baseline_summary(spec: StudySpec, trials: Sequence[TrialRecord]) -> BaselineSummary:
+    runs = baselines(trials)
+    done = [t for t in runs if completed(t)]
+    nrmses = [v for t in done if (v := metric(t, spec, "val_nrmse")) is not None]
+    thrs = [v for t in done if (v := metric(t, spec, "throughput_samples_per_s")) is not None]
+    failures = [f"trial {t.number}: {service_state(t)}"
+                + (f" ({t.user_attrs.get('failure_kind')}: {t.user_attrs.get('failure_message')})"
+                   if t.user_attrs.get("failure_kind") else "") for t in runs if t.finished and not completed(t)]
+    return BaselineSummary(nrmse=BaselineStats.from_values(nrmses) if nrmses else None,
+                           throughput=statistics.fmean(thrs) if thrs else None,
+                           finished=len(runs) >= spec.baseline_seeds and all(t.finished for t in runs),
+                           failures=failures)
 
 
 def gate_nrmse(spec: StudySpec, trials: Sequence[TrialRecord]) -> float | None:
-    """The largest val_nrmse a feasible trial may have; None until the baseline has completed."""
-    baseline = baseline_of(trials)
-    if baseline is None or baseline.state != "COMPLETE":
+    """The largest val_nrmse a feasible trial may have; None until every baseline seed has
+    finished (or when none of them completed)."""
+    summary = baseline_summary(spec, trials)
+    if not summary.finished or summary.nrmse is None:
         return None
-    nrmse = metric(baseline, spec, "val_nrmse")
-    return None if nrmse is None else nrmse + spec.gate.abs_tol
+    return Gate(spec.gate.abs_tol, spec.gate.k).threshold(summary.nrmse)
+
+
+def fits_memory(trial: TrialRecord, spec: StudySpec) -> bool:
+    peak = _finite(trial.user_attrs.get("peak_mem_reserved_bytes"))
+    return spec.max_memory_gb is None or peak is None or peak / GIB <= spec.max_memory_gb
 
 
 def is_feasible(trial: TrialRecord, spec: StudySpec, gate: float | None) -> bool | None:
@@ -56,7 +123,7 @@ def is_feasible(trial: TrialRecord, spec: StudySpec, gate: float | None) -> bool
     if gate is None or not trial.finished:
         return None
     nrmse = metric(trial, spec, "val_nrmse")
-    return trial.state == "COMPLETE" and nrmse is not None and nrmse <= gate
+    return completed(trial) and nrmse is not None and nrmse <= gate and fits_memory(trial, spec)
 
 
 def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None) -> TrialInfo:
@@ -65,12 +132,18 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None) -> Trial
     if attrs.get("failure_kind"):
         failure = {"kind": str(attrs["failure_kind"]), "message": str(attrs.get("failure_message") or "")}
     config = attrs.get("config")
+    remeasure_of = attrs.get("remeasure_of")
+    prune_reason = attrs.get("prune_reason")
+    failed = service_state(trial) == "FAIL"
     return TrialInfo(
-        trial_id=trial.trial_id, number=trial.number, state=trial.state, params=trial.params,
+        trial_id=trial.trial_id, number=trial.number, state=service_state(trial), params=trial.params,
         config=config if isinstance(config, dict) else None,
-        values=trial.values, throughput_samples_per_s=metric(trial, spec, "throughput_samples_per_s"),
+        values=None if failed else trial.values,
+        throughput_samples_per_s=metric(trial, spec, "throughput_samples_per_s"),
         val_nrmse=metric(trial, spec, "val_nrmse"), feasible=is_feasible(trial, spec, gate), failure=failure,
-        worker_id=attrs.get("worker_id"), is_baseline=bool(attrs.get("is_baseline")), duration_s=trial.duration_s,
+        worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
+        prune_reason=str(prune_reason) if prune_reason else None,
+        remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None, duration_s=trial.duration_s,
     )
 
 
@@ -84,46 +157,114 @@ def trial_infos(trials: Sequence[TrialRecord], spec: StudySpec, all_trials: Sequ
 def counts_by_state(trials: Sequence[TrialRecord]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for t in trials:
-        counts[t.state] = counts.get(t.state, 0) + 1
+        state = service_state(t)
+        counts[state] = counts.get(state, 0) + 1
     return counts
 
 
 def failures_by_kind(trials: Sequence[TrialRecord]) -> dict[str, int]:
     failures: dict[str, int] = {}
     for t in trials:
-        if t.state == "FAIL":
+        if service_state(t) == "FAIL":
             kind = str(t.user_attrs.get("failure_kind") or "error")
             failures[kind] = failures.get(kind, 0) + 1
     return failures
 
 
+def pareto_front(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialRecord]:
+    """The non-dominated completed trials (failed ones excluded), by number."""
+    signs = [1.0 if OBJECTIVES[o][1] == "maximize" else -1.0 for o in spec.objectives]
+    points = [(t, [s * v for s, v in zip(signs, t.values, strict=True)]) for t in trials
+              if completed(t) and t.values is not None and all(math.isfinite(v) for v in t.values)]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        return all(x >= y for x, y in zip(a, b, strict=True)) and any(x > y for x, y in zip(a, b, strict=True))
+
+    return sorted((t for t, p in points if not any(dominates(q, p) for _, q in points)), key=lambda t: t.number)
+
+
+def search_done(spec: StudySpec, trials: Sequence[TrialRecord], max_trials: int) -> bool:
+    """Every baseline and search trial the study may have is created and finished."""
+    first = [t for t in trials if role(t) != "remeasure"]
+    return len(first) >= max_trials and all(t.finished for t in first)
+
+
+def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
+    """The top_k feasible search trials by throughput (the configs to re-measure), fastest first."""
+    if spec.remeasure.top_k <= 0 or gate is None:
+        return []
+    ranked = [(thr, t) for t in trials if role(t) == "search" and is_feasible(t, spec, gate)
+              and (thr := metric(t, spec, "throughput_samples_per_s")) is not None]
+    ranked.sort(key=lambda c: (-c[0], c[1].number))
+    return [t for _, t in ranked[:spec.remeasure.top_k]]
+
+
+def baseline_failed_message(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> str | None:
+    """A message when every baseline seed finished without a result (the gate cannot be set)."""
+    summary = baseline_summary(spec, trials)
+    if summary.finished and summary.nrmse is None:
+        return (f"study {study_name!r} cannot recommend anything: every baseline run failed "
+                f"({'; '.join(summary.failures)}); the quality gate needs the baseline's val_nrmse. "
+                "Fix the baseline config (spec.baseline) and submit a new study")
+    return None
+
+
+def _windows(trial: TrialRecord) -> list[float]:
+    windows = trial.user_attrs.get("window_throughputs")
+    if not isinstance(windows, list):
+        return []
+    return [float(v) for v in windows if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
 def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> Recommendation:
-    """The fastest feasible completed trial. Raises NoRecommendation when there is none yet."""
-    baseline = baseline_of(trials)
-    if baseline is None:
+    """The fastest feasible config (see the module docstring). Raises NoRecommendation when there is none yet."""
+    runs = baselines(trials)
+    if not runs:
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: its baseline trial has not been "
                                "leased; start a worker with the study's hardware class")
-    if baseline.state != "COMPLETE":
-        why = {"FAIL": "failed", "PRUNED": "was pruned"}.get(baseline.state, "is still running")
-        failure = f" ({baseline.user_attrs.get('failure_kind')}: {baseline.user_attrs.get('failure_message')})" \
-            if baseline.state == "FAIL" else ""
-        raise NoRecommendation(f"study {study_name!r} has no recommendation yet: the baseline (trial "
-                               f"{baseline.number}) {why}{failure}; the quality gate needs its val_nrmse")
+    failed = baseline_failed_message(study_name, spec, trials)
+    if failed:
+        raise NoRecommendation(failed)
+    summary = baseline_summary(spec, trials)
+    if not summary.finished:
+        waiting = [t.number for t in runs if not t.finished]
+        raise NoRecommendation(f"study {study_name!r} has no recommendation yet: the baseline runs "
+                               f"({len(runs)}/{spec.baseline_seeds} started; waiting for trials {waiting}) have not "
+                               "all finished; the quality gate needs their val_nrmse")
     gate = gate_nrmse(spec, trials)
-    candidates = [(thr, t) for t in trials if is_feasible(t, spec, gate)
-                  and (thr := metric(t, spec, "throughput_samples_per_s")) is not None]
-    if not candidates:
+    remeasured: dict[int, TrialRecord] = {}
+    dropped: set[int] = set()
+    for t in trials:
+        of = t.user_attrs.get("remeasure_of")
+        if role(t) == "remeasure" and isinstance(of, int) and t.finished:
+            if completed(t) and metric(t, spec, "throughput_samples_per_s") is not None:
+                remeasured[of] = t
+            else:
+                dropped.add(of)  # failed to reproduce: not recommended
+    # (original trial, measurement whose throughput counts)
+    candidates = [(t, remeasured.get(t.number, t)) for t in trials if role(t) != "remeasure"
+                  and is_feasible(t, spec, gate) and t.number not in dropped]
+    if remeasured:
+        candidates = [c for c in candidates if c[0].number in remeasured or role(c[0]) == "baseline"]
+    scored = [(thr, orig, run) for orig, run in candidates
+              if (thr := metric(run, spec, "throughput_samples_per_s")) is not None]
+    if not scored:
         raise NoRecommendation(f"study {study_name!r} has no feasible completed trial with a throughput yet")
-    throughput, best = max(candidates, key=lambda c: (c[0], -c[1].number))
-    base_thr = metric(baseline, spec, "throughput_samples_per_s")
+    throughput, best, run = max(scored, key=lambda c: (c[0], -c[1].number))
+    windows = _windows(run)
+    ci = Estimate.for_median(windows) if len(windows) >= 2 else None  # throughput is a median
     config = best.user_attrs.get("config") or {}
-    peak = best.user_attrs.get("peak_mem_reserved_bytes")
+    peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
+    base_thr = summary.throughput
+    assert summary.nrmse is not None
     return Recommendation(
         study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=best.number,
         throughput_samples_per_s=throughput, val_nrmse=metric(best, spec, "val_nrmse") or 0.0,
-        baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=metric(baseline, spec, "val_nrmse"),
+        baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=summary.nrmse.mean,
         speedup=throughput / base_thr if base_thr else None, gate_nrmse=gate,
         peak_mem_reserved_bytes=int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None,
+        throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
+        remeasured=run is not best, baseline_val_nrmse_std=summary.nrmse.std, baseline_seeds=summary.nrmse.n,
     )
 
 
@@ -137,9 +278,14 @@ def recommendation_yaml(rec: Recommendation) -> str:
         lines.append(f"# baseline throughput: {rec.baseline_throughput_samples_per_s:.1f} samples/s "
                      f"(speedup {speedup})")
     gate = f" (gate: <= {rec.gate_nrmse:.6g})" if rec.gate_nrmse is not None else ""
-    lines.append(f"# val_nrmse: {rec.val_nrmse:.6g}{gate}; baseline val_nrmse: "
-                 f"{'n/a' if rec.baseline_val_nrmse is None else f'{rec.baseline_val_nrmse:.6g}'}")
-    if rec.peak_mem_reserved_bytes is not None:
-        lines.append(f"# peak memory reserved: {rec.peak_mem_reserved_bytes / 2**30:.2f} GiB")
+    base = "n/a" if rec.baseline_val_nrmse is None else f"{rec.baseline_val_nrmse:.6g}"
+    if rec.baseline_val_nrmse_std is not None and rec.baseline_seeds > 1:
+        base += f" ± {rec.baseline_val_nrmse_std:.2g} over {rec.baseline_seeds} seeds"
+    lines.append(f"# val_nrmse: {rec.val_nrmse:.6g}{gate}; baseline val_nrmse: {base}")
+    if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
+        lines.append(f"# throughput 95% CI: {rec.throughput_ci_low:.1f}–{rec.throughput_ci_high:.1f} samples/s"
+                     f"{' (re-measured)' if rec.remeasured else ''}")
+    lines.append("# peak memory reserved: " + ("n/a (not measured on this device)" if rec.peak_mem_reserved_bytes
+                                                is None else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB"))
     body = yaml.safe_dump(rec.config, sort_keys=False, default_flow_style=False) if rec.config else "{}\n"
     return "\n".join(lines) + "\n" + body

@@ -10,6 +10,10 @@ Concurrency contract:
   per worker. Reports and heartbeats write only the service tables and take no lock: they
   check and refresh the lease in one conditional UPDATE, so a reaped or completed lease is
   seen atomically (409/stop). Study creation keeps the process-wide `lock`.
+* Pruning reads no report of the study: a report is judged on the trial's own reports (kept in
+  memory per running trial) against a per-study summary (best feasible throughput and curve,
+  the baseline seeds' mean curve) updated at complete time and built once per process from
+  the trials. Another service process's completes reach it only when it is rebuilt (restart).
   A trial is never handed out twice; beyond the locks, the database guarantees it: the
   lease table's primary key is the trial id, a partial unique index allows one active
   lease per worker, and on PostgreSQL lease creation locks the study rows (SELECT ... FOR
@@ -40,23 +44,33 @@ from api.db import Database, as_naive_utc, utcnow
 from api.errors import Conflict, Invalid, NotFound
 from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, TrialRecord, check_sampler_fits
 from api.outcome import probe_outcome
-from api.pruning import decide
+from api.pruning import StudySummary, TrialReports, curve_of, decide
 from api.results import (
     NoRecommendation,
-    baseline_of,
+    baseline_failed_message,
+    baseline_summary,
+    completed,
     counts_by_state,
     failures_by_kind,
     gate_nrmse,
+    is_feasible,
+    metric,
+    pareto_front,
     recommend,
+    remeasure_targets,
+    role,
+    search_done,
     trial_info,
     trial_infos,
 )
 from api.settings import Settings
+from autotune.config import KNOBS
 from autotune.protocol import (
     CompleteRequest,
     HeartbeatReply,
     HeartbeatRequest,
     LeaseRequest,
+    ProbeSpec,
     Recommendation,
     ReportReply,
     ReportRequest,
@@ -97,7 +111,11 @@ class TuningService:
         self._worker_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._contexts: dict[str, StudyContext] = {}  # a study's spec and space never change
-        self._gates: dict[str, float | None] = {}  # the gate, once the baseline has finished
+        self._gates: dict[str, float | None] = {}  # the gate, once every baseline seed has finished
+        self._remeasures_created: set[str] = set()  # studies whose re-measure trials all exist
+        self._summaries: dict[str, StudySummary] = {}  # per study: what pruning compares with
+        self._reports: dict[int, TrialReports] = {}  # per running trial: its own reports
+        self._roles: dict[int, str] = {}  # trial id -> role, for running trials leased by this process
 
     def _study_lock(self, name: str) -> Any:
         with self._locks_guard:
@@ -119,20 +137,50 @@ class TuningService:
             ctx = self._contexts[record.name] = _context(record)
         return ctx
 
-    def _gate(self, ctx: StudyContext, told: TrialRecord | None = None) -> float | None:
-        """The study's quality gate (see api/results.py). Cached once the baseline has finished (a
-        finished trial never changes); until then read from the study, or from `told` when that
-        is the baseline just finished."""
+    def _gate(self, ctx: StudyContext) -> float | None:
+        """The study's quality gate (see api/results.py). Cached once every baseline seed has
+        finished (finished trials never change); until then read from the study (the baseline
+        phase is short: a few trials)."""
         if ctx.name in self._gates:
             return self._gates[ctx.name]
-        if told is not None and told.user_attrs.get("is_baseline") and told.finished:
-            baseline: TrialRecord | None = told
-        else:
-            baseline = baseline_of(self.bridge.trials(ctx.name))
-        if baseline is None or not baseline.finished:
+        trials = self.bridge.trials(ctx.name)
+        if not baseline_summary(ctx.spec, trials).finished:
             return None
-        gate = self._gates[ctx.name] = gate_nrmse(ctx.spec, [baseline])
+        gate = self._gates[ctx.name] = gate_nrmse(ctx.spec, trials)
         return gate
+
+    def _summary(self, ctx: StudyContext) -> StudySummary:
+        """The study's pruning summary; built once per process from the trials, then kept up to date
+        by `_learn` at complete time."""
+        summary = self._summaries.get(ctx.name)
+        if summary is None:
+            summary = StudySummary(total_samples=ctx.spec.probe.samples)
+            gate = self._gate(ctx)
+            for trial in self.bridge.trials(ctx.name):
+                self._learn(ctx, summary, trial, gate)
+            summary = self._summaries.setdefault(ctx.name, summary)
+        return summary
+
+    @staticmethod
+    def _learn(ctx: StudyContext, summary: StudySummary, trial: TrialRecord, gate: float | None) -> None:
+        if not completed(trial):
+            return
+        curve = curve_of(trial.user_attrs.get("loss_curve"))
+        if role(trial) == "baseline":
+            samples = trial.user_attrs.get("samples_trained")
+            summary.add_baseline(curve, samples if isinstance(samples, int) else None)
+        elif role(trial) == "search" and is_feasible(trial, ctx.spec, gate):
+            throughput = metric(trial, ctx.spec, "throughput_samples_per_s")
+            if throughput is not None:
+                summary.add_feasible(throughput, curve)
+
+    def _role_of(self, trial_id: int) -> str:
+        known = self._roles.get(trial_id)
+        if known is None:
+            trial = self.bridge.get_trial(trial_id)
+            known = role(trial) if trial is not None else "search"
+            self._roles[trial_id] = known
+        return known
 
     def close(self) -> None:
         self.bridge.close()
@@ -181,14 +229,26 @@ class TuningService:
         ctx = self._ctx(record)
         trials = self.bridge.trials(record.name)
         state: Any = record.state
-        if state == "running" and sum(t.finished for t in trials) >= self.bridge.max_trials(ctx):
+        failed = baseline_failed_message(record.name, ctx.spec, trials)
+        if state == "running" and (failed or self._finished(ctx, trials)):
             state = "finished"
+        message = failed
         try:
             best: dict[str, Any] | None = recommend(record.name, ctx.spec, trials).model_dump(mode="json")
-        except NoRecommendation:
+        except NoRecommendation as e:
             best = None
+            if state != "running":
+                message = str(e)
         return StudyInfo(name=record.name, state=state, spec=ctx.spec, counts=counts_by_state(trials),
-                         failures=failures_by_kind(trials), best=best)
+                         failures=failures_by_kind(trials), best=best, message=message)
+
+    def _finished(self, ctx: StudyContext, trials: list[TrialRecord]) -> bool:
+        """Every baseline and search trial finished, and every re-measurement too."""
+        if not search_done(ctx.spec, trials, self.bridge.max_trials(ctx)):
+            return False
+        targets = remeasure_targets(ctx.spec, trials, gate_nrmse(ctx.spec, trials))
+        done = {t.user_attrs.get("remeasure_of") for t in trials if role(t) == "remeasure" and t.finished}
+        return all(t.number in done for t in targets)
 
     def get_study(self, name: str) -> StudyInfo:
         return self._study_info(self._record(name))
@@ -216,7 +276,8 @@ class TuningService:
 
     def pareto(self, name: str) -> list[TrialInfo]:
         spec = _spec(self._record(name))
-        return trial_infos(self.bridge.pareto(name), spec, all_trials=self.bridge.trials(name))
+        trials = self.bridge.trials(name)
+        return trial_infos(pareto_front(trials, spec), spec, all_trials=trials)
 
     def best(self, name: str) -> Recommendation:
         spec = _spec(self._record(name))
@@ -228,22 +289,65 @@ class TuningService:
     # --- trials --------------------------------------------------------------------------------
 
     def _trial_view(self, ctx: StudyContext, trial: TrialRecord) -> TrialInfo:
-        return trial_info(trial, ctx.spec, self._gate(ctx, trial))
+        return trial_info(trial, ctx.spec, self._gate(ctx))
 
     def _lease_reply(self, ctx: StudyContext, trial: TrialRecord) -> TrialLease:
         config = trial.user_attrs.get("config")
+        probe = trial.user_attrs.get("probe")
         return TrialLease(trial_id=trial.trial_id, study=ctx.name, number=trial.number, params=trial.params,
                           config=config if isinstance(config, dict) else {}, workload=ctx.spec.workload,
-                          preset=ctx.spec.preset, probe=ctx.spec.probe,
-                          is_baseline=bool(trial.user_attrs.get("is_baseline")))
+                          preset=ctx.spec.preset,
+                          probe=ProbeSpec.model_validate(probe) if isinstance(probe, dict) else ctx.spec.probe,
+                          is_baseline=role(trial) == "baseline", role=role(trial))  # type: ignore[arg-type]
+
+    def _plan(self, ctx: StudyContext, created: int) -> tuple[str, dict[str, Any] | None, dict[str, Any]] | None:
+        """What the study's next trial is, given `created` trials so far: (role, fixed config or None
+        to sample, attrs), or None when it has nothing to hand out now. Baselines first; no search
+        trial before every baseline seed has finished (the gate must exist); re-measurements once
+        the search is done. Called under the study's lock."""
+        spec = ctx.spec
+        if created < spec.baseline_seeds:
+            probe = spec.probe.model_copy(update={"seed": spec.probe.seed + created})
+            return "baseline", dict(spec.baseline or {}), {"probe": probe.model_dump(mode="json"),
+                                                          "baseline_seed": created}
+        if ctx.name not in self._gates:
+            self._gate(ctx)
+            if ctx.name not in self._gates:
+                return None  # a baseline seed is still running
+        if self._gates[ctx.name] is None:
+            return None  # every baseline failed: nothing can be judged (the study says so)
+        if created < self.bridge.max_trials(ctx):
+            return "search", None, {}
+        if ctx.name in self._remeasures_created:
+            return None
+        trials = self.bridge.trials(ctx.name)
+        if not search_done(spec, trials, self.bridge.max_trials(ctx)):
+            return None
+        already = {t.user_attrs.get("remeasure_of") for t in trials if role(t) == "remeasure"}
+        todo = [t for t in remeasure_targets(spec, trials, self._gates[ctx.name]) if t.number not in already]
+        if not todo:
+            self._remeasures_created.add(ctx.name)
+            return None
+        target = todo[0]
+        samples = spec.probe.samples or target.user_attrs.get("samples_trained")
+        factor = spec.remeasure.samples_factor
+        probe = spec.probe.model_copy(update={
+            "samples": min(10_000_000, round(samples * factor)) if isinstance(samples, int) and samples else None,
+            "windows": spec.remeasure.windows, "seed": spec.probe.seed + spec.remeasure.seed_offset,
+            "timeout_s": min(86_400.0, spec.probe.timeout_s * factor)})
+        config = target.user_attrs.get("config")
+        knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
+        return "remeasure", knobs, {  # the effective config, less derived fields (effective_batch)
+            "probe": probe.model_dump(mode="json"), "remeasure_of": target.number}
 
     def lease_trial(self, request: LeaseRequest) -> TrialLease | None:
         """The trial `request.worker_id` should run next, or None when there is nothing to do.
 
         Idempotent per worker: a worker holding an active lease gets that trial back. Only
         running studies of exactly the worker's hardware class are considered (oldest first;
-        only `request.study` when given, NotFound if it does not exist). A study hands out at
-        most its n_trials trials ever; its first trial is the baseline.
+        only `request.study` when given, NotFound if it does not exist). A study hands out its
+        baseline seeds first, nothing else until they have all finished (the gate), then search
+        trials up to n_trials in all, then the re-measurements of its top configs (`_plan`).
         """
         now = utcnow()
         # The worker's lock makes "holds a lease already? else create one" atomic for one worker.
@@ -274,12 +378,13 @@ class TuningService:
                     if record is None or record.state != "running":
                         continue
                     created = self.bridge.n_trials(ctx.name)
-                    if created >= self.bridge.max_trials(ctx):
+                    plan = self._plan(ctx, created)
+                    if plan is None:
                         continue
-                    baseline = (ctx.spec.baseline or {}) if created == 0 else None
+                    trial_role, fixed, attrs = plan
                     try:
-                        asked = self.bridge.ask(ctx, baseline_config=baseline, created=created,
-                                                attrs={"worker_id": request.worker_id})
+                        asked = self.bridge.ask(ctx, baseline_config=fixed, created=created, role=trial_role,
+                                                attrs={**attrs, "worker_id": request.worker_id})
                     except SpaceError:
                         log.exception("study %s: could not draw a config; trial failed", ctx.name)
                         continue
@@ -291,11 +396,13 @@ class TuningService:
                             "failure_kind": "lost", "failure_message": "lease refused: the worker already holds one"})
                         raise Conflict(f"worker {request.worker_id!r} already holds a lease; ask again") from e
                     crud.see_worker(session, request.worker_id, now, request.hardware)
-                log.info("leased trial %d of %s to %s%s", asked.number, ctx.name, request.worker_id,
-                         " (baseline)" if asked.is_baseline else "")
+                self._roles[asked.trial_id] = asked.role
+                log.info("leased trial %d of %s to %s (%s)", asked.number, ctx.name, request.worker_id, asked.role)
+                probe = ProbeSpec.model_validate(attrs["probe"]) if "probe" in attrs else ctx.spec.probe
                 return TrialLease(trial_id=asked.trial_id, study=ctx.name, number=asked.number, params=asked.params,
                                   config=asked.config, workload=ctx.spec.workload, preset=ctx.spec.preset,
-                                  probe=ctx.spec.probe, is_baseline=asked.is_baseline)
+                                  probe=probe, is_baseline=asked.is_baseline,
+                                  role=asked.role)  # type: ignore[arg-type]
             with self.db.transaction() as session:
                 crud.see_worker(session, request.worker_id, now, request.hardware)
             return None
@@ -353,15 +460,24 @@ class TuningService:
             if study_name is None:
                 self._active_lease(session, trial_id, request.worker_id, "report on")  # raises the right 404/409
                 raise Conflict(f"cannot report on trial {trial_id}: its lease changed meanwhile; lease a new trial")
-            crud.add_report(session, trial_id, study_name, request.step, request.metrics, now)
             crud.see_worker(session, request.worker_id, now)
             record = crud.get_study(session, study_name)
             if record is not None and record.state == "stopped":
-                return ReportReply(prune=True, reason=f"study {study_name!r} was stopped")
-            # the pruning rule needs only this report today; study-wide history would come from a
-            # per-study summary, not from reading every report of the study on every call
-            current = crud.ReportRecord(trial_id=trial_id, step=request.step, metrics=dict(request.metrics), at=now)
-            decision = decide(trial_id, request.step, request.metrics, [current])
+                reason = f"study {study_name!r} was stopped"
+                crud.add_report(session, trial_id, study_name, request.step, request.metrics, now, True, reason)
+                return ReportReply(prune=True, reason=reason)
+            assert record is not None
+            # the trial's own reports come from a per-trial cache; the study's side from the per-study
+            # summary kept at complete time: no report of the study is read
+            ctx = self._ctx(record)
+            reports = self._reports.setdefault(trial_id, TrialReports())
+            reports.add(request.step, request.metrics)
+            reference = self._summary(ctx).reference() if self._role_of(trial_id) == "search" else None
+            decision = decide(reports, reference, ctx.spec)
+            crud.add_report(session, trial_id, study_name, request.step, request.metrics, now, decision.prune,
+                            decision.reason)
+            if decision.prune:
+                log.info("trial %d of %s: prune (%s)", trial_id, study_name, decision.reason)
             return ReportReply(prune=decision.prune, reason=decision.reason)
 
     def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
@@ -388,10 +504,23 @@ class TuningService:
                     assert trial is not None
                     return self._trial_view(ctx, trial)
                 lease = self._active_lease(session, trial_id, request.worker_id, "complete")
+                pruned_because = crud.prune_reason(session, trial_id) if request.result.get("stopped_early") else None
             # a trial finished already (a crash between tell and the lease update) is left as it is: repair
-            outcome = probe_outcome(request.result, ctx.spec, request.worker_id)
+            trial_role = self._role_of(trial_id)
+            gate = self._gate(ctx)
+            outcome = probe_outcome(request.result, ctx.spec, request.worker_id, gate,
+                                    baseline=trial_role == "baseline")
+            if outcome.state == "PRUNED":
+                outcome.attrs["prune_reason"] = pruned_because or "stopped early by the worker"
             trial = self.bridge.finish(ctx, trial_id, outcome.state, outcome.values, outcome.attrs)
-            log.info("trial %d of %s: %s", trial.number, ctx.name, trial.state)
+            log.info("trial %d of %s (%s): %s", trial.number, ctx.name, trial_role, trial.state)
+            self._reports.pop(trial_id, None)
+            self._roles.pop(trial_id, None)
+            summary = self._summaries.get(ctx.name)
+            if trial_role == "baseline":
+                gate = self._gate(ctx)  # set once the last baseline seed is in
+            if summary is not None:
+                self._learn(ctx, summary, trial, gate)
             with self.db.transaction() as session:
                 crud.finish_lease(session, trial_id, "completed", now)
                 crud.see_worker(session, request.worker_id, now)

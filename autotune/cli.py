@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape as rich_escape
 from rich.table import Table
 
 from autotune.client import DEFAULT_API, ApiError, Client, Conflict, Invalid, NotFound, ServiceUnavailable
@@ -208,7 +209,11 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         state = f"[{colors.get(t.state, 'white')}]{t.state}[/]"
         feasible = {True: "yes", False: "no", None: "-"}[t.feasible]
         failure = t.failure["kind"] if t.failure else ""
-        params = format_knobs(t.params) + (" [cyan](baseline)[/]" if t.is_baseline else "")
+        role = " [cyan](baseline)[/]" if t.is_baseline else \
+            f" [cyan](re-measure of {t.remeasure_of})[/]" if t.role == "remeasure" else ""
+        params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
+        if t.prune_reason and t.state == "PRUNED":
+            failure = "pruned"
         table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.val_nrmse, ".4f"),
                       feasible, failure, params)
     return table
@@ -221,12 +226,22 @@ def recommendation_table(rec: Recommendation) -> Table:
     base_thr = rec.baseline_throughput_samples_per_s
     table.add_row("throughput", f"{rec.throughput_samples_per_s:,.1f} samples/s"
                   + ("" if base_thr is None else f" (baseline {base_thr:,.1f})"))
+    if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
+        table.add_row("95% CI", f"{rec.throughput_ci_low:,.1f} – {rec.throughput_ci_high:,.1f} samples/s "
+                      + ("(re-measured with a longer probe)" if rec.remeasured else "(over the trial's windows)"))
     table.add_row("speedup", "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline")
-    nrmse_vs = "" if rec.baseline_val_nrmse is None else \
-        f" (baseline {rec.baseline_val_nrmse:.4f}, {rec.val_nrmse - rec.baseline_val_nrmse:+.4f})"
+    if rec.baseline_val_nrmse is None:
+        nrmse_vs = ""
+    else:
+        spread = f" ± {rec.baseline_val_nrmse_std:.4f}" if rec.baseline_val_nrmse_std is not None else ""
+        seeds = f" over {rec.baseline_seeds} seed{'s' if rec.baseline_seeds != 1 else ''}" if rec.baseline_seeds else ""
+        nrmse_vs = (f" (baseline {rec.baseline_val_nrmse:.4f}{spread}{seeds}, "
+                    f"{rec.val_nrmse - rec.baseline_val_nrmse:+.4f})")
     table.add_row("val NRMSE", f"{rec.val_nrmse:.4f}{nrmse_vs}")
     if rec.gate_nrmse is not None:
         table.add_row("quality gate", f"NRMSE <= {rec.gate_nrmse:.4f}")
+    table.add_row("peak memory", "n/a (not measured on this device)" if rec.peak_mem_reserved_bytes is None
+                  else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB reserved")
     for knob, value in rec.config.items():
         table.add_row(f"  {knob}", json.dumps(value))
     return table
@@ -357,6 +372,8 @@ def status(
     counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(info.counts.items())) or "no trials yet"
     console.print(f"study [bold]{info.name}[/]: {info.state} · {counts} of {info.spec.n_trials} · hardware "
                   f"{info.spec.hardware}", highlight=False, soft_wrap=True)
+    if info.message:
+        console.print(f"[yellow]{rich_escape(info.message)}[/]", highlight=False, soft_wrap=True)
     if info.failures:
         console.print("failures: " + ", ".join(f"{n} {kind}" for kind, n in sorted(info.failures.items())),
                       highlight=False)

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune.cli import recommendation_table, trials_table
 from autotune.client import Client, NotFound, ServiceUnavailable
-from autotune.protocol import ProbeSpec, StudyInfo, StudySpec
+from autotune.protocol import ProbeSpec, RemeasureSpec, StudyInfo, StudySpec
 
 HEALTH_TIMEOUT_S = 90.0
 STOP_GRACE_S = 25.0  # a worker may spend up to 20 s completing its interrupted trial
@@ -94,11 +94,18 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+BASELINE_SEEDS = 3
+REMEASURE_TOP_K = 3
+
+
 def demo_spec(name: str, trials: int) -> StudySpec:
+    """`trials` search trials after BASELINE_SEEDS baseline runs (n_trials counts both), then the
+    top REMEASURE_TOP_K feasible configs re-measured with a longer probe."""
     # The tiny preset's 1536 samples leave enough timed steps for the cpu space's largest
     # effective batch (32 × 2) with inverse losses every 4 steps: (8 warm-up + 5) × 64 = 832.
-    return StudySpec(name=name, workload="ups", preset="tiny", space="cpu", n_trials=trials, sampler="tpe",
-                     hardware="cpu", probe=ProbeSpec(timeout_s=300.0), seed=0)
+    return StudySpec(name=name, workload="ups", preset="tiny", space="cpu", n_trials=BASELINE_SEEDS + trials,
+                     sampler="tpe", hardware="cpu", probe=ProbeSpec(timeout_s=300.0), seed=0,
+                     baseline_seeds=BASELINE_SEEDS, remeasure=RemeasureSpec(top_k=REMEASURE_TOP_K))
 
 
 def wait_for_health(client: Client, serve: subprocess.Popen[bytes], log_path: Path) -> str | None:
@@ -152,16 +159,18 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
                 return 1
             console.print(f"service   {api} (database {db_path}, log {serve_log.name})")
             client.create_study(demo_spec(name, trials))
-            console.print(f"study     {name}: ups/tiny, space cpu, {trials} trials, TPE sampler, hardware cpu")
+            console.print(f"study     {name}: ups/tiny, space cpu, {BASELINE_SEEDS} baseline seeds + {trials} "
+                          f"search trials + top {REMEASURE_TOP_K} re-measured, TPE sampler, hardware cpu")
             worker_procs = []
             for i in range(workers):
                 log_path = workdir / f"worker-{i + 1}.log"
                 worker_procs.append(processes.start(f"worker-{i + 1}", [
-                    *cli, "worker", "--api", api, "--study", name, "--device", "cpu", "--idle-exit", "10",
+                    *cli, "worker", "--api", api, "--study", name, "--device", "cpu", "--idle-exit", "30",
                     "--threads", str(threads), "--heartbeat", "2"], log_path))
             console.print(f"workers   {workers} × `autotune worker --device cpu --threads {threads}` "
                           f"(logs worker-N.log)")
-            finished = follow(client, name, trials, worker_procs, serve, console)
+            total = BASELINE_SEEDS + trials + REMEASURE_TOP_K  # re-measurements: at most top_k
+            finished = follow(client, name, total, worker_procs, serve, console)
             if finished is None:
                 return 1
             return report(client, finished, db_path, time.monotonic() - started, console)

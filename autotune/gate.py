@@ -79,6 +79,29 @@ class Estimate:
     n: int
 
     @classmethod
+    def for_median(cls, values: Sequence[float], confidence: float = 0.95) -> Estimate:
+        """The median with a distribution-free CI from order statistics (binomial, p = ½).
+
+        Throughput is a median over timed windows, so its interval must contain it: the CI is
+        [x_(j), x_(n-j+1)] with the largest j whose coverage is still >= `confidence`
+        (n >= 6 reaches 95 %; with fewer values the interval is the full range).
+        """
+        if not values:
+            raise ValueError("no values")
+        xs = sorted(values)
+        n = len(xs)
+        median = statistics.median(xs)
+        j = 0  # 0-based index of the lower bound
+        for k in range(n // 2):
+            # coverage of [x_(k+1), x_(n-k)] = 1 − 2·P(Binomial(n, ½) <= k)
+            tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+            if 1 - 2 * tail >= confidence:
+                j = k + 1
+            else:
+                break
+        return cls(median, xs[j - 1] if j else xs[0], xs[n - j] if j else xs[-1], n)
+
+    @classmethod
     def from_values(cls, values: Sequence[float], confidence: float = 0.95) -> Estimate:
         if not values:
             raise ValueError("no values")

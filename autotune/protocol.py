@@ -16,6 +16,11 @@ the protocol is written down once. Routes, all under /v1:
   POST   /v1/trials/{id}/complete    CompleteRequest      → TrialInfo
   GET    /v1/health                                       → {"status": "ok", ...}
 
+A study runs `baseline_seeds` baseline trials (role "baseline"; the search waits for them:
+they set the quality gate), then search trials (role "search") up to n_trials in all, then
+re-measures its top feasible configs with a longer probe (role "remeasure"). A lease's probe
+is the trial's own (baseline seeds and re-measurements differ from the study's probe).
+
 This module imports pydantic and the config/space validators only (no torch, no fastapi).
 """
 
@@ -55,9 +60,30 @@ class ProbeSpec(Strict):
 
 
 class GateSpec(Strict):
-    """Quality gate: feasible iff NRMSE <= baseline + abs_tol."""
+    """Quality gate (autotune.gate): feasible iff NRMSE <= μ + max(abs_tol, k·σ), with μ, σ the
+    mean and sample standard deviation of the baseline's NRMSE over its seeds."""
 
     abs_tol: float = Field(0.01, ge=0, le=10)
+    k: float = Field(2.0, ge=0, le=100, description="widen the gate to k × the baseline's seed spread")
+
+
+class PruningSpec(Strict):
+    """Early stopping of running trials (autotune.pruning.PruneRules)."""
+
+    enabled: bool = True
+    rho: float = Field(0.5, gt=0, le=1, description="prune when slower than rho × the best feasible (and not better)")
+    loss_margin: float = Field(0.5, ge=0, le=100, description="prune when the loss exceeds the baseline's by this "
+                                                                "fraction (predicts a gate failure)")
+    min_fraction: float = Field(0.3, ge=0, le=1, description="… only after this fraction of the sample budget")
+
+
+class RemeasureSpec(Strict):
+    """Re-measure the top configs with a longer probe once the search is done (no winner's curse)."""
+
+    top_k: int = Field(3, ge=0, le=100, description="configs re-measured (0 disables)")
+    samples_factor: float = Field(2.0, ge=1, le=100, description="probe samples × this factor")
+    windows: int = Field(16, ge=5, le=100, description="timed windows of the re-measurement")
+    seed_offset: int = Field(1000, ge=0, le=2**30, description="probe seed + this offset")
 
 
 class StudySpec(Strict):
@@ -69,13 +95,23 @@ class StudySpec(Strict):
     space: str | dict[str, Any] = Field("cpu", description="a name from search_spaces/ or an inline space")
     objectives: list[Objective] = Field(default_factory=lambda: list(DEFAULT_OBJECTIVES))
     probe: ProbeSpec = Field(default_factory=lambda: ProbeSpec())
-    n_trials: int = Field(20, ge=1, le=100_000)
+    n_trials: int = Field(20, ge=1, le=100_000, description="baseline seeds + search trials (at least the "
+                                                              "baseline seeds run); re-measurements come on top")
     sampler: Literal["tpe", "nsga2", "random", "grid", "gp"] = "tpe"
     hardware: str = Field("cpu", min_length=1, max_length=200,
                           description="hardware class: 'cpu' or the GPU name a worker reports")
-    baseline: dict[str, Any] | None = Field(None, description="the user's current config; enqueued first "
-                                                              "(default: the workload preset's defaults)")
+    baseline: dict[str, Any] | None = Field(None, description="the user's current config; enqueued first, "
+                                                              "run with baseline_seeds seeds (default: the "
+                                                              "workload preset's defaults, {}: for ups/full that "
+                                                              "is fp32 eager, batch 12 × accum 4, the research's "
+                                                              "starting point)")
+    baseline_seeds: int = Field(3, ge=1, le=10, description="baseline runs (probe seeds seed, seed+1, …); the "
+                                                            "search starts once they are done")
+    max_memory_gb: float | None = Field(None, gt=0, description="peak reserved memory limit (GiB): "
+                                                                 "a trial above it is infeasible")
     gate: GateSpec = Field(default_factory=lambda: GateSpec())
+    pruning: PruningSpec = Field(default_factory=lambda: PruningSpec())
+    remeasure: RemeasureSpec = Field(default_factory=lambda: RemeasureSpec())
     seed: int | None = Field(None, description="sampler seed")
 
     @field_validator("objectives")
@@ -119,6 +155,7 @@ class StudyInfo(BaseModel):
     counts: dict[str, int] = Field(default_factory=dict, description="trials by state")
     failures: dict[str, int] = Field(default_factory=dict, description="failed trials by failure kind")
     best: dict[str, Any] | None = None
+    message: str | None = Field(None, description="why the study has no recommendation, when it cannot get one")
 
 
 class StudyList(BaseModel):
@@ -142,6 +179,7 @@ class TrialLease(BaseModel):
     preset: str
     probe: ProbeSpec
     is_baseline: bool = False
+    role: Literal["baseline", "search", "remeasure"] = "search"
 
 
 class HeartbeatRequest(Strict):
@@ -182,6 +220,9 @@ class TrialInfo(BaseModel):
     failure: dict[str, str] | None = None
     worker_id: str | None = None
     is_baseline: bool = False
+    role: Literal["baseline", "search", "remeasure"] = "search"
+    prune_reason: str | None = None
+    remeasure_of: int | None = Field(None, description="the trial number a remeasure trial re-measures")
     duration_s: float | None = None
 
 
@@ -201,3 +242,8 @@ class Recommendation(BaseModel):
     speedup: float | None
     gate_nrmse: float | None
     peak_mem_reserved_bytes: int | None = None
+    throughput_ci_low: float | None = Field(None, description="95 % confidence interval of the throughput")
+    throughput_ci_high: float | None = None
+    remeasured: bool = False
+    baseline_val_nrmse_std: float | None = None
+    baseline_seeds: int = 0

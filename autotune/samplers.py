@@ -15,6 +15,7 @@ known) count as feasible-unknown for the sampler (Optuna's convention for missin
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,13 @@ def stored_constraint(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
 
 def make_sampler(name: str, seed: int | None = None,
                  constraints_func: ConstraintsFunc | None = stored_constraint) -> BaseSampler:
+    # Optuna 5 marks constraints_func as deprecated (FutureWarning) but still honours it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return _make_sampler(name, seed, constraints_func)
+
+
+def _make_sampler(name: str, seed: int | None, constraints_func: ConstraintsFunc | None) -> BaseSampler:
     if name == "tpe":
         return TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed,
                           constraints_func=constraints_func)

@@ -434,7 +434,8 @@ class Worker:
     def run_trial(self, lease: TrialLease) -> TrialRun:
         """Run `lease`'s probe in a child, forward reports and heartbeats, then complete it."""
         run = TrialRun(lease)
-        baseline = " [cyan](baseline)[/]" if lease.is_baseline else ""
+        baseline = " [cyan](baseline)[/]" if lease.is_baseline else \
+            " [cyan](re-measure)[/]" if lease.role == "remeasure" else ""
         self.console.print(f"▶ trial {lease.number} of {lease.study} (id {lease.trial_id}){baseline}: "
                            f"{format_params(lease.params)}")
         job = ChildJob(workload=lease.workload, preset=lease.preset, config=dict(lease.config),

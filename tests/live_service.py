@@ -39,7 +39,8 @@ def small_spec(name: str, n_trials: int = 2, samples: int = 64, **overrides: Any
     """A study spec on the small space (random sampler: no startup trials to wait for)."""
     spec: dict[str, Any] = {"name": name, "space": SMALL_SPACE, "baseline": SMALL_BASELINE, "n_trials": n_trials,
                             "sampler": "random", "seed": 0, "hardware": "cpu",
-                            "probe": {"samples": samples, "windows": 5, "warmup_steps": 5}}
+                            "probe": {"samples": samples, "windows": 5, "warmup_steps": 5},
+                            "baseline_seeds": 1, "remeasure": {"top_k": 0}}
     for key, value in overrides.items():
         if key == "probe":
             spec["probe"].update(value)

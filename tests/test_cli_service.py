@@ -138,6 +138,11 @@ def test_best_prints_yaml_and_json(live: tuple[LiveService, str]) -> None:
     assert result.stdout.startswith(f"# autotune recommendation for study {study}")
     config = yaml.safe_load(result.stdout)
     assert isinstance(config, dict) and config["accum_steps"] == 1
+    header = result.stdout.split("\n")
+    assert any(line.startswith("# baseline throughput:") and "(speedup " in line for line in header)
+    assert any(line.startswith("# val_nrmse:") and "baseline val_nrmse:" in line for line in header)
+    assert any(line.startswith("# peak memory reserved:") for line in header)
+    assert any(line.startswith("# throughput 95% CI:") for line in header)
 
     result = invoke("best", study, "--format", "json", "--api", service.url)
     assert result.exit_code == 0, result.output

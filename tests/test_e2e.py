@@ -61,7 +61,9 @@ def finished(service: LiveService, study: str, number: int) -> dict[str, Any] | 
 
 def test_two_workers_finish_a_study_without_running_a_trial_twice(service: LiveService,
                                                                   processes: Processes) -> None:
-    service.submit(small_spec("e2e", n_trials=6, sampler="tpe"))
+    # 2 baseline seeds + 4 search trials, the fastest feasible one re-measured; pruning on
+    service.submit(small_spec("e2e", n_trials=6, sampler="tpe", baseline_seeds=2,
+                              remeasure={"top_k": 1, "windows": 5}))
     workers = [start_worker(processes, service.url, "--study", "e2e", "--idle-exit", "3", "--worker-id", wid,
                             log_name=f"{wid}.log") for wid in ("e2e-a", "e2e-b")]
     for w in workers:
@@ -70,12 +72,18 @@ def test_two_workers_finish_a_study_without_running_a_trial_twice(service: LiveS
     study = service.get("/v1/studies/e2e")
     assert study["state"] == "finished"
     trials = service.trials("e2e")
-    assert len(trials) == 6
-    assert all(t["state"] == "COMPLETE" for t in trials), [(t["number"], t["state"], t["failure"]) for t in trials]
+    roles = [t["role"] for t in trials]
+    assert roles[:2] == ["baseline", "baseline"] and roles[2:6] == ["search"] * 4
+    feasible_search = [t for t in trials if t["role"] == "search" and t["feasible"]]
+    assert roles[6:] == (["remeasure"] if feasible_search else [])
+    # a trial may be pruned (slow and no better than the best feasible): with its reason
+    assert all(t["state"] == "COMPLETE" or (t["state"] == "PRUNED" and t["prune_reason"]) for t in trials), \
+        [(t["number"], t["role"], t["state"], t["failure"], t["prune_reason"]) for t in trials][-2:]
+    assert all(t["state"] == "COMPLETE" for t in trials if t["role"] != "search")
     assert {t["worker_id"] for t in trials} <= {"e2e-a", "e2e-b"}
     leased = {w: [int(m.group(3)) for m in LEASED.finditer(log_text(p))]
               for w, p in zip(("a", "b"), workers, strict=True)}
-    assert len(leased["a"]) + len(leased["b"]) == 6  # each trial leased exactly once
+    assert len(leased["a"]) + len(leased["b"]) == len(trials)  # each trial leased exactly once
     assert set(leased["a"]) | set(leased["b"]) == {t["trial_id"] for t in trials}
     for t in trials:  # ... and completed by the worker that leased it
         assert t["trial_id"] in leased[t["worker_id"][-1]]
@@ -83,11 +91,16 @@ def test_two_workers_finish_a_study_without_running_a_trial_twice(service: LiveS
     assert pareto["count"] >= 1
     best = service.get("/v1/studies/e2e/best")
     assert best["throughput_samples_per_s"] > 0 and best["speedup"] > 0
+    assert best["baseline_seeds"] == 2 and best["baseline_val_nrmse_std"] is not None
+    assert best["throughput_ci_low"] is not None and best["throughput_ci_low"] <= best["throughput_ci_high"]
+    if feasible_search and best["trial_number"] != 0 and best["trial_number"] != 1:
+        assert best["remeasured"] is True
 
 
 def test_a_killed_probe_child_fails_its_trial_and_the_worker_goes_on(service: LiveService,
                                                                      processes: Processes) -> None:
-    service.submit(small_spec("killed", n_trials=3, samples=LONG_PROBE))
+    # two baseline seeds: with one, killing it would leave the study without a gate (nothing more to run)
+    service.submit(small_spec("killed", n_trials=3, samples=LONG_PROBE, baseline_seeds=2))
     worker = start_worker(processes, service.url, "--study", "killed", "--idle-exit", "2")
     first = wait_until(lambda: probe_children(worker.pid), 60, "the first probe child")[0]
     time.sleep(1.0)  # mid-probe

@@ -148,3 +148,13 @@ def test_the_gate_constraint_keeps_tpe_out_of_the_infeasible_region(seed: int) -
 def test_unknown_sampler_is_refused() -> None:
     with pytest.raises(ValueError, match="allowed: tpe"):
         make_sampler("cmaes")
+
+
+def test_median_ci_contains_the_median_and_comes_from_order_statistics() -> None:
+    values = [float(v) for v in (10, 12, 11, 30, 9, 10, 11, 12, 10, 11, 13, 10, 11, 12, 9, 10)]
+    e = Estimate.for_median(values)
+    assert e.mean == pytest.approx(11.0)  # the median of the 16 values
+    assert e.low <= e.mean <= e.high
+    xs = sorted(values)
+    assert (e.low, e.high) == (xs[3], xs[12])  # n = 16 → the 4th and 13th order statistics (95 %)
+    assert Estimate.for_median([1.0, 2.0, 3.0]).low == 1.0  # too few for 95 %: the full range

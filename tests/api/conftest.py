@@ -81,9 +81,12 @@ def db_url(request: pytest.FixtureRequest, sqlite_url: str) -> str:
 
 @pytest.fixture
 def make_study(client: TestClient) -> StudyFactory:
-    """make_study(name="s", **spec) -> the created StudyInfo (asserts 201)."""
+    """make_study(name="s", **spec) -> the created StudyInfo (asserts 201); baseline_seeds 1 and
+    remeasure.top_k 0 unless given."""
 
     def make(name: str = "s", **spec: Any) -> dict[str, Any]:
+        # one baseline seed and no re-measurement unless a test is about them (fewer trials, same counts)
+        spec = {"baseline_seeds": 1, "remeasure": {"top_k": 0}, **spec}
         r = client.post("/v1/studies", json={"name": name, **spec})
         assert r.status_code == 201, r.text
         body: dict[str, Any] = r.json()

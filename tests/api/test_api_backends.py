@@ -34,18 +34,29 @@ def test_concurrent_leases_never_share_a_trial(db_url: str) -> None:
     with serve(app) as base_url:
         httpx.post(f"{base_url}/v1/studies", json={"name": "race", "n_trials": N_WORKERS + 5}).raise_for_status()
         workers = [f"w{i:02d}" for i in range(N_WORKERS)]
+        # the 3 baseline seeds first: nothing else is handed out until they are all done
+        first = _lease_all(base_url, workers)
+        assert sorted(r.status_code for r in first) == [200] * 3 + [204] * (N_WORKERS - 3)
+        baselines = {w: r.json() for w, r in zip(workers, first, strict=True) if r.status_code == 200}
+        assert sorted(b["number"] for b in baselines.values()) == [0, 1, 2]
+        assert all(b["role"] == "baseline" and b["is_baseline"] for b in baselines.values())
+        assert sorted(b["probe"]["seed"] for b in baselines.values()) == [0, 1, 2]
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            for w, b in baselines.items():
+                http.post(f"/v1/trials/{b['trial_id']}/complete",
+                          json={"worker_id": w, "result": probe_result(b["config"])}).raise_for_status()
         replies = _lease_all(base_url, workers)
         assert [r.status_code for r in replies] == [200] * N_WORKERS, [r.text for r in replies if r.status_code != 200]
         leases = [r.json() for r in replies]
         assert len({x["trial_id"] for x in leases}) == N_WORKERS
-        assert sorted(x["number"] for x in leases) == list(range(N_WORKERS))
-        assert sum(x["is_baseline"] for x in leases) == 1
+        assert sorted(x["number"] for x in leases) == list(range(3, N_WORKERS + 3))
+        assert sum(x["is_baseline"] for x in leases) == 0
 
         # the same workers asking again, all at once, get their own trial back
         again = _lease_all(base_url, workers)
         assert [r.json()["trial_id"] for r in again] == [x["trial_id"] for x in leases]
         study = httpx.get(f"{base_url}/v1/studies/race").json()
-        assert study["counts"] == {"RUNNING": N_WORKERS}
+        assert study["counts"] == {"RUNNING": N_WORKERS, "COMPLETE": 3}
 
 
 def test_one_worker_asking_many_times_at_once_gets_one_trial(db_url: str) -> None:
@@ -63,7 +74,8 @@ def test_a_study_end_to_end(db_url: str) -> None:
     app = create_app(make_settings(db_url))
     with serve(app) as base_url, httpx.Client(base_url=base_url, timeout=60) as http:
         assert http.get("/v1/health").json()["db"] == db_url.split(":")[0].split("+")[0]
-        assert http.post("/v1/studies", json={"name": "e2e", "n_trials": 4, "seed": 1}).status_code == 201
+        assert http.post("/v1/studies", json={"name": "e2e", "n_trials": 4, "seed": 1, "baseline_seeds": 1,
+                                                      "remeasure": {"top_k": 0}}).status_code == 201
         assert http.post("/v1/studies", json={"name": "e2e"}).status_code == 409
         measured: list[tuple[float, float]] = [(100.0, 0.1), (180.0, 0.105), (250.0, 0.3), (90.0, 0.1)]
         for i, (throughput, nrmse) in enumerate(measured):

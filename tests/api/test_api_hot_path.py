@@ -23,11 +23,11 @@ def _service(app: FastAPI) -> TuningService:
 def test_replies_match_what_the_study_stores(client: TestClient, make_study: StudyFactory) -> None:
     """lease and complete build their replies without reading the trial back: they must say
     exactly what GET /trials says afterwards (gate and feasibility included)."""
-    make_study("s", sampler="tpe", n_trials=8)
+    make_study("s", sampler="tpe", n_trials=8, baseline_seeds=2)
     base = lease(client, "w0")
     assert base is not None and base["is_baseline"]
-    early = lease(client, "w1")  # completed before the baseline: its gate is not known yet
-    assert early is not None
+    early = lease(client, "w1")  # the second seed, completed first: the gate is not known yet
+    assert early is not None and early["is_baseline"]
     replies = {early["trial_id"]: complete(client, early, "w1", throughput=90.0, nrmse=0.1)}
     assert replies[early["trial_id"]]["feasible"] is None
     replies[base["trial_id"]] = complete(client, base, "w0", throughput=100.0, nrmse=0.1)
@@ -90,6 +90,9 @@ def test_tpe_sampler_view_follows_the_study(app: FastAPI, client: TestClient, ma
     leases, completes and a failure the view must hold what the storage holds."""
     make_study("s", sampler="tpe", n_trials=20)
     service = _service(app)
+    base = lease(client, "w")
+    assert base is not None
+    complete(client, base, "w")
     running = []
     for i in range(12):
         got = lease(client, f"w{i}")
@@ -105,7 +108,9 @@ def test_tpe_sampler_view_follows_the_study(app: FastAPI, client: TestClient, ma
         view = handle.snapshot.get_all_trials(study_id, deepcopy=False)
     stored = service.bridge.trials("s")
     assert [(t.number, t.state.name, t.params) for t in view] == [(t.number, t.state, t.params) for t in stored]
-    assert {t.state.name for t in view} == {"COMPLETE", "FAIL", "RUNNING"}
+    # the failed trial is told COMPLETE (worst values, failed constraint) so that the sampler learns from it
+    assert {t.state.name for t in view} == {"COMPLETE", "RUNNING"}
+    assert any(t.user_attrs.get("failure_kind") == "oom" and t.state.name == "COMPLETE" for t in view)
 
 
 def test_heartbeat_and_report_keep_a_lease_alive_without_the_study_lock(app: FastAPI, client: TestClient,

@@ -32,20 +32,36 @@ def study(client: TestClient, make_study: StudyFactory) -> dict[str, dict[str, A
 
 
 def test_no_recommendation_before_the_baseline(client: TestClient, make_study: StudyFactory) -> None:
-    make_study("s")
+    make_study("s", baseline_seeds=2)
     r = client.get("/v1/studies/s/best")
     assert r.status_code == 404 and "baseline" in r.json()["detail"]
     base = lease(client, "w0")
-    other = lease(client, "w1")
-    assert base is not None and other is not None
+    other = lease(client, "w1")  # the second baseline seed
+    assert base is not None and other is not None and other["role"] == "baseline"
+    assert lease(client, "w2") is None  # no search trial before the gate exists
     complete(client, other, "w1", throughput=500.0)
     r = client.get("/v1/studies/s/best")
-    assert r.status_code == 404 and "still running" in r.json()["detail"]
+    assert r.status_code == 404 and "have not all finished" in r.json()["detail"]
     trials = client.get("/v1/studies/s/trials").json()["data"]
-    assert [t["feasible"] for t in trials] == [None, None]  # no gate without the baseline
+    assert [t["feasible"] for t in trials] == [None, None]  # no gate before every baseline seed is done
     complete(client, base, "w0", failure={"kind": "oom", "message": "boom"})
+    r = client.get("/v1/studies/s/best")  # one seed is enough for a gate
+    assert r.status_code == 200 and r.json()["baseline_seeds"] == 1
+
+
+def test_every_baseline_failing_is_said_clearly(client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", baseline_seeds=2)
+    for w in ("w0", "w1"):
+        got = lease(client, w)
+        assert got is not None
+        complete(client, got, w, failure={"kind": "oom", "message": "boom"})
+    assert lease(client, "w2") is None  # nothing can be judged without a gate
     r = client.get("/v1/studies/s/best")
-    assert r.status_code == 404 and "failed" in r.json()["detail"] and "oom" in r.json()["detail"]
+    assert r.status_code == 404 and "every baseline run failed" in r.json()["detail"] and "oom" in r.json()["detail"]
+    study = client.get("/v1/studies/s").json()
+    assert study["state"] == "finished" and study["best"] is None
+    assert "every baseline run failed" in study["message"]
+    assert study["counts"] == {"FAIL": 2} and study["failures"] == {"oom": 2}
 
 
 def test_trials_carry_the_gate(client: TestClient, study: dict[str, dict[str, Any]]) -> None:

@@ -60,9 +60,12 @@ def test_first_trial_is_the_baseline_then_the_space(client: TestClient, make_stu
     assert base["params"] == {} and base["config"] == {"batch_size": 8, "accum_steps": 2}
     assert base["workload"] == "ups" and base["preset"] == "tiny"
     assert base["probe"]["samples"] == 160 and base["probe"]["seed"] == 3
+    assert base["role"] == "baseline"
 
+    assert lease(client, "w2") is None  # the search waits for the baseline (the gate)
+    complete(client, base, "w1")
     other = lease(client, "w2")
-    assert other is not None and not other["is_baseline"] and other["number"] == 1
+    assert other is not None and not other["is_baseline"] and other["number"] == 1 and other["role"] == "search"
     assert other["config"]["pin_memory"] is False  # the space's fixed knobs
     assert set(other["params"]) <= set(other["config"])
     parse_config(other["config"])  # a valid config
@@ -72,6 +75,8 @@ def test_lease_is_idempotent_per_worker(client: TestClient, make_study: StudyFac
     make_study("s")
     first = lease(client, "w1")
     assert lease(client, "w1") == first
+    assert lease(client, "w2") is None  # the baseline runs
+    complete(client, first, "w1")  # type: ignore[arg-type]
     second = lease(client, "w2")
     assert second is not None and second["trial_id"] != first["trial_id"]  # type: ignore[index]
 
@@ -145,9 +150,10 @@ def test_unknown_trial_is_404(client: TestClient) -> None:
 def test_failure_is_fail_with_kind(client: TestClient, make_study: StudyFactory) -> None:
     make_study("s")
     base = lease(client, "w1")
-    other = lease(client, "w2")
-    assert base is not None and other is not None
+    assert base is not None
     complete(client, base, "w1")
+    other = lease(client, "w2")
+    assert other is not None
     info = complete(client, other, "w2", throughput=None, nrmse=None,
                     failure={"kind": "oom", "message": "CUDA out of memory"})
     assert info["state"] == "FAIL" and info["values"] is None
@@ -198,11 +204,12 @@ def test_complete_is_idempotent_and_guarded(client: TestClient, make_study: Stud
 
 def test_n_trials_cap_and_finished(client: TestClient, make_study: StudyFactory) -> None:
     make_study("s", n_trials=3)
-    leases = [lease(client, f"w{i}") for i in range(3)]
+    leases = [lease(client, "w0")]
+    complete(client, leases[0], "w0")  # type: ignore[arg-type]
+    leases += [lease(client, f"w{i}") for i in range(1, 3)]
     assert all(x is not None for x in leases)
     assert lease(client, "w9") is None  # every trial counts, running ones included
     assert client.get("/v1/studies/s").json()["state"] == "running"
-    complete(client, leases[0], "w0")  # type: ignore[arg-type]
     complete(client, leases[1], "w1", failure={"kind": "nan", "message": "loss is nan"})  # type: ignore[arg-type]
     assert lease(client, "w0") is None  # failed trials count too
     complete(client, leases[2], "w2", stopped_early=True)  # type: ignore[arg-type]
@@ -212,7 +219,7 @@ def test_n_trials_cap_and_finished(client: TestClient, make_study: StudyFactory)
 
 
 def test_reaper_fails_stale_leases(app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
-    make_study("s")
+    make_study("s", baseline_seeds=3)  # two baseline seeds run at once
     got = lease(client, "w1")
     fresh = lease(client, "w2")
     assert got is not None and fresh is not None
@@ -268,12 +275,14 @@ def test_grid_sampler_walks_the_deduplicated_grid(client: TestClient, make_study
     space = {"params": {"num_workers": {"choices": [0, 1]},
                         "prefetch_factor": {"choices": [2, 4], "when": {"num_workers": [1]}}}}
     make_study("g", sampler="grid", space=space, n_trials=10)
-    got = [lease(client, f"w{i}") for i in range(5)]
+    got = [lease(client, "w0")]
+    complete(client, got[0], "w0")  # type: ignore[arg-type]
+    got += [lease(client, f"w{i}") for i in range(1, 5)]
     assert got[4] is None  # baseline + 3 grid points: {0}, {1, 2}, {1, 4}
     configs = [x["config"] for x in got[1:4]]  # type: ignore[index]
     assert sorted(map(json.dumps, configs)) == sorted(map(json.dumps, [
         {"num_workers": 0}, {"num_workers": 1, "prefetch_factor": 2}, {"num_workers": 1, "prefetch_factor": 4}]))
-    for i, x in enumerate(got[:4]):
+    for i, x in enumerate(got[1:4], start=1):
         complete(client, x, f"w{i}")  # type: ignore[arg-type]
     assert client.get("/v1/studies/g").json()["state"] == "finished"
 
@@ -294,7 +303,7 @@ def test_the_database_refuses_a_second_active_lease_per_worker(app: FastAPI, cli
     """The guard behind the lock: if the service's own check missed an active lease (another
     service process leasing to the same worker), the unique index refuses it, the new trial
     is failed, and the worker gets a 409 it can retry."""
-    make_study("s")
+    make_study("s", baseline_seeds=2)
     first = lease(client, "w1")
     assert first is not None
     monkeypatch.setattr(crud, "active_lease_of_worker", lambda *_args: None)

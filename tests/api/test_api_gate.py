@@ -1,0 +1,153 @@
+"""Multi-objective search under a quality gate, through the API with fake ProbeResults:
+baseline seeds and the gate, constraints the sampler learns, failed trials, memory limit,
+re-measurement of the top configs."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from optuna.samplers._base import _CONSTRAINTS_KEY
+from service_helpers import StudyFactory, complete, lease, probe_result
+
+from api.service import TuningService
+from autotune.gate import FAILED_CONSTRAINT
+from autotune.samplers import CONSTRAINT_ATTR
+
+BASE_NRMSE = [0.10, 0.12, 0.14]  # mean 0.12, std 0.02 → gate 0.12 + max(0.01, 2 × 0.02) = 0.16
+
+
+def _service(app: FastAPI) -> TuningService:
+    service: TuningService = app.state.service
+    return service
+
+
+def _run_baselines(client: TestClient, nrmses: list[float], throughputs: list[float] | None = None) -> None:
+    leases = [lease(client, f"b{i}") for i in range(len(nrmses))]
+    assert all(x is not None and x["role"] == "baseline" for x in leases)
+    seeds = [x["probe"]["seed"] for x in leases]  # type: ignore[index]
+    assert seeds == [seeds[0] + i for i in range(len(nrmses))]
+    assert lease(client, "other") is None  # withheld until every seed is done
+    for i, (got, nrmse) in enumerate(zip(leases, nrmses, strict=True)):
+        assert lease(client, "other") is None
+        complete(client, got, f"b{i}", nrmse=nrmse,  # type: ignore[arg-type]
+                 throughput=throughputs[i] if throughputs else 100.0)
+
+
+def _run(client: TestClient, worker: str, **result: Any) -> dict[str, Any]:
+    got = lease(client, worker)
+    assert got is not None and got["role"] == "search"
+    return complete(client, got, worker, **result)
+
+
+def test_gate_from_three_baseline_seeds(app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", baseline_seeds=3, n_trials=10, seed=0)
+    _run_baselines(client, BASE_NRMSE, [90.0, 100.0, 110.0])
+    gate = statistics.fmean(BASE_NRMSE) + max(0.01, 2.0 * statistics.stdev(BASE_NRMSE))
+    ok = _run(client, "w1", throughput=300.0, nrmse=0.155)  # inside the widened gate (> mean + abs_tol)
+    bad = _run(client, "w2", throughput=400.0, nrmse=0.17)
+    assert ok["feasible"] is True and bad["feasible"] is False
+    best = client.get("/v1/studies/s/best").json()
+    assert best["gate_nrmse"] == pytest.approx(gate)
+    assert best["trial_number"] == ok["number"] and best["speedup"] == pytest.approx(3.0)  # over the seeds' mean
+    assert best["baseline_val_nrmse"] == pytest.approx(0.12) and best["baseline_val_nrmse_std"] == pytest.approx(0.02)
+    assert best["baseline_seeds"] == 3 and best["remeasured"] is False
+    # the sampler learns the gate as a constraint (≤ 0 feasible)
+    trials = {t.number: t for t in _service(app).bridge.trials("s")}
+    assert trials[ok["number"]].user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.155 - gate)
+    assert trials[bad["number"]].user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.17 - gate)
+
+
+def test_a_failed_trial_teaches_the_sampler_but_stays_fail(app: FastAPI, client: TestClient,
+                                                          make_study: StudyFactory) -> None:
+    make_study("s", sampler="tpe", n_trials=10, seed=0)
+    _run_baselines(client, [0.1])
+    failed = _run(client, "w1", throughput=None, nrmse=None, failure={"kind": "oom", "message": "CUDA OOM"})
+    assert failed["state"] == "FAIL" and failed["feasible"] is False and failed["values"] is None
+    assert failed["failure"] == {"kind": "oom", "message": "CUDA OOM"}
+    # Optuna: COMPLETE with worst-case values and the failed constraint (stored for the sampler too)
+    stored = _service(app).bridge.storage.get_trial(failed["trial_id"])
+    assert stored.state.name == "COMPLETE" and stored.values == [0.0, 10.0]
+    assert stored.user_attrs[CONSTRAINT_ATTR] == FAILED_CONSTRAINT
+    assert stored.system_attrs[_CONSTRAINTS_KEY] == [FAILED_CONSTRAINT]
+    assert stored.user_attrs["failure_kind"] == "oom" and stored.user_attrs["failure_message"] == "CUDA OOM"
+    # every view of the service says FAIL and leaves it out
+    study = client.get("/v1/studies/s").json()
+    assert study["counts"] == {"COMPLETE": 1, "FAIL": 1} and study["failures"] == {"oom": 1}
+    listed = {t["number"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
+    assert listed[failed["number"]]["state"] == "FAIL" and listed[failed["number"]]["feasible"] is False
+    assert [t["number"] for t in client.get("/v1/studies/s/pareto").json()["data"]] == [0]
+    assert client.get("/v1/studies/s/best").json()["trial_number"] == 0
+
+
+def test_over_memory_is_infeasible(app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", n_trials=10, max_memory_gb=0.5)  # the fake results reserve 1 GiB
+    _run_baselines(client, [0.1])
+    got = _run(client, "w1", throughput=500.0, nrmse=0.1)
+    assert got["feasible"] is False
+    trial = _service(app).bridge.storage.get_trial(got["trial_id"])
+    assert trial.user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.5)  # 1 GiB − 0.5
+    r = client.get("/v1/studies/s/best")
+    assert r.status_code == 404
+
+
+def _complete_with_windows(client: TestClient, got: dict[str, Any], worker: str, throughput: float,
+                           windows: list[float], nrmse: float = 0.1) -> dict[str, Any]:
+    result = {**probe_result(got["config"], throughput=throughput, nrmse=nrmse), "window_throughputs": windows}
+    r = client.post(f"/v1/trials/{got['trial_id']}/complete", json={"worker_id": worker, "result": result})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: TestClient,
+                                                                     make_study: StudyFactory) -> None:
+    make_study("s", n_trials=5, seed=0, probe={"samples": 100, "seed": 7},
+               remeasure={"top_k": 2, "samples_factor": 2.5, "windows": 12, "seed_offset": 1000})
+    _run_baselines(client, [0.1])
+    measured = {}
+    for i, thr in enumerate([300.0, 250.0, 200.0, 400.0]):  # the last one fails the gate
+        got = lease(client, f"w{i}")
+        assert got is not None
+        info = _complete_with_windows(client, got, f"w{i}", thr, [thr * 0.98, thr, thr * 1.02],
+                                      nrmse=0.5 if thr == 400.0 else 0.1)
+        measured[thr] = info["number"]
+    assert client.get("/v1/studies/s").json()["state"] == "running"  # the re-measurements are to come
+    first, second = lease(client, "r1"), lease(client, "r2")
+    assert lease(client, "r3") is None  # top_k = 2 only
+    assert first is not None and second is not None
+    assert {first["role"], second["role"]} == {"remeasure"}
+    assert first["probe"]["samples"] == 250 and first["probe"]["windows"] == 12 and first["probe"]["seed"] == 1007
+    trials = {t["trial_id"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
+    assert {trials[first["trial_id"]]["remeasure_of"], trials[second["trial_id"]]["remeasure_of"]} == {
+        measured[300.0], measured[250.0]}
+    by_target = {trials[x["trial_id"]]["remeasure_of"]: (x, w) for x, w in ((first, "r1"), (second, "r2"))}
+    # winner's curse: the 300 config re-measures at 240, the 250 one holds at 260
+    got, worker = by_target[measured[300.0]]
+    original = next(t for t in trials.values() if t["number"] == measured[300.0])
+    assert got["config"] == {k: v for k, v in original["config"].items() if k != "effective_batch"}  # knobs only
+    _complete_with_windows(client, got, worker, 240.0, [235.0, 240.0, 245.0, 240.0])
+    assert client.get("/v1/studies/s").json()["state"] == "running"
+    got, worker = by_target[measured[250.0]]
+    _complete_with_windows(client, got, worker, 260.0, [255.0, 260.0, 265.0, 260.0])
+    study = client.get("/v1/studies/s").json()
+    assert study["state"] == "finished" and study["counts"] == {"COMPLETE": 7}
+    best = client.get("/v1/studies/s/best").json()
+    assert best["trial_number"] == measured[250.0] and best["throughput_samples_per_s"] == 260.0
+    assert best["remeasured"] is True
+    assert best["throughput_ci_low"] < 260.0 < best["throughput_ci_high"]
+    assert best["speedup"] == pytest.approx(2.6)
+
+
+def test_without_remeasurement_the_ci_comes_from_the_trial(client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", n_trials=2)
+    _run_baselines(client, [0.1])
+    got = lease(client, "w1")
+    assert got is not None
+    _complete_with_windows(client, got, "w1", 200.0, [190.0, 200.0, 210.0])
+    best = client.get("/v1/studies/s/best").json()
+    assert best["remeasured"] is False and best["throughput_ci_low"] < 200.0 < best["throughput_ci_high"]
+    assert client.get("/v1/studies/s").json()["state"] == "finished"
