@@ -308,7 +308,7 @@ class TuningService:
         spec = ctx.spec
         if created < spec.baseline_seeds:
             probe = spec.probe.model_copy(update={"seed": spec.probe.seed + created})
-            return "baseline", dict(spec.baseline or {}), {"probe": probe.model_dump(mode="json"),
+            return "baseline", spec.baseline_config(), {"probe": probe.model_dump(mode="json"),
                                                           "baseline_seed": created}
         if ctx.name not in self._gates:
             self._gate(ctx)

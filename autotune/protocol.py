@@ -41,6 +41,9 @@ OBJECTIVES = {
 }
 
 
+# The source research's data pipeline (its starting point ran 8 workers with prefetch 4).
+RESEARCH_GPU_DATA_PIPELINE: dict[str, Any] = {"num_workers": 8, "prefetch_factor": 4}
+
 Objective = Literal["throughput", "val_nrmse"]
 DEFAULT_OBJECTIVES: tuple[Objective, ...] = ("throughput", "val_nrmse")
 
@@ -102,9 +105,7 @@ class StudySpec(Strict):
                           description="hardware class: 'cpu' or the GPU name a worker reports")
     baseline: dict[str, Any] | None = Field(None, description="the user's current config; enqueued first, "
                                                               "run with baseline_seeds seeds (default: the "
-                                                              "workload preset's defaults, {}: for ups/full that "
-                                                              "is fp32 eager, batch 12 × accum 4, the research's "
-                                                              "starting point)")
+                                                              "research's starting point, see baseline_config)")
     baseline_seeds: int = Field(3, ge=1, le=10, description="baseline runs (probe seeds seed, seed+1, …); the "
                                                             "search starts once they are done")
     max_memory_gb: float | None = Field(None, gt=0, description="peak reserved memory limit (GiB): "
@@ -139,6 +140,18 @@ class StudySpec(Strict):
         except SpaceError as e:
             raise ValueError(f"space.{e}") from None
         return self
+
+    def baseline_config(self) -> dict[str, Any]:
+        """The baseline's knobs: `baseline` when given, else the source research's starting
+        point — the preset's batch × accumulation (ups/full: 12 × 4), fp32 without TF32, no
+        compile, no checkpointing, inverse losses every step, and on GPU hosts its data
+        pipeline (8 workers, prefetch 4). A CPU study keeps the loader in-process: eight
+        workers on a laptop would measure the laptop, not the job."""
+        if self.baseline is not None:
+            return dict(self.baseline)
+        if self.hardware == "cpu":
+            return {}
+        return dict(RESEARCH_GPU_DATA_PIPELINE)
 
     def resolved_space(self) -> Space:
         if isinstance(self.space, str):

@@ -158,3 +158,15 @@ def test_median_ci_contains_the_median_and_comes_from_order_statistics() -> None
     xs = sorted(values)
     assert (e.low, e.high) == (xs[3], xs[12])  # n = 16 → the 4th and 13th order statistics (95 %)
     assert Estimate.for_median([1.0, 2.0, 3.0]).low == 1.0  # too few for 95 %: the full range
+
+
+def test_default_baseline_is_the_research_starting_point() -> None:
+    from autotune.config import parse_config
+    from autotune.protocol import StudySpec
+
+    gpu = StudySpec(name="g", space="h100", hardware="NVIDIA H100 80GB HBM3", preset="full").baseline_config()
+    assert gpu == {"num_workers": 8, "prefetch_factor": 4}
+    cfg = parse_config(gpu)  # fp32, no compile, no checkpointing, inverse losses every step by default
+    assert (cfg.precision, cfg.compile, cfg.checkpoint, cfg.inverse_loss_frequency) == ("fp32", "none", "none", 1)
+    assert StudySpec(name="c").baseline_config() == {}  # CPU: the loader stays in-process
+    assert StudySpec(name="u", baseline={"batch_size": 8}).baseline_config() == {"batch_size": 8}
