@@ -101,7 +101,7 @@ REMEASURE_TOP_K = 3
 def demo_spec(name: str, trials: int) -> StudySpec:
     """`trials` search trials after BASELINE_SEEDS baseline runs (n_trials counts both), then the
     top REMEASURE_TOP_K feasible configs re-measured with a longer probe."""
-    # The tiny preset's 1536 samples leave enough timed steps for the cpu space's largest
+    # The tiny preset's 3072 samples leave enough timed steps for the cpu space's largest
     # effective batch (32 × 2) with inverse losses every 4 steps: (8 warm-up + 5) × 64 = 832.
     return StudySpec(name=name, workload="ups", preset="tiny", space="cpu", n_trials=BASELINE_SEEDS + trials,
                      sampler="tpe", hardware="cpu", probe=ProbeSpec(timeout_s=300.0), seed=0,

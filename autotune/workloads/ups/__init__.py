@@ -35,7 +35,7 @@ PRESETS: dict[str, Preset] = {
         model=ModelSpec(n_fields=2, n_points=32, latent_tokens=8, latent_dim=16, hidden=32, depth=2, heads=2,
                         fourier_modes=8),
         n_queries=16,
-        training=TrainingDefaults(batch_size=4, accum_steps=2, lr=3e-3, samples=1536, weight_decay=0.03),
+        training=TrainingDefaults(batch_size=4, accum_steps=2, lr=3e-3, samples=3072, weight_decay=0.03),
     ),
     "full": Preset(
         data=DataSpec(n_points=256, traj_per_physics=160, n_snapshots=41),
