@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from rich.console import Console
 
@@ -58,6 +58,8 @@ from autotune.client import (
 from autotune.hardware import Hardware
 from autotune.probe_child import ChildJob
 from autotune.protocol import LeaseRequest, TrialInfo, TrialLease
+
+ReplyT = TypeVar("ReplyT")
 
 log = logging.getLogger(__name__)
 
@@ -508,21 +510,31 @@ class Worker:
                 run.returncode = child.finish()
                 return
 
-    def _heartbeat(self, run: TrialRun, child: ProbeProcess) -> bool:
-        """Heartbeat; False when the child has been stopped (service said stop, or 409)."""
-        budget = min(self.options.heartbeat_s, 5.0)
+    def _call_while_running(self, run: TrialRun, child: ProbeProcess, what: str,
+                            call: Callable[[float], ReplyT]) -> ReplyT | bool:
+        """A call made while the probe runs: retried briefly (the probe goes on meanwhile).
+        Returns the reply; True when it was skipped or refused (keep going); False when the
+        service says the trial is no longer ours (409): the child is then stopped for good."""
         try:
-            reply = self.client.heartbeat(run.lease.trial_id, self.worker_id, retry_for_s=budget)
+            return call(min(self.options.heartbeat_s, 5.0))
         except ServiceUnavailable as e:
-            log.warning("heartbeat for trial %d skipped: %s", run.lease.trial_id, e)
+            log.warning("%s for trial %d skipped: %s", what, run.lease.trial_id, e)
             return True
         except Conflict as e:
             run.dropped = f"the service says the trial is no longer ours ({e.message})"
             child.stop(KILL_GRACE_S)
             return False
         except ApiError as e:
-            log.warning("heartbeat for trial %d refused: %s", run.lease.trial_id, e)
+            log.warning("%s for trial %d refused: %s", what, run.lease.trial_id, e)
             return True
+
+    def _heartbeat(self, run: TrialRun, child: ProbeProcess) -> bool:
+        """Heartbeat; False when the child has been stopped (service said stop, or 409)."""
+        reply = self._call_while_running(
+            run, child, "heartbeat",
+            lambda budget: self.client.heartbeat(run.lease.trial_id, self.worker_id, retry_for_s=budget))
+        if isinstance(reply, bool):
+            return reply
         if reply.action == "stop":
             run.stop_reason = reply.reason or "the service said stop"
             self.console.print(f"  trial {run.lease.number}: the service said stop ({run.stop_reason})")
@@ -534,19 +546,12 @@ class Worker:
         """POST one report; on prune, ask the child to stop. False when the child was stopped
         for good (409: the trial is no longer ours)."""
         metrics = {k: float(v) for k, v in report["metrics"].items() if isinstance(v, (int, float))}
-        try:
-            reply = self.client.report(run.lease.trial_id, self.worker_id, int(report["step"]), metrics,
-                                       retry_for_s=min(self.options.heartbeat_s, 5.0))
-        except ServiceUnavailable as e:
-            log.warning("report of trial %d skipped: %s", run.lease.trial_id, e)
-            return True
-        except Conflict as e:
-            run.dropped = f"the service says the trial is no longer ours ({e.message})"
-            child.stop(KILL_GRACE_S)
-            return False
-        except ApiError as e:
-            log.warning("report of trial %d refused: %s", run.lease.trial_id, e)
-            return True
+        reply = self._call_while_running(
+            run, child, "report",
+            lambda budget: self.client.report(run.lease.trial_id, self.worker_id, int(report["step"]), metrics,
+                                              retry_for_s=budget))
+        if isinstance(reply, bool):
+            return reply
         if reply.prune:
             run.prune_reason = reply.reason or "pruned"
             self.console.print(f"  trial {run.lease.number}: pruned at step {report['step']} ({run.prune_reason})")
