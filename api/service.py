@@ -97,6 +97,19 @@ def _context(record: crud.StudyRecord) -> StudyContext:
     return StudyContext(name=record.name, spec=_spec(record), space=parse_space(record.space))
 
 
+def _not_ours(lease: crud.LeaseRecord | None, worker_id: str) -> str | None:
+    """Why `worker_id` may not act on this lease (None: it holds it, actively)."""
+    if lease is None:
+        return "it was not leased by this service"
+    if lease.worker_id != worker_id:
+        return f"it is leased to worker {lease.worker_id!r}, not {worker_id!r}"
+    if not lease.active:
+        if lease.outcome == "lost":
+            return "its lease was reaped: no heartbeat within the grace period, the trial is marked FAIL (lost)"
+        return "it is already completed"
+    return None
+
+
 class TuningService:
     """Studies and trials on one database (service tables + Optuna storage)."""
 
@@ -420,15 +433,8 @@ class TuningService:
         with self.db.transaction() as session:
             study_name = crud.touch_active_lease(session, trial_id, request.worker_id, now)
             if study_name is None:
-                lease = self._lease_of(session, trial_id)
-                if lease is None:
-                    return HeartbeatReply(action="stop", reason=f"trial {trial_id} was not leased by this service")
-                if lease.worker_id != request.worker_id:
-                    return HeartbeatReply(action="stop", reason=f"trial {trial_id} is leased to worker "
-                                                                f"{lease.worker_id!r}, not {request.worker_id!r}")
-                why = "its lease was reaped (no heartbeat within the grace period)" if lease.outcome == "lost" \
-                    else "it is already completed"
-                return HeartbeatReply(action="stop", reason=f"trial {trial_id} is no longer leased: {why}")
+                why = _not_ours(self._lease_of(session, trial_id), request.worker_id)
+                return HeartbeatReply(action="stop", reason=f"trial {trial_id}: {why or 'its lease changed meanwhile'}")
             crud.see_worker(session, request.worker_id, now)
             record = crud.get_study(session, study_name)
             if record is not None and record.state == "stopped":
@@ -440,15 +446,10 @@ class TuningService:
 
     def _active_lease(self, session: Session, trial_id: int, worker_id: str, verb: str) -> crud.LeaseRecord:
         lease = self._lease_of(session, trial_id)
-        if lease is None:
-            raise Conflict(f"cannot {verb} trial {trial_id}: it was not leased by this service")
-        if lease.worker_id != worker_id:
-            raise Conflict(f"cannot {verb} trial {trial_id}: it is leased to worker {lease.worker_id!r}, "
-                           f"not {worker_id!r}")
-        if not lease.active:
-            why = "its lease was reaped: no heartbeat within the grace period, the trial is marked FAIL (lost)" \
-                if lease.outcome == "lost" else "it is already completed"
+        why = _not_ours(lease, worker_id)
+        if why is not None:
             raise Conflict(f"cannot {verb} trial {trial_id}: {why}; lease a new trial")
+        assert lease is not None
         return lease
 
     def report(self, trial_id: int, request: ReportRequest) -> ReportReply:
