@@ -4,7 +4,8 @@
 * ``db_url``: parametrised over SQLite and PostgreSQL, for the tests that must hold on both.
   PostgreSQL gets a fresh database per test on the server named by AUTOTUNE_TEST_PG_URL
   (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres); without a reachable
-  server those cases are skipped with a message saying how to enable them.
+  server those cases are skipped with a message saying how to enable them, except under
+  AUTOTUNE_REQUIRE_PG=1 (set by .ci/run), where they fail.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def pg_admin() -> Iterator[Engine]:
             conn.execute(text("SELECT 1"))
     except Exception as e:
         engine.dispose()
+        if os.environ.get("AUTOTUNE_REQUIRE_PG") == "1":  # CI (.ci/run) must run the PostgreSQL cases
+            pytest.fail(f"PostgreSQL is required (AUTOTUNE_REQUIRE_PG=1) but not reachable at "
+                        f"{make_url(PG_ADMIN_URL).render_as_string(hide_password=True)} ({type(e).__name__}: {e})")
         pytest.skip(f"PostgreSQL not reachable at {make_url(PG_ADMIN_URL).render_as_string(hide_password=True)} "
                     f"({type(e).__name__}); start PostgreSQL there or set AUTOTUNE_TEST_PG_URL to a server URL "
                     "(e.g. postgresql+psycopg://postgres@127.0.0.1:5432/postgres) to run the PostgreSQL cases")
