@@ -82,7 +82,12 @@ def study(args: argparse.Namespace) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        spec = {"name": STUDY, "workload": "ups", "preset": args.preset, "space": args.space,
+        space: Any = args.space
+        if Path(args.space).suffix in (".yaml", ".yml"):
+            import yaml
+
+            space = yaml.safe_load(Path(args.space).read_text())
+        spec = {"name": STUDY, "workload": "ups", "preset": args.preset, "space": space,
                 "hardware": _gpu_name(args.device), "n_trials": args.n_trials, "sampler": "tpe", "seed": args.seed,
                 "probe": {"samples": args.samples, "timeout_s": 300}, "baseline_seeds": 3,
                 "pruning": {"enabled": True}, "remeasure": {"top_k": 0}}
@@ -254,7 +259,8 @@ def main() -> None:
         p.add_argument("--budget-s", type=float, default=480)
         p.add_argument("--device", default="cuda")
     s = sub.choices["study"]
-    s.add_argument("--space", default="h100")
+    s.add_argument("--space", default="bench/configs/pruning_space.yaml",
+                   help="a space name, or a YAML file sent inline")
     s.add_argument("--preset", default="full")
     s.add_argument("--samples", type=int, default=9600)
     s.add_argument("--n-trials", type=int, default=60)
