@@ -1,27 +1,55 @@
-# autotune service and workers.
-#   docker build -t autotune .                                   # CPU image (service, CPU workers)
-#   docker build -t autotune-gpu --build-arg BASE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime \
-#                --build-arg TORCH_SPEC= .                       # GPU workers: torch from the base image
-#   docker run -p 8000:8000 -e AUTOTUNE_DB_URL=postgresql+psycopg://USER@DB/autotune autotune
-#   docker run --gpus all autotune-gpu worker --api http://SERVICE:8000 --device cuda:0
-ARG BASE=python:3.11-slim
-FROM ${BASE}
+# syntax=docker/dockerfile:1
+# The autotune service image: the REST API (`autotune serve`), its database migrations
+# (`autotune db upgrade`), token administration (`autotune token ...`) and optuna-dashboard.
+#   docker build -t autotune .
+#   docker run -p 8000:8000 -e AUTOTUNE_DB_URL=postgresql+psycopg://USER:PASSWORD@DBHOST/autotune autotune
+#   docker run --rm -e AUTOTUNE_DB_URL=... autotune token create --role admin
+# Without AUTOTUNE_DB_URL it serves a SQLite file in the /var/lib/autotune volume.
+# No torch here: the service never imports it (tests/test_docker.py checks that). GPU
+# workers have their own image, docker/worker.Dockerfile; docs/deploy.md has the compose setup.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# CPU build of torch unless the base image brings its own (set TORCH_SPEC empty then)
-ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 AUTOTUNE_DATA_DIR=/var/lib/autotune/data \
-    AUTOTUNE_SPACES_DIR=/opt/autotune/search_spaces
-
-WORKDIR /opt/autotune
+# --- build: a virtual environment with the project and its runtime dependencies, minus torch --
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+WORKDIR /src
+# dependencies first: this layer is rebuilt only when pyproject.toml changes
 COPY pyproject.toml README.md ./
+COPY docker/requirements.py docker/requirements.py
+RUN python docker/requirements.py --extra dashboard --exclude torch > requirements.txt \
+ && pip install --requirement requirements.txt
 COPY autotune ./autotune
 COPY api ./api
-COPY search_spaces ./search_spaces
-RUN if [ -n "$TORCH_SPEC" ]; then pip install $TORCH_SPEC; fi \
- && pip install ".[dashboard]" \
- && useradd --create-home --uid 1000 autotune \
- && mkdir -p /var/lib/autotune/data && chown -R autotune /var/lib/autotune
-USER autotune
+COPY migrations ./migrations
+# --no-deps: the requirements are installed above, and torch must not come in with the project
+RUN pip install --no-deps .
+
+# --- the service image -------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE}
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    AUTOTUNE_DB_URL=sqlite:////var/lib/autotune/autotune.db \
+    AUTOTUNE_SPACES_DIR=/opt/autotune/search_spaces \
+    AUTOTUNE_HEALTH_URL=http://127.0.0.1:8000/v1/health
+COPY --from=build /opt/venv /opt/venv
+COPY search_spaces /opt/autotune/search_spaces
+COPY --chmod=755 docker/healthcheck.py /usr/local/bin/autotune-healthcheck
+RUN groupadd --system --gid 10001 autotune \
+ && useradd --system --uid 10001 --gid autotune --create-home autotune \
+ && mkdir -p /var/lib/autotune \
+ && chown autotune:autotune /var/lib/autotune
+# numeric, so a runtime that enforces non-root (Kubernetes runAsNonRoot) can check it
+USER 10001:10001
+WORKDIR /var/lib/autotune
+VOLUME ["/var/lib/autotune"]
 EXPOSE 8000
+# /v1/health needs no token and answers 503 when the database is unreachable; the start
+# period covers the schema upgrade `autotune serve` runs before it listens
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 CMD ["autotune-healthcheck"]
 ENTRYPOINT ["autotune"]
+# on 0.0.0.0 the service requires bearer tokens (see docs/deploy.md for creating the first one)
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

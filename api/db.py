@@ -1,9 +1,10 @@
 """The service's own tables and the engine/session that reach them.
 
 Optuna owns its tables (``studies``, ``trials``, ...) in the same database; ours are
-prefixed ``autotune_`` so the two schemas never collide. All models live in this module,
-so a later Alembic migration can target ``Base.metadata`` (with its own version table:
-Optuna's schema already uses the default ``alembic_version``).
+prefixed ``autotune_`` so the two schemas never collide. All models live in this module and
+Alembic (``migrations/``) targets ``Base.metadata`` with its own version table,
+``autotune_alembic_version`` (Optuna's schema already uses the default ``alembic_version``);
+its autogenerate and its migrations only ever see ``autotune_*`` tables.
 
 Tables:
 
@@ -16,6 +17,15 @@ Tables:
 * ``autotune_reports``: intermediate metrics a worker reported for a trial, with the prune
   decision the service answered (and its reason).
 * ``autotune_workers``: every worker seen, with its hardware and when it was last heard from.
+* ``autotune_tokens``: the API's bearer tokens: name, role (worker | admin) and the SHA-256
+  of the secret (the secret itself is never stored); revoked tokens keep their row.
+
+Schema changes: `upgrade_schema` brings a database to the newest migration (the service does
+it at start, `autotune db upgrade` on demand). It holds a lock while it checks and migrates
+(PostgreSQL: an advisory lock; SQLite: BEGIN IMMEDIATE), so service processes starting
+together migrate once. A database whose tables were made before migrations existed (by
+``create_all``: tables present, no version row) is adopted: stamped at `LEGACY_REVISION`,
+then upgraded.
 
 Engines: SQLite files run in WAL mode with a busy timeout (readers never block the single
 writer; a writer waits instead of failing with "database is locked").
@@ -23,17 +33,51 @@ writer; a writer waits instead of failing with "database is locked").
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Engine, ForeignKey, Index, Integer, String, create_engine, event, text
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Connection,
+    DateTime,
+    Engine,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    create_engine,
+    event,
+    inspect,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.pool import NullPool
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+log = logging.getLogger(__name__)
 
 STUDY_STATES = ("running", "stopped")
 LEASE_STATES = ("active", "done")
 LEASE_OUTCOMES = ("completed", "lost")
+TOKEN_ROLES = ("worker", "admin")
+
+TABLE_PREFIX = "autotune_"  # every service table (and only those) has it
+VERSION_TABLE = "autotune_alembic_version"  # Optuna's schema owns the default `alembic_version`
+# migrations/ lies next to the api package: in the source tree and in an installed wheel alike
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+LEGACY_REVISION = "0001"  # the schema `Base.metadata.create_all` made before migrations existed
+# pg_advisory_xact_lock key held while a database is migrated (any constant unique to autotune)
+PG_MIGRATION_LOCK_KEY = 0x6175_746F_7475_6E65 & 0x7FFF_FFFF_FFFF_FFFF
+# Alembic's `context` and `op` are module globals: one migration at a time per process
+_MIGRATING = threading.Lock()
 
 
 def utcnow() -> datetime:
@@ -105,6 +149,18 @@ class WorkerRow(Base):
     last_seen: Mapped[datetime] = mapped_column(DateTime, nullable=False)
 
 
+class TokenRow(Base):
+    __tablename__ = "autotune_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), nullable=False, unique=True, index=True)
+    role: Mapped[str] = mapped_column(String(16), nullable=False)
+    token_sha256: Mapped[str] = mapped_column(String(64), nullable=False, unique=True, index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
 def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
@@ -155,6 +211,7 @@ class Database:
 
     def __init__(self, url: str, busy_timeout_s: float = 30.0) -> None:
         self.url = url
+        self.busy_timeout_s = busy_timeout_s
         self.engine = make_engine(url, busy_timeout_s)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -162,9 +219,13 @@ class Database:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
+    def upgrade(self) -> None:
+        """Bring the service tables to the newest migration (see `upgrade_schema`); idempotent."""
+        upgrade_schema(self.url, busy_timeout_s=self.busy_timeout_s)
+
     def create_tables(self) -> None:
-        """Create the service tables that do not exist yet (Alembic replaces this later)."""
-        Base.metadata.create_all(self.engine)
+        """The old name of `upgrade` (the tables are made by the migrations now)."""
+        self.upgrade()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -187,3 +248,159 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+# --- migrations (Alembic, migrations/) -------------------------------------------------------------
+
+
+class MigrationError(Exception):
+    """The database cannot be migrated (unknown revision, or a migration failed); the message says why."""
+
+
+def is_service_table(name: str | None) -> bool:
+    return name is not None and name.startswith(TABLE_PREFIX) and name != VERSION_TABLE
+
+
+def include_name(name: str | None, type_: str, _parent_names: Any) -> bool:
+    """Alembic's reflection filter: only the service tables are looked at (never Optuna's)."""
+    return is_service_table(name) if type_ == "table" else True
+
+
+def include_object(obj: Any, name: str | None, type_: str, _reflected: bool, _compare_to: Any) -> bool:
+    """Alembic's object filter: service tables and what belongs to them."""
+    if type_ == "table":
+        return is_service_table(name)
+    table = getattr(obj, "table", None)
+    return table is None or is_service_table(table.name)
+
+
+def migration_options(dialect: str) -> dict[str, Any]:
+    """The `context.configure` options every migration run (and every schema comparison) uses."""
+    return {"target_metadata": Base.metadata, "version_table": VERSION_TABLE, "include_name": include_name,
+            "include_object": include_object, "render_as_batch": dialect == "sqlite", "compare_type": True}
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """An Alembic Config on `MIGRATIONS_DIR`; `connection` (if given) is the one env.py migrates."""
+    from alembic.config import Config
+
+    if not (MIGRATIONS_DIR / "env.py").is_file():
+        raise MigrationError(f"the migrations are missing: {MIGRATIONS_DIR}/env.py not found; reinstall autotune "
+                             "(`pip install -e .` in the source tree)")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def _migration_engine(url: str, busy_timeout_s: float) -> Engine:
+    """A pool-less engine for one migration run. SQLite: the driver's own transaction handling
+    is off so that `begin()` emits BEGIN IMMEDIATE (the write lock, taken before anything is
+    read) and DDL runs inside the transaction; foreign keys stay off, as batch migrations need."""
+    if not is_sqlite(url):
+        return create_engine(url, poolclass=NullPool)
+    engine = create_engine(url, poolclass=NullPool, **sqlite_engine_kwargs(busy_timeout_s))
+
+    @event.listens_for(engine, "connect")
+    def _autocommit_driver(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+@contextmanager
+def migration_connection(url: str, busy_timeout_s: float = 30.0) -> Iterator[Connection]:
+    """A connection inside one transaction that holds the database's migration lock; commits
+    when the block ends, rolls back on error. Another process migrating the same database
+    waits for it (PostgreSQL: advisory lock; SQLite: the write lock, up to the busy timeout),
+    another thread of this process for the process's lock (taken first: no deadlock)."""
+    engine = _migration_engine(url, busy_timeout_s)
+    try:
+        with _MIGRATING, engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK_KEY})
+            yield connection
+    finally:
+        engine.dispose()
+
+
+def schema_revision(connection: Connection) -> str | None:
+    """The revision the service tables are at (None: no version row, e.g. an empty database)."""
+    from alembic.runtime.migration import MigrationContext
+
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return context.get_current_revision()
+
+
+def head_revision() -> str:
+    """The newest migration's revision."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, "migrations/versions has no revision"
+    return head
+
+
+def _run_alembic(connection: Connection, action: str, revision: str) -> None:
+    from alembic import command
+    from alembic.util import CommandError
+
+    try:
+        getattr(command, action)(alembic_config(connection), revision)
+    except CommandError as e:
+        raise MigrationError(f"cannot {action} the autotune tables to {revision!r}: {e}") from e
+
+
+def _adopt_legacy_tables(connection: Connection) -> None:
+    """Stamp a database whose service tables predate the migrations (made by create_all)."""
+    if "autotune_studies" in inspect(connection).get_table_names() and schema_revision(connection) is None:
+        log.warning("the autotune tables in this database predate migrations (no row in %s): adopting them as "
+                    "revision %s, then upgrading", VERSION_TABLE, LEGACY_REVISION)
+        _run_alembic(connection, "stamp", LEGACY_REVISION)
+
+
+def upgrade_schema(url: str, revision: str = "head", busy_timeout_s: float = 30.0) -> tuple[str | None, str | None]:
+    """Migrate the service tables of `url` up to `revision`; (revision before, revision after).
+
+    Idempotent, and safe when several processes do it at once (they take turns). Never
+    touches Optuna's tables. Raises MigrationError when it cannot.
+    """
+    with migration_connection(url, busy_timeout_s) as connection:
+        _adopt_legacy_tables(connection)
+        before = schema_revision(connection)
+        _run_alembic(connection, "upgrade", revision)
+        after = schema_revision(connection)
+    if before != after:
+        log.info("autotune tables migrated from %s to %s", before or "an empty database", after)
+    return before, after
+
+
+def downgrade_schema(url: str, revision: str, busy_timeout_s: float = 30.0) -> tuple[str | None, str | None]:
+    """Migrate the service tables of `url` down to `revision` ("base": drop them all; their data
+    is lost); (revision before, revision after). Optuna's tables are left alone."""
+    with migration_connection(url, busy_timeout_s) as connection:
+        before = schema_revision(connection)
+        _run_alembic(connection, "downgrade", revision)
+        after = schema_revision(connection)
+    return before, after
+
+
+def current_schema_revision(url: str, busy_timeout_s: float = 30.0) -> str | None:
+    """The revision the service tables of `url` are at (None: not migrated yet)."""
+    engine = create_engine(url, poolclass=NullPool, **(sqlite_engine_kwargs(busy_timeout_s) if is_sqlite(url) else {}))
+    try:
+        with engine.connect() as connection:
+            return schema_revision(connection)
+    finally:
+        engine.dispose()

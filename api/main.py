@@ -1,12 +1,17 @@
 """The FastAPI app: `create_app()` builds it, `run_server()` serves it with uvicorn.
 
-`autotune serve [--db URL] [--host H] [--port P]` calls `run_server`. The app's lifespan
-runs the stale-lease reaper (every `reaper_interval_s`). Every error body is
+`autotune serve [--db URL] [--host H] [--port P] [--no-auth]` calls `run_server`. The app's
+lifespan runs the stale-lease reaper (every `reaper_interval_s`). Every error body is
 ``{"detail": ...}``: a string, or for 422 a list of ``{loc, msg, type}`` naming the field.
+
+Auth (api/auth.py, api/deps.py): every write needs a bearer token (studies: admin; trials:
+worker or admin); reads and /v1/health are open. `run_server` refuses to listen on a
+non-loopback address with auth off.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -20,7 +25,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
 import autotune
+from api.auth import TokenStore, TokenVerifier, warn_if_no_tokens
 from api.errors import Invalid, ServiceError
+from api.limits import BodySizeLimit
 from api.routes import health, studies, trials
 from api.service import Reaper, TuningService
 from api.settings import Settings
@@ -56,7 +63,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             detail: Any = [{"loc": ["body", *exc.field.split(".")], "msg": exc.detail, "type": "value_error"}]
         else:
             detail = exc.detail
-        return JSONResponse({"detail": detail}, status_code=exc.status_code)
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _request_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -78,14 +85,21 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The service on `settings.db_url` (default: Settings() from the environment).
 
-    Creates the service tables and Optuna's on first use. The reaper thread runs while the
+    Migrates the service tables to the newest revision (api/db.py: idempotent, safe with
+    several processes) and creates Optuna's on first use. The reaper thread runs while the
     app's lifespan does (uvicorn, or `with TestClient(app)`).
     """
     settings = settings or Settings()
     service = TuningService(settings)
+    tokens = TokenVerifier(TokenStore(service.db), cache_s=settings.token_cache_s)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if settings.auth:
+            warn_if_no_tokens(tokens.store, _safe_url(settings.db_url))
+        else:
+            log.warning("authentication is off (--no-auth / AUTOTUNE_AUTH=false): anyone who reaches this "
+                        "service can create and stop studies and report trials")
         reaper = Reaper(service, settings.reaper_interval_s)
         reaper.start()
         try:
@@ -98,18 +112,65 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Finds the fastest PyTorch training config that keeps model quality.")
     app.state.settings = settings
     app.state.service = service
+    app.state.tokens = tokens
     for router in (studies.router, trials.router, health.router):
         app.include_router(router, prefix="/v1")
     _install_error_handlers(app)
+    app.add_middleware(BodySizeLimit)  # 413 for request bodies over AUTOTUNE_MAX_BODY_BYTES (1 MiB)
     return app
 
 
-def run_server(db_url: str | None = None, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve the API with uvicorn until interrupted (`db_url` None: AUTOTUNE_DB_URL or the default)."""
+class ServeRefused(ValueError):
+    """`run_server` will not start as asked (the message says what to change)."""
+
+
+def _safe_url(url: str) -> str:
+    """`url` without its password, for logs and messages."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can parse: show the part after any credentials
+        return url.split("@")[-1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable only from this machine (localhost, 127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_listen(host: str, settings: Settings) -> None:
+    """Refuse to listen beyond this machine without authentication."""
+    if not settings.auth and not is_loopback(host):
+        raise ServeRefused(f"refusing to serve on {host} without authentication: anyone on the network could "
+                           "create studies and report trials. Drop --no-auth (and AUTOTUNE_AUTH=false) and "
+                           "create tokens with `autotune token create --role admin|worker`, or listen on "
+                           "127.0.0.1 only")
+
+
+def run_server(db_url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+               auth: bool | None = None) -> None:
+    """Serve the API with uvicorn until interrupted (`db_url` None: AUTOTUNE_DB_URL or the default;
+    `auth` None: AUTOTUNE_AUTH or on). Raises ServeRefused before starting anything when auth
+    is off and `host` is not a loopback address."""
+    overrides: dict[str, Any] = {}
+    if db_url is not None:
+        overrides["db_url"] = db_url
+    if auth is not None:
+        overrides["auth"] = auth
+    settings = Settings(**overrides)
+    check_listen(host, settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings() if db_url is None else Settings(db_url=db_url)
-    log.info("autotune %s serving on http://%s:%d (database %s)", autotune.__version__, host, port,
-             settings.db_url.split("@")[-1])
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:  # the CLI configured WARNING: the service says more
+        logging.getLogger("api").setLevel(logging.INFO)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # api.db logs what the migrations changed
+    log.info("autotune %s starting on http://%s:%d (database %s, auth %s)", autotune.__version__, host, port,
+             _safe_url(settings.db_url), "on" if settings.auth else "OFF")
     import uvicorn
 
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info")

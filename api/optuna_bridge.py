@@ -350,15 +350,18 @@ class OptunaBridge:
 
     def ask(self, ctx: StudyContext, baseline_config: Mapping[str, Any] | None = None,
             attrs: Mapping[str, Any] | None = None, created: int | None = None,
-            role: str | None = None) -> AskedTrial:
+            role: str | None = None, params: Mapping[str, Any] | None = None) -> AskedTrial:
         """Create the next trial. With `baseline_config` (a fixed config), nothing is suggested (its
         values may lie outside the space) and the trial's role is `role` (default baseline:
-        user attr is_baseline=True). Otherwise the space is sampled (grid: the next grid
-        configuration) for a search trial. The config is stored as user attr "config",
-        together with `attrs` and "role" (one write). `created`: the study's trial count
-        before this ask, when the caller knows it. A config that fails the knob rules is
-        told as a failed trial ("unsupported": COMPLETE with worst-case values and the
-        failed constraint, see api/outcome.py) and SpaceError is raised."""
+        user attr is_baseline=True). Otherwise a search trial: with `params` (the retry of a
+        lost search trial) those values are enqueued and suggested again, so the trial has the
+        same params and config; without, the space is sampled (grid: the next grid
+        configuration). The config is stored as user attr "config", together with `attrs`
+        and "role" (one write). `created`: the study's count of configurations (first
+        attempts, retries not counted) before this ask, when the caller knows it. A config
+        that fails the knob rules is told as a failed trial ("unsupported": COMPLETE with
+        worst-case values and the failed constraint, see api/outcome.py) and SpaceError is
+        raised."""
         from api.outcome import failed_attrs, worst_values  # api.outcome imports nothing of this module
 
         handle = self._handle(ctx)
@@ -369,7 +372,9 @@ class OptunaBridge:
             role = role or "baseline"
         else:
             role = "search"
-            if ctx.spec.sampler == "grid":
+            if params is not None:
+                study.enqueue_trial(dict(params))
+            elif ctx.spec.sampler == "grid":
                 grid = self._grid(ctx, handle)
                 # the first baseline_seeds trials are the baseline
                 index = (self.n_trials(ctx.name) if created is None else created) - ctx.spec.baseline_seeds
@@ -430,6 +435,13 @@ class OptunaBridge:
         """`tell` by trial id: one read (the sampler's after_trial needs the trial), then attrs,
         values and state in one write. Returns the finished trial built from what is in hand.
         A trial finished already is returned as it is."""
+        return self.finish_once(ctx, trial_id, state, values, attrs)[0]
+
+    def finish_once(self, ctx: StudyContext, trial_id: int, state: str, values: list[float] | None = None,
+                    attrs: Mapping[str, Any] | None = None) -> tuple[TrialRecord, bool]:
+        """`finish`, also saying whether this call told Optuna (False: the trial had finished
+        already, e.g. a complete repeated after a crash between the tell and the lease update;
+        nothing was changed)."""
         handle = self._handle(ctx)
         study = handle.study
         if handle.snapshot is not None:  # the caller holds the study's lock: the next ask reads it again
@@ -438,7 +450,7 @@ class OptunaBridge:
         values = [float(v) for v in values] if values is not None and told == TrialState.COMPLETE else None
         frozen = self.storage.get_trial(trial_id)
         if frozen.state.is_finished():
-            return _record(frozen)
+            return _record(frozen), False
         study._thread_local.cached_all_trials = None
         done_at = datetime.now()  # naive local time, as Optuna stores it
         # the sampler's after_trial reads the trial's constraint (a user attr set below) and stores
@@ -470,12 +482,12 @@ class OptunaBridge:
             log.info("trial %s of %s finished meanwhile; leaving it as it is", trial_id, ctx.name)
             finished = self.get_trial(trial_id)
             assert finished is not None
-            return finished
+            return finished, False
         user_attrs = dict(frozen.user_attrs)
         user_attrs.update({k: json_safe(v) for k, v in (attrs or {}).items()})
         return TrialRecord(trial_id=trial_id, number=frozen.number, state=told.name, params=dict(frozen.params),
                            values=values, user_attrs=user_attrs, datetime_start=frozen.datetime_start,
-                           datetime_complete=done_at)
+                           datetime_complete=done_at), True
 
     def get_trial(self, trial_id: int) -> TrialRecord | None:
         """The trial with Optuna's global id `trial_id`, or None if there is none."""
@@ -494,6 +506,23 @@ class OptunaBridge:
                 model.study_id == self.study_id(name), model.state == TrialState.RUNNING,
                 model._datetime_start_utc < cutoff_utc).order_by(model.trial_id)).all()
         return list(ids)
+
+    def failed_trial_ids(self, name: str) -> list[int]:
+        """Ids of the study's Optuna FAIL trials (the service fails only lost trials so: failed
+        probes are told COMPLETE), by id: one light query, run on every lease."""
+        model = rdb_models.TrialModel
+        with _create_scoped_session(self._rdb.scoped_session) as session:
+            ids = session.scalars(select(model.trial_id).where(
+                model.study_id == self.study_id(name), model.state == TrialState.FAIL).order_by(model.trial_id)).all()
+        return list(ids)
+
+    def user_attr_values(self, name: str, key: str) -> dict[int, Any]:
+        """Trial number → the value of user attr `key`, for the study's trials that have it (one query)."""
+        trial, attr = rdb_models.TrialModel, rdb_models.TrialUserAttributeModel
+        with _create_scoped_session(self._rdb.scoped_session) as session:
+            rows = session.execute(select(trial.number, attr.value_json).join(attr, attr.trial_id == trial.trial_id)
+                                   .where(trial.study_id == self.study_id(name), attr.key == key)).all()
+        return {int(number): json.loads(value) for number, value in rows}
 
     def trials(self, name: str) -> list[TrialRecord]:
         """Every trial of the study, by number."""

@@ -4,6 +4,15 @@ Roles (user attr ``role``): the study's first `baseline_seeds` trials are *basel
 the user's config (probe seeds seed, seed+1, …), then *search* trials, then, once the search
 is done, *remeasure* trials (user attr ``remeasure_of``: the trial number re-measured).
 
+Retries: a trial *lost* with its worker (Optuna FAIL, failure_kind "lost": the reaper saw no
+heartbeat) is re-run as a new trial of the same role, config and probe, carrying user attrs
+``retry_of`` (the lost trial's number) and ``attempt`` (2, 3, …), up to spec.max_retries
+times. Everything about retries is derived from those attrs (`retries`): a lost trial that
+has a retry is *superseded* (its retry stands for it: it is left out of the counts, the
+failures and the baseline), one that may still be retried is *pending*, and the phases
+wait for pending ones as for running ones. Retries are not configurations: the study's
+budget (n_trials) counts first attempts only.
+
 Gate (autotune.gate): a completed trial is feasible iff its val_nrmse ≤ μ + max(abs_tol, k·σ)
 over the baseline seeds' NRMSE (and, with max_memory_gb, its peak reserved memory fits).
 Until every baseline has finished, feasibility is unknown (None).
@@ -62,6 +71,68 @@ def completed(trial: TrialRecord) -> bool:
     return service_state(trial) == "COMPLETE"
 
 
+def is_lost(trial: TrialRecord) -> bool:
+    """Failed because its worker went silent (the reaper), not because of its config."""
+    return trial.state == "FAIL" and trial.user_attrs.get("failure_kind") == "lost"
+
+
+def attempt_of(trial: TrialRecord) -> int:
+    """1 for a first run, k for the (k-1)-th retry of a lost trial."""
+    value = trial.user_attrs.get("attempt")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+def retry_of(trial: TrialRecord) -> int | None:
+    """The number of the lost trial this trial re-runs (None: a first attempt)."""
+    value = trial.user_attrs.get("retry_of")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def may_retry(spec: StudySpec, trial: TrialRecord) -> bool:
+    """A lost trial whose attempts are not used up (retried at most spec.max_retries times)."""
+    return is_lost(trial) and attempt_of(trial) <= spec.max_retries
+
+
+def retried_as(trials: Sequence[TrialRecord]) -> dict[int, int]:
+    """Lost trial number → the number of the trial that re-runs it."""
+    return {of: t.number for t in trials if (of := retry_of(t)) is not None}
+
+
+@dataclass(frozen=True)
+class Retries:
+    """The study's lost trials and their retries, derived from the trials' user attrs."""
+
+    retried_as: dict[int, int]  # superseded lost trial number → its retry's number
+    pending: list[TrialRecord]  # lost trials to re-run that have no retry yet, by number
+
+    def superseded(self, trial: TrialRecord) -> bool:
+        return trial.number in self.retried_as
+
+    def is_pending(self, trial: TrialRecord) -> bool:
+        return any(p.number == trial.number for p in self.pending)
+
+    def settled(self, trial: TrialRecord) -> bool:
+        """Finished for good: finished, neither superseded by a retry nor waiting for one."""
+        return trial.finished and not self.superseded(trial) and not self.is_pending(trial)
+
+
+def retries(spec: StudySpec, trials: Sequence[TrialRecord]) -> Retries:
+    links = retried_as(trials)
+    pending = [t for t in trials if t.number not in links and may_retry(spec, t)]
+    return Retries(retried_as=links, pending=sorted(pending, key=lambda t: t.number))
+
+
+def current(trials: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """The trials that are not superseded by a retry (each configuration once)."""
+    links = retried_as(trials)
+    return [t for t in trials if t.number not in links]
+
+
+def first_attempts(trials: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """The trials that are not retries: one per configuration the study handed out."""
+    return [t for t in trials if retry_of(t) is None]
+
+
 def metric(trial: TrialRecord, spec: StudySpec, name: str) -> float | None:
     """`name` (throughput_samples_per_s | val_nrmse) of a trial: its objective value, else its user attr.
     None for a failed trial (its told values are the worst case, not a measurement)."""
@@ -91,7 +162,11 @@ class BaselineSummary:
 
 
 def baseline_summary(spec: StudySpec, trials: Sequence[TrialRecord]) -> BaselineSummary:
-    runs = baselines(trials)
+    """The baseline seeds' results. `finished` once every seed has run and none is running or
+    lost with a retry still to come (the gate must not be set from fewer seeds than it will have)."""
+    state = retries(spec, trials)
+    seeds = baselines(trials)
+    runs = [t for t in seeds if not state.superseded(t)]
     done = [t for t in runs if completed(t)]
     nrmses = [v for t in done if (v := metric(t, spec, "val_nrmse")) is not None]
     thrs = [v for t in done if (v := metric(t, spec, "throughput_samples_per_s")) is not None]
@@ -100,7 +175,8 @@ def baseline_summary(spec: StudySpec, trials: Sequence[TrialRecord]) -> Baseline
                    if t.user_attrs.get("failure_kind") else "") for t in runs if t.finished and not completed(t)]
     return BaselineSummary(nrmse=BaselineStats.from_values(nrmses) if nrmses else None,
                            throughput=statistics.fmean(thrs) if thrs else None,
-                           finished=len(runs) >= spec.baseline_seeds and all(t.finished for t in runs),
+                           finished=len(first_attempts(seeds)) >= spec.baseline_seeds
+                           and all(state.settled(t) for t in runs),
                            failures=failures)
 
 
@@ -126,7 +202,8 @@ def is_feasible(trial: TrialRecord, spec: StudySpec, gate: float | None) -> bool
     return completed(trial) and nrmse is not None and nrmse <= gate and fits_memory(trial, spec)
 
 
-def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None) -> TrialInfo:
+def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: int | None = None) -> TrialInfo:
+    """The wire view of `trial`; `retry`: the number of the trial that re-runs it (a lost trial)."""
     attrs = trial.user_attrs
     failure = None
     if attrs.get("failure_kind"):
@@ -144,27 +221,33 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None) -> Trial
         worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
         prune_reason=str(prune_reason) if prune_reason else None,
         remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None, duration_s=trial.duration_s,
+        attempt=attempt_of(trial), retry_of=retry_of(trial), retried_as=retry,
     )
 
 
 def trial_infos(trials: Sequence[TrialRecord], spec: StudySpec, all_trials: Sequence[TrialRecord] | None = None
                 ) -> list[TrialInfo]:
     """Views of `trials`; the gate comes from `all_trials` (default: `trials`)."""
-    gate = gate_nrmse(spec, all_trials if all_trials is not None else trials)
-    return [trial_info(t, spec, gate) for t in trials]
+    every = all_trials if all_trials is not None else trials
+    gate = gate_nrmse(spec, every)
+    links = retried_as(every)
+    return [trial_info(t, spec, gate, links.get(t.number)) for t in trials]
 
 
 def counts_by_state(trials: Sequence[TrialRecord]) -> dict[str, int]:
+    """Trials by the state the service shows; a lost trial that was retried is left out (its
+    retry counts for it), so each configuration counts once."""
     counts: dict[str, int] = {}
-    for t in trials:
+    for t in current(trials):
         state = service_state(t)
         counts[state] = counts.get(state, 0) + 1
     return counts
 
 
 def failures_by_kind(trials: Sequence[TrialRecord]) -> dict[str, int]:
+    """Failed trials by kind; a lost trial that was retried is not a failure of the study."""
     failures: dict[str, int] = {}
-    for t in trials:
+    for t in current(trials):
         if service_state(t) == "FAIL":
             kind = str(t.user_attrs.get("failure_kind") or "error")
             failures[kind] = failures.get(kind, 0) + 1
@@ -184,9 +267,11 @@ def pareto_front(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialRe
 
 
 def search_done(spec: StudySpec, trials: Sequence[TrialRecord], max_trials: int) -> bool:
-    """Every baseline and search trial the study may have is created and finished."""
+    """Every baseline and search configuration the study may have is created and settled
+    (finished, and no lost one waits for a retry; retries do not count toward max_trials)."""
     first = [t for t in trials if role(t) != "remeasure"]
-    return len(first) >= max_trials and all(t.finished for t in first)
+    state = retries(spec, first)
+    return len(first_attempts(first)) >= max_trials and all(t.finished for t in first) and not state.pending
 
 
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
@@ -227,20 +312,22 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         raise NoRecommendation(failed)
     summary = baseline_summary(spec, trials)
     if not summary.finished:
-        waiting = [t.number for t in runs if not t.finished]
+        state = retries(spec, trials)
+        waiting = [t.number for t in runs if not t.finished or state.is_pending(t)]
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: the baseline runs "
                                f"({len(runs)}/{spec.baseline_seeds} started; waiting for trials {waiting}) have not "
                                "all finished; the quality gate needs their val_nrmse")
     gate = gate_nrmse(spec, trials)
     remeasured: dict[int, TrialRecord] = {}
     dropped: set[int] = set()
+    state = retries(spec, trials)
     for t in trials:
         of = t.user_attrs.get("remeasure_of")
-        if role(t) == "remeasure" and isinstance(of, int) and t.finished:
+        if role(t) == "remeasure" and isinstance(of, int) and state.settled(t):
             if completed(t) and metric(t, spec, "throughput_samples_per_s") is not None:
                 remeasured[of] = t
             else:
-                dropped.add(of)  # failed to reproduce: not recommended
+                dropped.add(of)  # failed to reproduce (or lost for good): not recommended
     # (original trial, measurement whose throughput counts)
     candidates = [(t, remeasured.get(t.number, t)) for t in trials if role(t) != "remeasure"
                   and is_feasible(t, spec, gate) and t.number not in dropped]

@@ -25,6 +25,17 @@ Concurrency contract:
   it: a finished trial with an active lease counts as completed, a RUNNING trial without a
   lease is failed as "lost" by the reaper.
 * Reads take no lock.
+
+Crash recovery: a lease is heartbeated at lease time, by every heartbeat and every report.
+The reaper (`reap_stale`, every reaper_interval_s) fails the trial of a lease silent for
+lease_grace_s as Optuna FAIL, failure_kind "lost" (FAIL: the samplers ignore it; a silent
+worker says nothing about the config), and ends the lease: the zombie's late calls get
+409 (heartbeat: stop). A lost trial is re-run as a new trial with the same role, config and
+probe (user attrs retry_of, attempt), handed out before anything else, up to
+spec.max_retries times (see api/results.py); retries do not count toward n_trials. All of it
+is derived from the trials' user attrs, so a restarted service goes on where the old one
+stopped; after a start, every lease gets one full grace period to heartbeat again (a
+service outage is not a worker's silence).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -47,6 +59,7 @@ from api.outcome import probe_outcome
 from api.pruning import StudySummary, TrialReports, curve_of, decide
 from api.results import (
     NoRecommendation,
+    attempt_of,
     baseline_failed_message,
     baseline_summary,
     completed,
@@ -54,10 +67,13 @@ from api.results import (
     failures_by_kind,
     gate_nrmse,
     is_feasible,
+    may_retry,
     metric,
     pareto_front,
     recommend,
     remeasure_targets,
+    retried_as,
+    retries,
     role,
     search_done,
     trial_info,
@@ -82,19 +98,44 @@ from autotune.protocol import (
 from autotune.space import SpaceError, parse_space
 
 log = logging.getLogger(__name__)
+STORED = {"stored": True}  # StudySpec validation context for specs read back from the database
 
 
 def _spec(record: crud.StudyRecord) -> StudySpec:
     """The stored spec; if it no longer validates as stored (a space file changed or vanished),
-    validate it against the space frozen at creation."""
+    validate it against the space frozen at creation. Validated as stored: a workload that was
+    uninstalled from this host since must not make the study unreadable."""
     try:
-        return StudySpec.model_validate(record.spec)
+        return StudySpec.model_validate(record.spec, context=STORED)
     except ValidationError:
-        return StudySpec.model_validate({**record.spec, "space": record.space})
+        return StudySpec.model_validate({**record.spec, "space": record.space}, context=STORED)
 
 
 def _context(record: crud.StudyRecord) -> StudyContext:
     return StudyContext(name=record.name, spec=_spec(record), space=parse_space(record.space))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next trial of a study (`TuningService._plan`): its role, a fixed config (None: sample
+    the space), fixed params (the retry of a lost search trial), its user attrs, and the
+    study's count of configurations so far (first attempts: retries do not count)."""
+
+    role: str
+    config: dict[str, Any] | None
+    attrs: dict[str, Any]
+    configs: int
+    params: dict[str, Any] | None = None
+
+
+@dataclass
+class _RetryBook:
+    """Per study, the lost trials whose fate is known for good: retried (trial id → the retry's
+    number) or never to be retried. Both only ever grow, so caching them is safe across service
+    processes; everything else is read from the database on each lease."""
+
+    retried: dict[int, int] = field(default_factory=dict)
+    final: set[int] = field(default_factory=set)
 
 
 def _not_ours(lease: crud.LeaseRecord | None, worker_id: str) -> str | None:
@@ -129,6 +170,8 @@ class TuningService:
         self._summaries: dict[str, StudySummary] = {}  # per study: what pruning compares with
         self._reports: dict[int, TrialReports] = {}  # per running trial: its own reports
         self._roles: dict[int, str] = {}  # trial id -> role, for running trials leased by this process
+        self._retry_books: dict[str, _RetryBook] = {}  # per study, see _RetryBook
+        self.started_at = utcnow()  # the reaper gives every lease one grace period after this
 
     def _study_lock(self, name: str) -> Any:
         with self._locks_guard:
@@ -253,14 +296,17 @@ class TuningService:
             if state != "running":
                 message = str(e)
         return StudyInfo(name=record.name, state=state, spec=ctx.spec, counts=counts_by_state(trials),
-                         failures=failures_by_kind(trials), best=best, message=message)
+                         failures=failures_by_kind(trials), retried=len(retried_as(trials)), best=best,
+                         message=message)
 
     def _finished(self, ctx: StudyContext, trials: list[TrialRecord]) -> bool:
-        """Every baseline and search trial finished, and every re-measurement too."""
+        """Every baseline and search trial finished, and every re-measurement too (none of them
+        lost with a retry still to come)."""
         if not search_done(ctx.spec, trials, self.bridge.max_trials(ctx)):
             return False
         targets = remeasure_targets(ctx.spec, trials, gate_nrmse(ctx.spec, trials))
-        done = {t.user_attrs.get("remeasure_of") for t in trials if role(t) == "remeasure" and t.finished}
+        state = retries(ctx.spec, trials)
+        done = {t.user_attrs.get("remeasure_of") for t in trials if role(t) == "remeasure" and state.settled(t)}
         return all(t.number in done for t in targets)
 
     def get_study(self, name: str) -> StudyInfo:
@@ -313,24 +359,66 @@ class TuningService:
                           probe=ProbeSpec.model_validate(probe) if isinstance(probe, dict) else ctx.spec.probe,
                           is_baseline=role(trial) == "baseline", role=role(trial))  # type: ignore[arg-type]
 
-    def _plan(self, ctx: StudyContext, created: int) -> tuple[str, dict[str, Any] | None, dict[str, Any]] | None:
-        """What the study's next trial is, given `created` trials so far: (role, fixed config or None
-        to sample, attrs), or None when it has nothing to hand out now. Baselines first; no search
-        trial before every baseline seed has finished (the gate must exist); re-measurements once
-        the search is done. Called under the study's lock."""
+    def _pending_retries(self, ctx: StudyContext) -> tuple[list[TrialRecord], int]:
+        """(the study's lost trials that wait for a retry, by number; how many retries exist).
+        One light query when nothing was lost lately (the failed trials' ids); the retry links
+        are read only while some lost trial's fate is open. Called under the study's lock."""
+        book = self._retry_books.setdefault(ctx.name, _RetryBook())
+        open_ids = [i for i in self.bridge.failed_trial_ids(ctx.name) if i not in book.retried and i not in book.final]
+        pending: list[TrialRecord] = []
+        if open_ids:
+            links = {lost: number for number, lost in self.bridge.user_attr_values(ctx.name, "retry_of").items()
+                     if isinstance(lost, int)}
+            for trial_id in open_ids:
+                trial = self.bridge.get_trial(trial_id)
+                if trial is None:
+                    continue
+                if trial.number in links:
+                    book.retried[trial_id] = links[trial.number]
+                elif may_retry(ctx.spec, trial):
+                    pending.append(trial)
+                else:
+                    book.final.add(trial_id)
+        return sorted(pending, key=lambda t: t.number), len(book.retried)
+
+    @staticmethod
+    def _retry_plan(lost: TrialRecord, configs: int) -> Plan:
+        """Re-run `lost`: same role, probe (seed included) and config; a search trial's params
+        are enqueued again, so the sampler sees the same point."""
+        attrs: dict[str, Any] = {"retry_of": lost.number, "attempt": attempt_of(lost) + 1}
+        for key in ("probe", "baseline_seed", "remeasure_of"):
+            if key in lost.user_attrs:
+                attrs[key] = lost.user_attrs[key]
+        trial_role = role(lost)
+        if trial_role == "search":
+            return Plan("search", None, attrs, configs, params=dict(lost.params))
+        config = lost.user_attrs.get("config")
+        knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
+        return Plan(trial_role, knobs, attrs, configs)
+
+    def _plan(self, ctx: StudyContext, created: int) -> Plan | None:
+        """What the study's next trial is, given `created` trials so far, or None when it has
+        nothing to hand out now. Retries of lost trials first; then the baselines; no search
+        trial before every baseline seed has finished for good (the gate must exist); search
+        trials up to max_trials configurations (retries not counted); re-measurements once the
+        search is done. Called under the study's lock."""
         spec = ctx.spec
-        if created < spec.baseline_seeds:
-            probe = spec.probe.model_copy(update={"seed": spec.probe.seed + created})
-            return "baseline", spec.baseline_config(), {"probe": probe.model_dump(mode="json"),
-                                                          "baseline_seed": created}
+        pending, n_retries = self._pending_retries(ctx)
+        configs = created - n_retries
+        if pending:
+            return self._retry_plan(pending[0], configs)
+        if configs < spec.baseline_seeds:
+            probe = spec.probe.model_copy(update={"seed": spec.probe.seed + configs})
+            return Plan("baseline", spec.baseline_config(), {"probe": probe.model_dump(mode="json"),
+                                                              "baseline_seed": configs}, configs)
         if ctx.name not in self._gates:
             self._gate(ctx)
             if ctx.name not in self._gates:
-                return None  # a baseline seed is still running
+                return None  # a baseline seed is still running (or lost, its retry to come)
         if self._gates[ctx.name] is None:
             return None  # every baseline failed: nothing can be judged (the study says so)
-        if created < self.bridge.max_trials(ctx):
-            return "search", None, {}
+        if configs < self.bridge.max_trials(ctx):
+            return Plan("search", None, {}, configs)
         if ctx.name in self._remeasures_created:
             return None
         trials = self.bridge.trials(ctx.name)
@@ -350,8 +438,8 @@ class TuningService:
             "timeout_s": min(86_400.0, spec.probe.timeout_s * factor)})
         config = target.user_attrs.get("config")
         knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
-        return "remeasure", knobs, {  # the effective config, less derived fields (effective_batch)
-            "probe": probe.model_dump(mode="json"), "remeasure_of": target.number}
+        return Plan("remeasure", knobs, {  # the effective config, less derived fields (effective_batch)
+            "probe": probe.model_dump(mode="json"), "remeasure_of": target.number}, configs)
 
     def lease_trial(self, request: LeaseRequest) -> TrialLease | None:
         """The trial `request.worker_id` should run next, or None when there is nothing to do.
@@ -360,7 +448,8 @@ class TuningService:
         running studies of exactly the worker's hardware class are considered (oldest first;
         only `request.study` when given, NotFound if it does not exist). A study hands out its
         baseline seeds first, nothing else until they have all finished (the gate), then search
-        trials up to n_trials in all, then the re-measurements of its top configs (`_plan`).
+        trials up to n_trials in all, then the re-measurements of its top configs; the retries
+        of lost trials before anything else (`_plan`).
         """
         now = utcnow()
         # The worker's lock makes "holds a lease already? else create one" atomic for one worker.
@@ -394,10 +483,11 @@ class TuningService:
                     plan = self._plan(ctx, created)
                     if plan is None:
                         continue
-                    trial_role, fixed, attrs = plan
+                    attrs = plan.attrs
                     try:
-                        asked = self.bridge.ask(ctx, baseline_config=fixed, created=created, role=trial_role,
-                                                attrs={**attrs, "worker_id": request.worker_id})
+                        asked = self.bridge.ask(ctx, baseline_config=plan.config, created=plan.configs,
+                                                role=plan.role, attrs={**attrs, "worker_id": request.worker_id},
+                                                params=plan.params)
                     except SpaceError:
                         log.exception("study %s: could not draw a config; trial failed", ctx.name)
                         continue
@@ -410,7 +500,9 @@ class TuningService:
                         raise Conflict(f"worker {request.worker_id!r} already holds a lease; ask again") from e
                     crud.see_worker(session, request.worker_id, now, request.hardware)
                 self._roles[asked.trial_id] = asked.role
-                log.info("leased trial %d of %s to %s (%s)", asked.number, ctx.name, request.worker_id, asked.role)
+                retry = f", retry of trial {attrs['retry_of']}" if "retry_of" in attrs else ""
+                log.info("leased trial %d of %s to %s (%s%s)", asked.number, ctx.name, request.worker_id, asked.role,
+                         retry)
                 probe = ProbeSpec.model_validate(attrs["probe"]) if "probe" in attrs else ctx.spec.probe
                 return TrialLease(trial_id=asked.trial_id, study=ctx.name, number=asked.number, params=asked.params,
                                   config=asked.config, workload=ctx.spec.workload, preset=ctx.spec.preset,
@@ -513,14 +605,14 @@ class TuningService:
                                     baseline=trial_role == "baseline")
             if outcome.state == "PRUNED":
                 outcome.attrs["prune_reason"] = pruned_because or "stopped early by the worker"
-            trial = self.bridge.finish(ctx, trial_id, outcome.state, outcome.values, outcome.attrs)
+            trial, told = self.bridge.finish_once(ctx, trial_id, outcome.state, outcome.values, outcome.attrs)
             log.info("trial %d of %s (%s): %s", trial.number, ctx.name, trial_role, trial.state)
             self._reports.pop(trial_id, None)
             self._roles.pop(trial_id, None)
             summary = self._summaries.get(ctx.name)
             if trial_role == "baseline":
                 gate = self._gate(ctx)  # set once the last baseline seed is in
-            if summary is not None:
+            if summary is not None and told:  # a repair (told before a crash) is in the summary already
                 self._learn(ctx, summary, trial, gate)
             with self.db.transaction() as session:
                 crud.finish_lease(session, trial_id, "completed", now)
@@ -529,14 +621,37 @@ class TuningService:
 
     # --- the reaper ----------------------------------------------------------------------------
 
+    def _lost_attrs(self, ctx: StudyContext, trial: TrialRecord, why: str) -> dict[str, Any]:
+        """The failure attrs of `trial`, lost because `why`: the message says whether it will be
+        re-run, or that its attempts are used up (naming every attempt's trial number)."""
+        attempt = attempt_of(trial)
+        limit = ctx.spec.max_retries
+        if attempt <= limit:
+            message = f"{why}; it will be re-run as a new trial (attempt {attempt + 1} of {limit + 1})"
+        else:
+            back = self.bridge.user_attr_values(ctx.name, "retry_of")  # trial number -> the number it re-runs
+            chain = [trial.number]
+            while isinstance(previous := back.get(chain[-1]), int) and previous not in chain:
+                chain.append(previous)
+            numbers = ", ".join(f"#{n}" for n in reversed(chain))
+            times = "once" if attempt == 1 else f"{attempt} times"
+            message = (f"lost {times} (trials {numbers}; max_retries {limit}), not retried again: last time {why}. "
+                       "Check the workers' logs (killed? out of host memory? network?) or raise max_retries")
+        return {"failure_kind": "lost", "failure_message": message}
+
     def reap_stale(self, now: datetime | None = None) -> list[int]:
         """Fail the trials of stale leases (no heartbeat for lease_grace_s at `now`, default: now)
         as "lost" and end those leases; also fail RUNNING trials that have no lease at all (the
-        service died between creating and leasing them) once they are that old. Returns the
-        trial ids failed. Safe to call at any time, from any thread."""
+        service died between creating and leasing them) once they are that old. A lost trial is
+        re-run by the next lease (`_plan`) while spec.max_retries allows. Nothing is stale
+        within lease_grace_s of this service's start: after a restart the workers get one
+        grace period to heartbeat again. Returns the trial ids failed. Safe to call at any
+        time, from any thread."""
         now = as_naive_utc(now) if now is not None else utcnow()
         grace = timedelta(seconds=self.settings.lease_grace_s)
         reaped: list[int] = []
+        if now - grace < self.started_at:
+            return reaped
         with self.db.read() as session:
             stale = crud.stale_leases(session, now - grace)
             records = {r.name: r for r in crud.list_studies(session)}
@@ -551,11 +666,12 @@ class TuningService:
                 trial = self.bridge.get_trial(lease.trial_id)
                 if trial is not None and not trial.finished:
                     silent = (now - current.heartbeat_at).total_seconds()
-                    message = (f"worker {lease.worker_id} stopped heartbeating "
-                               f"(last heartbeat {silent:.0f} s ago; grace {grace.total_seconds():.0f} s)")
-                    self.bridge.tell(ctx, trial, "FAIL", attrs={"failure_kind": "lost", "failure_message": message})
+                    why = (f"worker {lease.worker_id} stopped heartbeating "
+                           f"(last heartbeat {silent:.0f} s ago; grace {grace.total_seconds():.0f} s)")
+                    attrs = self._lost_attrs(ctx, trial, why)
+                    self.bridge.tell(ctx, trial, "FAIL", attrs=attrs)
                     reaped.append(lease.trial_id)
-                    log.warning("trial %d of %s lost: %s", lease.trial_number, ctx.name, message)
+                    log.warning("trial %d of %s lost: %s", lease.trial_number, ctx.name, attrs["failure_message"])
                 with self.db.transaction() as session:
                     crud.finish_lease(session, lease.trial_id, "lost", now)
         # Optuna's datetimes are naive local time: compare them with a local cutoff.
@@ -568,9 +684,9 @@ class TuningService:
                     trial = self.bridge.get_trial(trial_id)
                     if trial is None or trial.finished:
                         continue
-                    self.bridge.tell(self._ctx(record), trial, "FAIL", attrs={
-                        "failure_kind": "lost", "failure_message": "the trial was created but never leased "
-                                                                   "(the service stopped in between)"})
+                    ctx = self._ctx(record)
+                    self.bridge.tell(ctx, trial, "FAIL", attrs=self._lost_attrs(
+                        ctx, trial, "the trial was created but never leased (the service stopped in between)"))
                 reaped.append(trial_id)
         return reaped
 

@@ -7,7 +7,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    """Everything the service can be told. Environment: AUTOTUNE_DB_URL, AUTOTUNE_LEASE_GRACE_S, ...
+    """Everything the service can be told. Environment: AUTOTUNE_DB_URL, AUTOTUNE_AUTH, AUTOTUNE_LEASE_GRACE_S, ...
 
     The same database URL holds the service's own tables (``autotune_*``) and Optuna's
     RDB storage, so the Optuna dashboard can be pointed at it directly.
@@ -21,3 +21,7 @@ class Settings(BaseSettings):
                                  "its trial is failed as 'lost'")
     reaper_interval_s: float = Field(5.0, gt=0, description="seconds between two sweeps for stale leases")
     sqlite_busy_timeout_s: float = Field(30.0, gt=0, description="how long a SQLite writer waits for the file lock")
+    auth: bool = Field(True, description="require bearer tokens (`autotune token create`) on every write: admin "
+                       "for studies, worker or admin for trials; off only on a loopback address")
+    token_cache_s: float = Field(2.0, ge=0, description="how long a token lookup is cached: a revoked token "
+                                 "stops working within this time")

@@ -263,14 +263,183 @@ def serve(
                                                 "sqlite:///./autotune.db).")] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="Accept writes without a token (only with a "
+                                                            "loopback --host; AUTOTUNE_AUTH=false does the "
+                                                            "same).")] = False,
 ) -> None:
-    """Run the autotune service (REST API, Optuna storage, stale-lease reaper) until interrupted."""
+    """Run the autotune service (REST API, Optuna storage, stale-lease reaper) until interrupted.
+
+    Upgrades the database tables first (`autotune db upgrade`). Writes need bearer tokens
+    (`autotune token create`) unless --no-auth. Exit status 2 when asked to serve without
+    auth on a non-loopback address; 1 when the database cannot be reached or migrated.
+    """
     import importlib
 
     # Imported here and by name: the core (autotune) never imports the service (fastapi,
     # sqlalchemy) at module level, and `mypy autotune` checks the core only.
-    run_server = importlib.import_module("api.main").run_server
-    run_server(db, host, port)
+    server = importlib.import_module("api.main")
+    try:
+        with database_command():  # the database cannot be reached or migrated: a message, exit 1
+            server.run_server(db, host, port, auth=False if no_auth else None)
+    except server.ServeRefused as e:
+        raise usage_error(str(e)) from None
+
+
+# --- the database and its tokens (directly on the database, no service needed) ---------------------
+
+DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy database URL (default: AUTOTUNE_DB_URL, "
+                                                           "else sqlite:///./autotune.db).")]
+db_app = typer.Typer(help="The service's tables: Alembic migrations (`autotune serve` upgrades at start).",
+                     no_args_is_help=True)
+token_app = typer.Typer(help="Bearer tokens of the service (roles: worker, admin); work on the database directly.",
+                        no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(token_app, name="token")
+
+
+def _database_url(db: str | None) -> str:
+    """--db, else the service's own default (AUTOTUNE_DB_URL, else sqlite:///./autotune.db)."""
+    import importlib
+
+    if db is not None:
+        return db
+    url: str = importlib.import_module("api.settings").Settings().db_url
+    return url
+
+
+@contextmanager
+def database_command() -> Iterator[None]:
+    """Errors of a command that works on the database as a message and an exit status
+    (2: bad input; 1: anything else: unreachable database, failed migration, unknown token)."""
+    import importlib
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    errors = importlib.import_module("api.errors")
+    migration_error = importlib.import_module("api.db").MigrationError
+    try:
+        yield
+    except errors.Invalid as e:
+        raise usage_error(e.detail) from None
+    except errors.ServiceError as e:
+        err.print(f"[bold red]error:[/] {e.detail}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    except migration_error as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    except SQLAlchemyError as e:
+        err.print(f"[bold red]error:[/] the database failed ({type(e).__name__}: {str(e).splitlines()[0]}); check "
+                  "--db / AUTOTUNE_DB_URL", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+
+
+def _revision(revision: str | None) -> str:
+    return revision or "none (no autotune tables yet)"
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    db: DbOption = None,
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+) -> None:
+    """Create or migrate the autotune tables to the newest revision (Optuna's tables are left alone)."""
+    import importlib
+
+    db_module = importlib.import_module("api.db")
+    with database_command():
+        before, after = db_module.upgrade_schema(_database_url(db), revision)
+    change = f"already at {after}" if before == after else f"{_revision(before)} → {after}"
+    Console().print(f"autotune tables: {change}", highlight=False)
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(metavar="REV", help="Target revision, e.g. 0001, or base (drops every "
+                                                                "autotune table and its data).")],
+    db: DbOption = None,
+) -> None:
+    """Migrate the autotune tables down to REV (Optuna's tables are left alone)."""
+    import importlib
+
+    db_module = importlib.import_module("api.db")
+    with database_command():
+        before, after = db_module.downgrade_schema(_database_url(db), revision)
+    Console().print(f"autotune tables: {_revision(before)} → {_revision(after)}", highlight=False)
+
+
+@db_app.command("current")
+def db_current(db: DbOption = None) -> None:
+    """Print the revision of the autotune tables (and whether it is the newest)."""
+    import importlib
+
+    db_module = importlib.import_module("api.db")
+    with database_command():
+        current = db_module.current_schema_revision(_database_url(db))
+        head = db_module.head_revision()
+    note = " (head)" if current == head else f" (newest: {head}; run `autotune db upgrade`)"
+    Console().print(_revision(current) + note, highlight=False)
+
+
+@contextmanager
+def token_store(db: str | None) -> Iterator[Any]:
+    """The token table of the database (migrated first), closed afterwards."""
+    import importlib
+
+    store_class = importlib.import_module("api.auth").TokenStore
+    with database_command():
+        store = store_class.open(_database_url(db))
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+@token_app.command("create")
+def token_create(
+    role: Annotated[str, typer.Option(help="worker (lease/heartbeat/report/complete) or admin (everything).")],
+    name: Annotated[str | None, typer.Option(help="A unique name (default: ROLE-xxxxxx).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Create a token and print it once on stdout (only its SHA-256 is stored).
+
+    Use it with --token or AUTOTUNE_TOKEN. Exit status 2 for a bad role or name, 1 if the
+    name is taken.
+    """
+    with token_store(db) as store:
+        secret, info = store.create(role, name)
+    sys.stdout.write(secret + "\n")
+    err.print(f"created {info.role} token {info.name!r} (id {info.id}); it is shown only this once: pass it "
+              "with --token or AUTOTUNE_TOKEN", highlight=False, soft_wrap=True)
+
+
+@token_app.command("list")
+def token_list(db: DbOption = None) -> None:
+    """List the tokens (never their secrets): id, name, role, created, last used, revoked."""
+    with token_store(db) as store:
+        tokens = store.tokens()
+    if not tokens:
+        Console().print("no tokens yet: create one with `autotune token create --role admin`")
+        return
+    table = Table("id", "name", "role", "created (UTC)", "last used (UTC)", "revoked (UTC)", title="tokens")
+
+    def when(moment: Any) -> str:
+        return "-" if moment is None else f"{moment:%Y-%m-%d %H:%M:%S}"
+
+    for t in tokens:
+        table.add_row(str(t.id), t.name, t.role, when(t.created_at), when(t.last_used_at), when(t.revoked_at))
+    Console().print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name_or_id: Annotated[str, typer.Argument(metavar="NAME_OR_ID", help="The token's name or id "
+                                                                         "(`autotune token list`).")],
+    db: DbOption = None,
+) -> None:
+    """Revoke a token: the service refuses it within seconds (its row is kept). Exit status 1 if there is none."""
+    with token_store(db) as store:
+        info = store.revoke(name_or_id)
+    Console().print(f"revoked {info.role} token {info.name!r} (id {info.id})", highlight=False)
 
 
 @app.command()
@@ -289,6 +458,10 @@ def worker(
     threads: Annotated[int | None, typer.Option(help="torch threads per probe (default: torch's; with several "
                                                      "workers on one CPU host use cores // workers).",
                                                 min=1)] = None,
+    allow_workload: Annotated[list[str] | None, typer.Option(
+        "--allow-workload", metavar="NAME",
+        help="Run trials of this workload (repeatable; default: every built-in workload). A trial of any "
+             "other workload is refused: completed as failed (kind 'refused') without running anything.")] = None,
 ) -> None:
     """Pull trials from the service and run their probes, one child process per trial.
 
@@ -298,7 +471,8 @@ def worker(
     from autotune.worker import WorkerOptions, run_worker
 
     options = WorkerOptions(api=api, token=token, study=study, device=device, max_trials=max_trials,
-                            idle_exit_s=idle_exit, worker_id=worker_id, heartbeat_s=heartbeat, threads=threads)
+                            idle_exit_s=idle_exit, worker_id=worker_id, heartbeat_s=heartbeat, threads=threads,
+                            allow_workloads=tuple(dict.fromkeys(allow_workload)) if allow_workload else None)
     try:
         code = run_worker(options)
     except ValueError as e:  # the device cannot be used

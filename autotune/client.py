@@ -6,7 +6,8 @@ timeouts, HTTP 5xx) with exponential backoff capped at `max_backoff_s`, for up t
 raises an `ApiError` subclass carrying the status and the service's ``detail``:
 
     404 NotFound · 409 Conflict (e.g. the trial is no longer leased to this worker)
-    422 Invalid (the detail names the field) · 401/403 Unauthorized
+    422 Invalid (the detail names the field) · 401/403 Unauthorized (no valid token, or one of
+    the wrong role: the detail says which token to create; `token` is sent as a bearer token)
 
 Retrying POSTs is safe by the protocol: lease is idempotent per worker (a worker that asks
 again gets back the trial it holds), complete is idempotent for the same worker, and a
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_API = "http://127.0.0.1:8000"
 ModelT = TypeVar("ModelT", bound=BaseModel)
+# Replies hold specs the service validated when they were stored: a workload or space that is
+# not installed on this machine must not make them unreadable here (see StudySpec's checks).
+STORED = {"stored": True}
 
 
 class ClientError(Exception):
@@ -196,11 +200,11 @@ class Client:
         return cls(response.status_code, _detail(response), method, path)
 
     def _get(self, path: str, model: type[ModelT], **kw: Any) -> ModelT:
-        return model.model_validate(self.request("GET", path, **kw).json())
+        return model.model_validate(self.request("GET", path, **kw).json(), context=STORED)
 
     def _post(self, path: str, body: BaseModel, model: type[ModelT], **kw: Any) -> ModelT:
         response = self.request("POST", path, json_body=body.model_dump(mode="json"), **kw)
-        return model.model_validate(response.json())
+        return model.model_validate(response.json(), context=STORED)
 
     # --- the routes ------------------------------------------------------------------------------
 
@@ -218,7 +222,7 @@ class Client:
         return self._get(f"/v1/studies/{name}", StudyInfo, **kw)
 
     def stop_study(self, name: str, **kw: Any) -> StudyInfo:
-        return StudyInfo.model_validate(self.request("DELETE", f"/v1/studies/{name}", **kw).json())
+        return StudyInfo.model_validate(self.request("DELETE", f"/v1/studies/{name}", **kw).json(), context=STORED)
 
     def trials(self, name: str, **kw: Any) -> TrialList:
         return self._get(f"/v1/studies/{name}/trials", TrialList, **kw)

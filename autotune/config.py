@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,8 @@ class Knob:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(self.name, f"expected a number, got {value!r}; allowed: {self.allowed()}")
             value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(self.name, f"expected a finite number, got {value!r}; allowed: {self.allowed()}")
         elif self.type is str and not isinstance(value, str):
             raise ConfigError(self.name, f"expected a string, got {value!r}; allowed: {self.allowed()}")
         if self.choices is not None and value not in self.choices:
@@ -166,8 +169,14 @@ class TrainConfig:
 assert set(KNOBS) == {f.name for f in dataclasses.fields(TrainConfig)}, "KNOBS and TrainConfig disagree"
 
 
+# The knobs `check_rules` reads: a search space is checked over every combination of these
+# it can draw (autotune.space), so a rule reading another knob must be listed here.
+RULE_KNOBS = ("num_workers", "prefetch_factor", "persistent_workers")
+
+
 def check_rules(values: Mapping[str, Any]) -> None:
-    """Cross-knob rules that hold for every device. Raises ConfigError naming a knob."""
+    """Cross-knob rules that hold for every device. Raises ConfigError naming a knob.
+    `values` holds every knob (defaults filled in); only RULE_KNOBS are read."""
     workers = values.get("num_workers", 0)
     if workers == 0:
         if values.get("prefetch_factor") is not None:
@@ -176,16 +185,25 @@ def check_rules(values: Mapping[str, Any]) -> None:
             raise ConfigError("persistent_workers", "only applies with num_workers > 0; set num_workers >= 1 or false")
 
 
+def check_hardware(values: Mapping[str, Any], hardware: str) -> None:
+    """Rules of the hardware class a study runs on ('cpu', or the GPU name a worker reports).
+    Raises ConfigError naming the knob. fp8 needs a CUDA GPU (compute capability >= 8.9, which
+    only the probe can check on the GPU itself)."""
+    if values.get("precision") == "fp8" and hardware == "cpu":
+        raise ConfigError("precision", "fp8 needs a CUDA GPU with compute capability >= 8.9 and this study's "
+                                       "hardware is cpu: use bf16 or fp32, or run the study on such a GPU")
+
+
 def parse_config(raw: Mapping[str, Any] | None) -> TrainConfig:
     """Validate a mapping of knob values into a TrainConfig (unset knobs take defaults)."""
     raw = dict(raw or {})
     values: dict[str, Any] = {}
     for name, value in raw.items():
-        knob = KNOBS.get(name)
+        knob = KNOBS.get(name) if isinstance(name, str) else None
         if knob is None:
-            close = difflib.get_close_matches(name, KNOBS, n=1)
+            close = difflib.get_close_matches(str(name), KNOBS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(name, f"unknown knob{hint}; known knobs: {', '.join(KNOBS)}")
+            raise ConfigError(str(name), f"unknown knob{hint}; known knobs: {', '.join(KNOBS)}")
         values[name] = knob.check(value)
     check_rules({**{k: v.default for k, v in KNOBS.items()}, **values})
     return TrainConfig(**values)

@@ -1,9 +1,10 @@
 """`autotune demo`: the whole system on one machine without a GPU, in a few minutes.
 
-1. start `autotune serve` on a SQLite file in the work directory (log: serve.log);
-2. submit a study: workload ups, preset tiny, space cpu, TPE, hardware cpu;
-3. start N `autotune worker --device cpu` processes (logs: worker-N.log), each with
-   cores // N torch threads so they do not thrash one another;
+1. create an admin and a worker token in a SQLite file in the work directory
+   (`autotune token create`), then start `autotune serve` on it with auth on (log: serve.log);
+2. submit a study (admin token): workload ups, preset tiny, space cpu, TPE, hardware cpu;
+3. start N `autotune worker --device cpu` processes (logs: worker-N.log; worker token in
+   AUTOTUNE_TOKEN), each with cores // N torch threads so they do not thrash one another;
 4. show progress until the study is finished; print the Pareto front (throughput vs
    NRMSE), the recommended config with its speedup over the baseline, and the command
    that opens the Optuna dashboard on the same database.
@@ -31,7 +32,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.cli import recommendation_table, trials_table
-from autotune.client import Client, NotFound, ServiceUnavailable
+from autotune.client import ApiError, Client, NotFound, ServiceUnavailable
 from autotune.protocol import ProbeSpec, RemeasureSpec, StudyInfo, StudySpec
 
 HEALTH_TIMEOUT_S = 90.0
@@ -53,10 +54,12 @@ class Processes:
     def __init__(self) -> None:
         self.started: list[tuple[str, subprocess.Popen[bytes], Path]] = []
 
-    def start(self, name: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], log_path: Path,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(log_path, "wb") as log:  # the child keeps its own handle
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.started.append((name, proc, log_path))
         return proc
 
@@ -108,6 +111,20 @@ def demo_spec(name: str, trials: int) -> StudySpec:
                      baseline_seeds=BASELINE_SEEDS, remeasure=RemeasureSpec(top_k=REMEASURE_TOP_K))
 
 
+class DemoError(Exception):
+    """A step of the demo failed; the message says which and where to look."""
+
+
+def create_token(cli: list[str], db_url: str, role: str, name: str) -> str:
+    """A new token of `role` in the demo's database (`autotune token create`, which also creates the tables)."""
+    done = subprocess.run([*cli, "token", "create", "--role", role, "--name", name, "--db", db_url],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    if done.returncode != 0:
+        raise DemoError(f"`autotune token create --role {role}` failed (exit {done.returncode}): "
+                        f"{done.stderr.strip()[-2000:]}")
+    return done.stdout.strip()
+
+
 def wait_for_health(client: Client, serve: subprocess.Popen[bytes], log_path: Path) -> str | None:
     """None once /v1/health answers; else why not."""
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
@@ -144,15 +161,21 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
     name = f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     threads = max(1, (os.cpu_count() or 1) // workers)
     cli = [sys.executable, "-m", "autotune.cli"]
+    db_url = f"sqlite:///{db_path}"
     processes = Processes()
-    client = Client(api, retry_for_s=10.0)
+    client: Client | None = None
     started = time.monotonic()
     try:
         with sigterm_as_interrupt():
             console.print(f"[bold]autotune demo[/] in {workdir}")
+            # auth stays on: the demo gets its own tokens, named after its study (the database is reused)
+            admin_token = create_token(cli, db_url, "admin", f"{name}-admin")
+            worker_token = create_token(cli, db_url, "worker", f"{name}-worker")
+            console.print(f"tokens    {name}-admin, {name}-worker (`autotune token list --db {db_url}`)")
+            client = Client(api, admin_token, retry_for_s=10.0)
             serve_log = workdir / "serve.log"
-            serve = processes.start("service", [*cli, "serve", "--db", f"sqlite:///{db_path}", "--port", str(port)],
-                                    serve_log)
+            serve = processes.start("service", [*cli, "serve", "--db", db_url, "--port", str(port)], serve_log,
+                                    env={"AUTOTUNE_AUTH": "true"})
             problem = wait_for_health(client, serve, serve_log)
             if problem:
                 console.print(f"[bold red]error:[/] {problem}")
@@ -166,7 +189,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
                 log_path = workdir / f"worker-{i + 1}.log"
                 worker_procs.append(processes.start(f"worker-{i + 1}", [
                     *cli, "worker", "--api", api, "--study", name, "--device", "cpu", "--idle-exit", "30",
-                    "--threads", str(threads), "--heartbeat", "2"], log_path))
+                    "--threads", str(threads), "--heartbeat", "2"], log_path, env={"AUTOTUNE_TOKEN": worker_token}))
             console.print(f"workers   {workers} × `autotune worker --device cpu --threads {threads}` "
                           f"(logs worker-N.log)")
             total = BASELINE_SEEDS + trials + REMEASURE_TOP_K  # re-measurements: at most top_k
@@ -180,8 +203,12 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
     except ServiceUnavailable as e:
         console.print(f"[bold red]error:[/] {e}; see {workdir / 'serve.log'}")
         return 1
+    except (DemoError, ApiError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return 1
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         processes.stop_all()
 
 

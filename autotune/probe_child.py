@@ -15,21 +15,36 @@ stderr  everything else (logging, warnings, library chatter). File descriptor 1 
 Exit status 0 whenever the result line was written (the probe's failure, if any, is in it).
 SIGTERM asks the probe to stop at the next window boundary: the result then has
 ``stopped_early`` set (the worker sends it after the service said prune).
+
+The child never outlives its worker (`watch_parent`): a worker killed with SIGKILL cannot
+stop its child (which runs in its own session), and an orphaned probe would hold a GPU while
+the service hands its trial to another worker. On Linux the kernel sends the child SIGKILL
+when the worker dies (prctl PR_SET_PDEATHSIG); everywhere, a watchdog thread polls the
+parent pid and, once it has changed, kills the child's whole process group (its DataLoader
+and compile workers too). $AUTOTUNE_PARENT_PID, when set, names the parent to watch (else
+the parent at start), so a parent that died before the child started is caught as well.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import IO, Any
 
 log = logging.getLogger("autotune.probe_child")
+
+PARENT_PID_ENV = "AUTOTUNE_PARENT_PID"
+PARENT_POLL_S = 0.5
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -77,6 +92,52 @@ def claim_stdout() -> ProtocolWriter:
     return ProtocolWriter(os.fdopen(protocol_fd, "w", buffering=1, encoding="utf-8"))
 
 
+def _die_with_group() -> None:
+    """End this process and, when it leads its process group (the worker starts it so), the whole group."""
+    try:
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `signum` to this process when its parent dies (Linux
+    PR_SET_PDEATHSIG, through libc's prctl). False where that is not available. The signal
+    fires when the parent *thread* that started this process exits; the worker starts
+    probes from its main thread."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def watch_parent(parent_pid: int | None = None, poll_s: float = PARENT_POLL_S) -> int:
+    """Make this process die with its parent (see the module docstring): PR_SET_PDEATHSIG where
+    available, plus a daemon thread that kills the process group once the parent pid changes.
+    `parent_pid`: the parent to watch (default: $AUTOTUNE_PARENT_PID, else the current
+    parent). Exits at once when that parent is already gone. Returns the watched pid."""
+    if parent_pid is None:
+        env = os.environ.get(PARENT_PID_ENV, "")
+        parent_pid = int(env) if env.isdigit() else os.getppid()
+    set_parent_death_signal()
+    if os.getppid() != parent_pid:  # it died before (or while) the signal was armed
+        _die_with_group()
+
+    def poll() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                log.error("the worker (pid %d) is gone: stopping this probe", parent_pid)
+                _die_with_group()
+
+    threading.Thread(target=poll, name="parent-watchdog", daemon=True).start()
+    return parent_pid
+
+
 def run_job(job: ChildJob, out: ProtocolWriter, stop: threading.Event) -> dict[str, Any]:
     """Run the probe of `job`, writing reports to `out`; returns the ProbeResult dict (never raises)."""
     if job.threads:
@@ -115,6 +176,7 @@ def run_job(job: ChildJob, out: ProtocolWriter, stop: threading.Event) -> dict[s
 
 
 def main() -> int:
+    watch_parent()
     out = claim_stdout()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

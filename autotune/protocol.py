@@ -21,19 +21,43 @@ they set the quality gate), then search trials (role "search") up to n_trials in
 re-measures its top feasible configs with a longer probe (role "remeasure"). A lease's probe
 is the trial's own (baseline seeds and re-measurements differ from the study's probe).
 
-This module imports pydantic and the config/space validators only (no torch, no fastapi).
+This module imports pydantic, the config/space validators and the workload registry only
+(no torch, no fastapi).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from autotune.config import ConfigError, parse_config
+from autotune.config import ConfigError, check_hardware, parse_config
 from autotune.space import Space, SpaceError, load_space, parse_space, validate_for
+from autotune.workloads import UnknownWorkloadError, check_workload
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# Free text that names something (worker ids, hardware classes): printable, no control characters
+# (PostgreSQL text cannot hold NUL; a newline in an id breaks logs and tables).
+TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+
+
+def _no_control_characters(value: str) -> str:
+    if re.search(r"[\x00-\x1f\x7f]", value):
+        raise ValueError("must not contain control characters (NUL, tab, newline, ...): use printable text")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_control_characters), Field(json_schema_extra={"pattern": TEXT_PATTERN})]
 SAMPLERS = ("tpe", "nsga2", "random", "grid", "gp")
 OBJECTIVES = {
     "throughput": ("throughput_samples_per_s", "maximize"),
@@ -101,7 +125,7 @@ class StudySpec(Strict):
     n_trials: int = Field(20, ge=1, le=100_000, description="baseline seeds + search trials (at least the "
                                                               "baseline seeds run); re-measurements come on top")
     sampler: Literal["tpe", "nsga2", "random", "grid", "gp"] = "tpe"
-    hardware: str = Field("cpu", min_length=1, max_length=200,
+    hardware: Text = Field("cpu", min_length=1, max_length=200,
                           description="hardware class: 'cpu' or the GPU name a worker reports")
     baseline: dict[str, Any] | None = Field(None, description="the user's current config; enqueued first, "
                                                               "run with baseline_seeds seeds (default: the "
@@ -113,7 +137,11 @@ class StudySpec(Strict):
     gate: GateSpec = Field(default_factory=lambda: GateSpec())
     pruning: PruningSpec = Field(default_factory=lambda: PruningSpec())
     remeasure: RemeasureSpec = Field(default_factory=lambda: RemeasureSpec())
-    seed: int | None = Field(None, description="sampler seed")
+    max_retries: int = Field(2, ge=0, le=10, description="a trial lost with its worker (no heartbeat within the "
+                                                          "grace period) is re-run as a new trial, same config and "
+                                                          "probe, up to this many times; then it stays failed")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="sampler seed (0 to 2^32 - 1)")
+    _workload_checked: bool = PrivateAttr(False)
 
     @field_validator("objectives")
     @classmethod
@@ -139,6 +167,26 @@ class StudySpec(Strict):
             validate_for(space, self.hardware)
         except SpaceError as e:
             raise ValueError(f"space.{e}") from None
+        if self.baseline is not None:
+            try:
+                check_hardware(self.baseline, self.hardware)
+            except ConfigError as e:
+                raise ValueError(f"baseline.{e}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _workload(self, info: ValidationInfo) -> StudySpec:
+        """workload and preset must be registered (autotune.workloads). Checked once per spec
+        (pydantic reruns this when the spec is put into a StudyInfo), and skipped for a spec read
+        back from storage (validation context {"stored": True}): the study exists already, and
+        whether a worker may run its workload is that worker's allow-list's decision."""
+        stored = isinstance(info.context, dict) and info.context.get("stored")
+        if not (self._workload_checked or stored):
+            try:
+                check_workload(self.workload, self.preset)
+            except UnknownWorkloadError as e:
+                raise ValueError(f"{e.field}: {e}") from None
+        self._workload_checked = True
         return self
 
     def baseline_config(self) -> dict[str, Any]:
@@ -155,9 +203,7 @@ class StudySpec(Strict):
 
     def resolved_space(self) -> Space:
         if isinstance(self.space, str):
-            if "/" in self.space or "\\" in self.space or self.space.startswith("."):
-                raise SpaceError("space", "give a space name from search_spaces/ (no paths) or an inline mapping")
-            return load_space(self.space)
+            return load_space(self.space)  # a name only: never a path (specs come over the network)
         return parse_space(self.space)
 
 
@@ -167,6 +213,8 @@ class StudyInfo(BaseModel):
     spec: StudySpec
     counts: dict[str, int] = Field(default_factory=dict, description="trials by state")
     failures: dict[str, int] = Field(default_factory=dict, description="failed trials by failure kind")
+    retried: int = Field(0, description="lost trials re-run as a new trial (not in counts nor failures: "
+                                        "their retry stands for them)")
     best: dict[str, Any] | None = None
     message: str | None = Field(None, description="why the study has no recommendation, when it cannot get one")
 
@@ -177,8 +225,8 @@ class StudyList(BaseModel):
 
 
 class LeaseRequest(Strict):
-    worker_id: str = Field(..., min_length=1, max_length=200)
-    hardware: str = Field(..., min_length=1, max_length=200)
+    worker_id: Text = Field(..., min_length=1, max_length=200)
+    hardware: Text = Field(..., min_length=1, max_length=200)
     study: str | None = Field(None, pattern=NAME_PATTERN)
 
 
@@ -196,7 +244,7 @@ class TrialLease(BaseModel):
 
 
 class HeartbeatRequest(Strict):
-    worker_id: str = Field(..., min_length=1, max_length=200)
+    worker_id: Text = Field(..., min_length=1, max_length=200)
 
 
 class HeartbeatReply(BaseModel):
@@ -205,8 +253,8 @@ class HeartbeatReply(BaseModel):
 
 
 class ReportRequest(Strict):
-    worker_id: str = Field(..., min_length=1, max_length=200)
-    step: int = Field(..., ge=0)
+    worker_id: Text = Field(..., min_length=1, max_length=200)
+    step: int = Field(..., ge=0, le=2**31 - 1, description="optimizer steps so far (a 32-bit database integer)")
     metrics: dict[str, float]
 
 
@@ -216,7 +264,7 @@ class ReportReply(BaseModel):
 
 
 class CompleteRequest(Strict):
-    worker_id: str = Field(..., min_length=1, max_length=200)
+    worker_id: Text = Field(..., min_length=1, max_length=200)
     result: dict[str, Any] = Field(..., description="ProbeResult.to_dict(); failure set when it failed")
 
 
@@ -237,6 +285,9 @@ class TrialInfo(BaseModel):
     prune_reason: str | None = None
     remeasure_of: int | None = Field(None, description="the trial number a remeasure trial re-measures")
     duration_s: float | None = None
+    attempt: int = Field(1, description="1 for a first run; k for the (k-1)-th retry of a lost trial")
+    retry_of: int | None = Field(None, description="the lost trial number this trial re-runs")
+    retried_as: int | None = Field(None, description="the trial number that re-runs this lost trial")
 
 
 class TrialList(BaseModel):

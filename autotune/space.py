@@ -15,8 +15,13 @@ A space is YAML (files in `search_spaces/`, or inline in a study spec)::
 Every name is a knob of `autotune.config.KNOBS`; every value is checked by that knob; a
 conditional parameter (`when`) is sampled only when its condition holds, otherwise the
 knob keeps its default, which is how "prefetch only with workers > 0" is expressed.
-`validate_for(space, hardware, world_size)` adds the hardware rules (fp8 needs a GPU of
-compute capability >= 8.9, bucket_cap_mb only with world size > 1).
+`parse_space` rejects a space that can draw a configuration breaking a cross-knob rule
+(prefetch_factor or persistent_workers with num_workers 0) and names the parameter to
+guard. `validate_for(space, hardware, world_size)` adds the hardware rules (fp8 needs a
+GPU of compute capability >= 8.9, bucket_cap_mb only with world size > 1).
+
+A named space is a file ``SPACES_DIR/<name>.yaml``; `load_space` takes names only, never
+paths (a study spec comes over the network).
 
 `suggest(space, trial)` draws a configuration through any object with Optuna's
 ``suggest_categorical/suggest_int/suggest_float`` (this module does not import optuna).
@@ -25,18 +30,23 @@ compute capability >= 8.9, bucket_cap_mb only with world size > 1).
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
-from autotune.config import KNOBS, ConfigError, check_rules, parse_config
+from autotune.config import KNOBS, RULE_KNOBS, ConfigError, check_hardware, check_rules, parse_config
 
 # The named spaces: $AUTOTUNE_SPACES_DIR, else the repository's search_spaces/ (editable
 # installs and checkouts; the Docker image sets the variable).
 SPACES_DIR = Path(os.environ.get("AUTOTUNE_SPACES_DIR") or Path(__file__).resolve().parent.parent / "search_spaces")
+SPACE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # a named space is SPACES_DIR/<name>.yaml, never a path
+MAX_CHOICES = 1000  # values of one categorical parameter (Optuna stores them with every trial)
+MAX_COMBINATIONS = 100_000  # distinct draws of the rule and condition knobs checked by parse_space
 
 
 class SpaceError(ValueError):
@@ -128,59 +138,117 @@ def _check_value(knob: str, value: Any, where: str) -> Any:
         raise SpaceError(where, e.message) from None
 
 
+def _can_take(param: Param, value: Any) -> bool:
+    """Whether `param` can be drawn at `value`."""
+    if param.choices is not None:
+        return value in param.choices
+    assert param.low is not None and param.high is not None
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if not param.low <= value <= param.high:
+        return False
+    return not (param.is_int and param.step is not None and (value - param.low) % param.step != 0)
+
+
+def _parse_when(where: str, when_raw: Any, params: dict[str, Param]) -> dict[str, tuple[Any, ...]]:
+    if not isinstance(when_raw, dict):
+        raise SpaceError(f"{where}.when", "expected a mapping knob -> list of values")
+    when: dict[str, tuple[Any, ...]] = {}
+    for cond_knob, allowed in when_raw.items():
+        cond_where = f"{where}.when.{cond_knob}"
+        if cond_knob not in params:
+            raise SpaceError(cond_where, "a condition must name a searched parameter declared above this one")
+        allowed = allowed if isinstance(allowed, list) else [allowed]
+        if not allowed:
+            raise SpaceError(cond_where, "an empty list of values never holds; list the values that activate it")
+        values = tuple(_check_value(cond_knob, v, cond_where) for v in allowed)
+        for value in values:
+            if not _can_take(params[cond_knob], value):
+                raise SpaceError(cond_where, f"{cond_knob} never takes the value {value!r} in this space")
+        when[cond_knob] = values
+    return when
+
+
+def _parse_range(knob: str, where: str, spec: dict[str, Any], when: dict[str, tuple[Any, ...]]) -> Param:
+    """A low/high parameter: numeric knob, low <= high, log a boolean (then low > 0), step a
+    positive number (an integer for an int knob), not both log and step (Optuna's rule)."""
+    if KNOBS[knob].type not in (int, float):
+        raise SpaceError(where, f"{knob} is not numeric; use choices: [{KNOBS[knob].allowed()}]")
+    low = _check_value(knob, spec["low"], f"{where}.low")
+    high = _check_value(knob, spec["high"], f"{where}.high")
+    if low is None or high is None or low > high:
+        raise SpaceError(where, f"need low <= high, got low={low!r} high={high!r}")
+    log = spec.get("log", False)
+    if not isinstance(log, bool):
+        raise SpaceError(f"{where}.log", f"expected true or false, got {log!r}")
+    if log and low <= 0:
+        raise SpaceError(f"{where}.low", "a log range needs low > 0")
+    step = spec.get("step")
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
+            raise SpaceError(f"{where}.step", f"expected a positive number, got {step!r}")
+        if KNOBS[knob].type is int:
+            if not float(step).is_integer():
+                raise SpaceError(f"{where}.step", f"{knob} is an integer knob: the step must be a whole number, "
+                                                  f"got {step!r}")
+            step = int(step)
+        if log:
+            raise SpaceError(f"{where}.step", "a log range cannot have a step (Optuna samples log ranges "
+                                              "continuously); drop one of log and step")
+    return Param(knob, low=low, high=high, log=log, step=step, when=when)
+
+
+def _parse_param(knob: Any, spec: Any, params: dict[str, Param]) -> Param:
+    where = f"params.{knob}"
+    if knob not in KNOBS:
+        raise SpaceError(where, f"unknown knob; known knobs: {', '.join(KNOBS)}")
+    if not isinstance(spec, dict):
+        raise SpaceError(where, "expected a mapping with 'choices' or 'low'/'high'")
+    extra = set(spec) - {"choices", "low", "high", "log", "step", "when"}
+    if extra:
+        raise SpaceError(f"{where}.{sorted(map(str, extra))[0]}", "unknown key; allowed: choices, low, high, log, "
+                                                                  "step, when")
+    when = _parse_when(where, spec.get("when") or {}, params)
+    if "choices" in spec:
+        if set(spec) & {"low", "high", "log", "step"}:
+            raise SpaceError(where, "give either 'choices' or 'low'/'high', not both")
+        choices = spec["choices"]
+        if not isinstance(choices, list) or not choices:
+            raise SpaceError(f"{where}.choices", "expected a non-empty list")
+        if len(choices) > MAX_CHOICES:
+            raise SpaceError(f"{where}.choices", f"{len(choices)} values; at most {MAX_CHOICES} (use low/high for "
+                                                 "a numeric range)")
+        checked = tuple(_check_value(knob, v, f"{where}.choices") for v in choices)
+        if len(set(map(repr, checked))) != len(checked):
+            raise SpaceError(f"{where}.choices", "duplicate values")
+        return Param(knob, choices=checked, when=when)
+    if "low" in spec and "high" in spec:
+        return _parse_range(knob, where, spec, when)
+    raise SpaceError(where, "expected 'choices: [...]' or both 'low' and 'high'")
+
+
 def parse_space(data: Any, name: str | None = None) -> Space:
-    """Validate a space mapping (from YAML or JSON). Raises SpaceError naming the bad field."""
+    """Validate a space mapping (from YAML or JSON). Raises SpaceError naming the bad field.
+
+    Checks every name against the knobs, every value against its knob, the shape of each
+    parameter (choices, or low/high with log/step), the `when` conditions, the fixed values,
+    and that no configuration the space can draw breaks a cross-knob rule
+    (`_check_drawable_combinations`)."""
     if not isinstance(data, dict):
         raise SpaceError("space", f"expected a mapping with 'params', got {type(data).__name__}")
     unknown = set(data) - {"name", "description", "params", "fixed"}
     if unknown:
-        raise SpaceError(f"space.{sorted(unknown)[0]}", "unknown key; allowed: name, description, params, fixed")
+        raise SpaceError(f"space.{sorted(map(str, unknown))[0]}", "unknown key; allowed: name, description, params, "
+                                                                  "fixed")
+    for key in ("name", "description"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise SpaceError(key, f"expected a string, got {type(data[key]).__name__}")
     raw_params = data.get("params") or {}
     if not isinstance(raw_params, dict) or not raw_params:
         raise SpaceError("params", "a space needs at least one searched parameter (a mapping knob -> spec)")
     params: dict[str, Param] = {}
     for knob, spec in raw_params.items():
-        where = f"params.{knob}"
-        if knob not in KNOBS:
-            raise SpaceError(where, f"unknown knob; known knobs: {', '.join(KNOBS)}")
-        if not isinstance(spec, dict):
-            raise SpaceError(where, "expected a mapping with 'choices' or 'low'/'high'")
-        extra = set(spec) - {"choices", "low", "high", "log", "step", "when"}
-        if extra:
-            raise SpaceError(f"{where}.{sorted(extra)[0]}", "unknown key; allowed: choices, low, high, log, step, when")
-        when_raw = spec.get("when") or {}
-        if not isinstance(when_raw, dict):
-            raise SpaceError(f"{where}.when", "expected a mapping knob -> list of values")
-        when: dict[str, tuple[Any, ...]] = {}
-        for cond_knob, allowed in when_raw.items():
-            if cond_knob not in params:
-                raise SpaceError(f"{where}.when.{cond_knob}", "a condition must name a searched parameter "
-                                                               "declared above this one")
-            allowed = allowed if isinstance(allowed, list) else [allowed]
-            when[cond_knob] = tuple(_check_value(cond_knob, v, f"{where}.when.{cond_knob}") for v in allowed)
-        if "choices" in spec:
-            if set(spec) & {"low", "high", "log", "step"}:
-                raise SpaceError(where, "give either 'choices' or 'low'/'high', not both")
-            choices = spec["choices"]
-            if not isinstance(choices, list) or not choices:
-                raise SpaceError(f"{where}.choices", "expected a non-empty list")
-            checked = tuple(_check_value(knob, v, f"{where}.choices") for v in choices)
-            if len(set(map(repr, checked))) != len(checked):
-                raise SpaceError(f"{where}.choices", "duplicate values")
-            params[knob] = Param(knob, choices=checked, when=when)
-        elif "low" in spec and "high" in spec:
-            if KNOBS[knob].type not in (int, float):
-                raise SpaceError(where, f"{knob} is not numeric; use choices: [{KNOBS[knob].allowed()}]")
-            low = _check_value(knob, spec["low"], f"{where}.low")
-            high = _check_value(knob, spec["high"], f"{where}.high")
-            if low is None or high is None or low > high:
-                raise SpaceError(where, f"need low <= high, got low={low!r} high={high!r}")
-            log = bool(spec.get("log", False))
-            if log and low <= 0:
-                raise SpaceError(f"{where}.low", "a log range needs low > 0")
-            params[knob] = Param(knob, low=low, high=high, log=log, step=spec.get("step"), when=when)
-        else:
-            raise SpaceError(where, "expected 'choices: [...]' or both 'low' and 'high'")
+        params[knob] = _parse_param(knob, spec, params)
     fixed_raw = data.get("fixed") or {}
     if not isinstance(fixed_raw, dict):
         raise SpaceError("fixed", "expected a mapping knob -> value")
@@ -193,49 +261,129 @@ def parse_space(data: Any, name: str | None = None) -> Space:
         fixed[knob] = _check_value(knob, value, f"fixed.{knob}")
     space = Space(name=str(data.get("name") or name or "inline"), params=params, fixed=fixed,
                   description=str(data.get("description") or ""))
-    _check_every_combination_rules(space)
+    _check_drawable_combinations(space)
     return space
 
 
-def _check_every_combination_rules(space: Space) -> None:
-    """Each cross-knob rule must hold for every value a parameter can take while active."""
-    defaults = {k: v.default for k, v in KNOBS.items()}
-    for p in space.params.values():
-        if p.choices is None:
+def _representatives(param: Param, read_by_conditions: set[Any]) -> list[Any]:
+    """The values of `param` that the rules and conditions can tell apart: every choice; for a
+    range its ends, 0 when inside it (the rules compare num_workers with 0) and every value a
+    `when` condition names that the range can take."""
+    if param.choices is not None:
+        return list(param.choices)
+    assert param.low is not None and param.high is not None
+    values = [param.low, param.high, *([0] if param.low <= 0 <= param.high else []),
+              *sorted((v for v in read_by_conditions if _can_take(param, v)), key=repr)]
+    return list(dict.fromkeys(values))
+
+
+def _check_drawable_combinations(space: Space) -> None:
+    """Every configuration the space can draw must pass the cross-knob rules
+    (`autotune.config.check_rules`): a parameter whose values break a rule for some value
+    of another needs a `when` condition (e.g. prefetch_factor only when num_workers > 0).
+
+    Walks the parameters in declaration order (the order `suggest` draws them), keeping the
+    distinct partial draws of the knobs that matter: the rules' knobs (RULE_KNOBS) and the
+    knobs `when` conditions read, each forgotten after its last reader. Raises SpaceError
+    naming the parameter (or fixed value) that breaks a rule, with a combination that does."""
+    params = list(space.params.values())
+    read_by: dict[str, set[Any]] = {}  # knob -> the values conditions on it name
+    last_reader: dict[str, int] = {}  # knob -> index of the last parameter whose condition reads it
+    for index, p in enumerate(params):
+        for knob, allowed in p.when.items():
+            read_by.setdefault(knob, set()).update(v for v in allowed if v is not None)
+            last_reader[knob] = index
+    tracked = set(RULE_KNOBS) | set(read_by)
+    states: set[tuple[tuple[str, Any], ...]] = {()}
+    for index, p in enumerate(params):
+        if p.name not in tracked:
             continue
-        for value in p.choices:
-            # the parameter is active: its conditions hold, other knobs at fixed/default values
-            probe = {**defaults, **space.fixed, **{k: v[0] for k, v in p.when.items()}, p.name: value}
-            try:
-                check_rules(probe)
-            except ConfigError as e:
-                hint = " (add a 'when' condition, e.g. when: {num_workers: [1, 2]})" if e.knob == p.name else ""
-                raise SpaceError(f"params.{p.name}", f"value {value!r} breaks a rule: {e.message}{hint}") from None
+        values = _representatives(p, read_by.get(p.name, set()))
+        if len(states) * len(values) > MAX_COMBINATIONS:
+            raise SpaceError("params", f"more than {MAX_COMBINATIONS} combinations of the parameters that rules and "
+                                       "'when' conditions read; use fewer values in them")
+        drawn: set[tuple[tuple[str, Any], ...]] = set()
+        for state in states:
+            if _active(p, dict(state)):
+                drawn.update((*state, (p.name, v)) for v in values)
+            else:
+                drawn.add(state)
+        keep = {k for k in tracked if k in RULE_KNOBS or last_reader.get(k, -1) > index}
+        states = {tuple(item for item in state if item[0] in keep) for state in drawn}
+    base = {**{k: v.default for k, v in KNOBS.items()}, **space.fixed}
+    for state in sorted(states, key=repr):
+        drawn_values = dict(state)
+        try:
+            check_rules({**base, **drawn_values})
+        except ConfigError as e:
+            raise SpaceError(*_rule_violation(space, drawn_values, e)) from None
+
+
+def _rule_violation(space: Space, drawn: dict[str, Any], error: ConfigError) -> tuple[str, str]:
+    """(field, message) for a drawable combination that breaks a rule: the message shows the
+    other knobs involved (drawn, fixed or at their default) and how to guard the parameter."""
+    shown = []
+    for knob in RULE_KNOBS:
+        if knob == error.knob or (knob not in drawn and knob not in error.message):
+            continue
+        if knob in drawn:
+            shown.append(f"{knob}={drawn[knob]!r}")
+        elif knob in space.fixed:
+            shown.append(f"{knob}={space.fixed[knob]!r} (fixed)")
+        else:
+            shown.append(f"{knob}={KNOBS[knob].default!r} (its default)")
+    context = f"the space can draw it with {', '.join(shown)}" if shown else "the space can draw it"
+    if error.knob in space.params:
+        field, hint = f"params.{error.knob}", ""
+        names = list(space.params)
+        workers = space.params.get("num_workers")
+        if workers is not None and error.knob in ("prefetch_factor", "persistent_workers"):
+            positive = [str(v) for v in workers.choices or () if v]
+            example = f"when: {{num_workers: [{', '.join(positive)}]}}" if positive else \
+                "when: {num_workers: [...]} listing the values > 0"
+            order = "" if names.index("num_workers") < names.index(error.knob) else \
+                f", and declare num_workers above {error.knob}"
+            hint = f" (add a condition: {example}{order})"
+        elif error.knob in ("prefetch_factor", "persistent_workers"):
+            hint = (" (fix num_workers >= 1 under 'fixed', or search num_workers above it and add "
+                    "when: {num_workers: [...]} listing the values > 0)")
+        return field, f"{context}: {error.message}{hint}"
+    return f"fixed.{error.knob}", f"{context}: {error.message}"
 
 
 def validate_for(space: Space, hardware: str, world_size: int = 1) -> None:
     """Hardware rules: raise SpaceError when the space cannot run on `hardware`."""
-    precisions = set(space.params["precision"].choices or ()) if "precision" in space.params else set()
-    if space.fixed.get("precision"):
-        precisions.add(space.fixed["precision"])
-    if "fp8" in precisions and hardware == "cpu":
-        raise SpaceError("params.precision", "fp8 needs a CUDA GPU with compute capability >= 8.9; "
-                                              "this study's hardware is cpu: drop fp8")
+    if "precision" in space.params:
+        for value in space.params["precision"].choices or ():
+            try:
+                check_hardware({"precision": value}, hardware)
+            except ConfigError as e:
+                raise SpaceError("params.precision", f"{value}: {e.message} (drop it from the choices)") from None
+    try:
+        check_hardware(space.fixed, hardware)
+    except ConfigError as e:
+        raise SpaceError(f"fixed.{e.knob}", e.message) from None
     if world_size <= 1 and "bucket_cap_mb" in space.params:
         raise SpaceError("params.bucket_cap_mb", "DDP bucket size only matters with world size > 1; "
                                                   "remove it or run trials on several GPUs")
 
 
-def load_space(name_or_path: str) -> Space:
-    """A space by name (a file in search_spaces/) or by path to a YAML file."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = SPACES_DIR / f"{name_or_path}.yaml"
+def load_space(name: str) -> Space:
+    """The named space: ``SPACES_DIR/<name>.yaml``. Names only (letters, digits, '_', '-'):
+    never a path, so a request cannot make the service read another file."""
+    if not isinstance(name, str) or not re.fullmatch(SPACE_NAME_PATTERN, name):
+        raise SpaceError("space", f"{name!r} is not a space name: give a name from search_spaces/ (letters, digits, "
+                                  f"'_', '-'; no paths or extensions; known: {', '.join(space_names())}) "
+                                  "or an inline mapping")
+    path = SPACES_DIR / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
-        raise SpaceError("space", f"no search space {name_or_path!r}; known: {', '.join(known)} "
-                                  "(or give a path to a YAML file, or an inline mapping)")
-    return parse_space(yaml.safe_load(path.read_text()), name=path.stem)
+        raise SpaceError("space", f"no search space {name!r}; known: {', '.join(space_names())} "
+                                  "(or give an inline mapping)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpaceError("space", f"search_spaces/{path.name} is not valid YAML ({e})") from None
+    return parse_space(data, name=name)
 
 
 def space_names() -> list[str]:

@@ -4,6 +4,11 @@ One worker serves one device. The loop (`Worker.run`):
 
 lease     POST /v1/trials/lease with the worker's hardware class (and study, if given).
           204: nothing to do: wait with backoff (capped at 5 s); exit after `idle_exit_s`.
+refuse    a lease naming a workload that is not on the worker's allow-list (`--allow-workload`,
+          default: the built-in workloads) or not installed here is completed at once as failed,
+          kind "refused", with a message naming the workload and how to allow it. Nothing the
+          lease names is imported: the check reads the registry's names (autotune.workloads),
+          and only a probe child of an allowed, installed workload imports its module.
 probe     `python -m autotune.probe_child` in its own process group (see probe_child.py for
           the stdin/stdout protocol), with a hard limit of the study's probe.timeout_s plus a
           small grace, torch threads and a per-host TorchInductor cache set in its environment.
@@ -44,6 +49,7 @@ from types import FrameType
 from typing import IO, Any, TypeVar
 
 from rich.console import Console
+from rich.markup import escape
 
 from autotune.client import (
     DEFAULT_API,
@@ -58,6 +64,7 @@ from autotune.client import (
 from autotune.hardware import Hardware
 from autotune.probe_child import ChildJob
 from autotune.protocol import LeaseRequest, TrialInfo, TrialLease
+from autotune.workloads import ENTRY_POINT_GROUP, builtin_workload_names, registered_workloads
 
 ReplyT = TypeVar("ReplyT")
 
@@ -96,6 +103,7 @@ def child_environment(threads: int | None, base: Mapping[str, str] | None = None
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
+    env["AUTOTUNE_PARENT_PID"] = str(os.getpid())  # the child dies with this worker (autotune/probe_child.py)
     return env
 
 
@@ -131,7 +139,26 @@ class WorkerOptions:
     worker_id: str | None = None  # default: hostname-pid-device
     heartbeat_s: float = 5.0
     threads: int | None = None  # torch threads in the child (default: torch's)
+    allow_workloads: tuple[str, ...] | None = None  # workloads it runs (default: the built-in ones)
     child_argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", CHILD_MODULE])
+
+    def allowed_workloads(self) -> tuple[str, ...]:
+        return self.allow_workloads if self.allow_workloads is not None else tuple(builtin_workload_names())
+
+
+def refusal(workload: str, allowed: tuple[str, ...]) -> str | None:
+    """Why this worker will not run a trial of `workload`, or None when it will: the workload
+    must be on the allow-list and installed here. Reads registry names only (imports nothing
+    the lease names): a study must not make a worker run code its operator did not allow."""
+    if workload not in allowed:
+        return (f"workload {workload!r} is not allowed on this worker (allowed: {', '.join(allowed) or 'none'}); "
+                f"start the worker with --allow-workload {workload} to run it")
+    installed = registered_workloads()
+    if workload not in installed:
+        return (f"workload {workload!r} is allowed but not installed on this worker (installed: "
+                f"{', '.join(sorted(installed))}); install the package that registers it under the entry-point "
+                f"group {ENTRY_POINT_GROUP!r} on this host")
+    return None
 
 
 # --- the probe child -----------------------------------------------------------------------------
@@ -317,8 +344,8 @@ def summarize_result(result: Mapping[str, Any]) -> str:
     """One line: throughput · NRMSE, or the failure, or pruned."""
     failure = result.get("failure")
     if failure:
-        message = str(failure.get("message", "")).splitlines()[0][:160] if failure.get("message") else ""
-        return f"[red]FAIL {failure.get('kind')}[/]: {message}"
+        message = str(failure.get("message", "")).splitlines()[0][:300] if failure.get("message") else ""
+        return f"[red]FAIL {escape(str(failure.get('kind')))}[/]: {escape(message)}"
     thr = result.get("throughput_samples_per_s")
     thr_text = f"{thr:,.1f} samples/s" if isinstance(thr, (int, float)) else "- samples/s"
     if result.get("stopped_early"):
@@ -346,6 +373,7 @@ class Worker:
         self.console = console or Console(soft_wrap=True, highlight=False)
         self.signal_name: str | None = None
         self.signal_number: int | None = None
+        self.allowed = options.allowed_workloads()
         self.trials_done = 0
         self.current: ProbeProcess | None = None
 
@@ -378,6 +406,10 @@ class Worker:
         threads = self.options.threads or "torch default"
         self.console.print(f"  service  {self.client.base_url} · study {self.options.study or 'any'} · "
                            f"threads {threads} · heartbeat {self.options.heartbeat_s:g} s")
+        missing = [name for name in self.allowed if name not in registered_workloads()]
+        note = f" [yellow](not installed here: {escape(', '.join(missing))}; their trials are refused)[/]" \
+            if missing else ""
+        self.console.print(f"  workloads {escape(', '.join(self.allowed) or 'none')} (--allow-workload){note}")
 
     def run(self) -> int:
         """Serve trials until told to stop; the exit status (128 + signal when interrupted)."""
@@ -440,6 +472,10 @@ class Worker:
             " [cyan](re-measure)[/]" if lease.role == "remeasure" else ""
         self.console.print(f"▶ trial {lease.number} of {lease.study} (id {lease.trial_id}){baseline}: "
                            f"{format_params(lease.params)}")
+        refused = refusal(lease.workload, self.allowed)
+        if refused is not None:  # _complete prints the refusal
+            self._complete(run, minimal_result(lease, self.hardware, {"kind": "refused", "message": refused}))
+            return run
         job = ChildJob(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
                        device=self.hardware.device, probe=lease.probe.model_dump(mode="json"),
                        threads=self.options.threads)

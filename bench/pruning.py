@@ -67,7 +67,8 @@ def study(args: argparse.Namespace) -> None:
     db = out / "study.db"
     port = _free_port()
     api = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a loopback service of the benchmark's own: no tokens needed
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "AUTOTUNE_AUTH": "false"}
     procs: list[subprocess.Popen[bytes]] = []
     log = (out / "service.log").open("wb")
     wlog = (out / "worker.log").open("wb")
@@ -140,8 +141,9 @@ def rerun(args: argparse.Namespace) -> None:
             print("budget spent; run `rerun` again for the rest")
             break
         config = {k: v for k, v in trial["config"].items() if k != "effective_batch"}
-        cmd = [*CLI, "probe", "--json", "--workload", "ups", "--preset", document["spec"]["preset"], "--device", args.device,
-               "--config", json.dumps(config), "--samples", str(probe["samples"]), "--seed", "0"]
+        cmd = [*CLI, "probe", "--json", "--workload", "ups", "--preset", document["spec"]["preset"],
+               "--device", args.device, "--config", json.dumps(config), "--samples", str(probe["samples"]),
+               "--seed", "0"]
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         wall = time.time() - t0
@@ -186,7 +188,9 @@ def analyze(args: argparse.Namespace) -> None:
     feasible = {n: p for n, p in points.items() if p[1] <= gate}
     front = sorted(n for n, p in feasible.items() if not any(_dominates(q, p) for q in feasible.values()))
     best_completed = max((p[0] for n, p in feasible.items() if n not in reruns), default=None)
-    spent = sum(t["duration_s"] or 0.0 for t in trials)
+    # The trial running when the benchmark stopped the study was killed by that stop: not study cost.
+    stopped = [t["number"] for t in trials if (t.get("failure") or {}).get("message", "").startswith("stopped by")]
+    spent = sum(t["duration_s"] or 0.0 for t in trials if t["number"] not in stopped)
     pruned_rows = []
     for t in pruned:
         r = reruns.get(t["number"])
@@ -208,7 +212,7 @@ def analyze(args: argparse.Namespace) -> None:
         "trials": len(trials), "completed": len(completed), "pruned": len(pruned), "pruned_rerun": len(rerun_rows),
         "failed": sum(1 for t in trials if t["state"] == "FAIL"),
         "gate_nrmse": gate, "baseline_nrmse": baseline, "baseline_throughput": base_tp,
-        "gpu_s_spent": spent, "gpu_s_saved_by_pruning": saved,
+        "killed_by_benchmark_stop": stopped, "gpu_s_spent": spent, "gpu_s_saved_by_pruning": saved,
         "saved_fraction": saved / (spent + saved) if spent + saved else None,
         "pruned_on_final_front": [r["number"] for r in rerun_rows if r["on_final_front"]],
         "pruned_feasible": [r["number"] for r in rerun_rows if r["feasible"]],

@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import json
 import os
 import platform
@@ -92,7 +93,7 @@ def proc_cpu_s(pid: int) -> float | None:
 class Server:
     """The service in its own process (own session), its log in a file."""
 
-    def __init__(self, db_url: str, mode: str, log_path: Path) -> None:
+    def __init__(self, db_url: str, mode: str, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -101,8 +102,8 @@ class Server:
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), "_serve-instrumented", db_url, str(self.port)]
         self._log = log_path.open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -138,6 +139,27 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self._log.close()
+
+
+def create_tokens(db_url: str) -> dict[str, str]:
+    """An admin and a worker token on the database (`autotune token create`, which migrates it
+    first): role → secret. {} when this autotune has no tokens (a service without auth)."""
+    tokens: dict[str, str] = {}
+    for role in ("admin", "worker"):
+        done = subprocess.run([sys.executable, "-m", "autotune.cli", "token", "create", "--role", role, "--db", db_url,
+                               "--name", f"bench-{role}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              check=False)
+        if done.returncode != 0:
+            if "No such command" in done.stderr:
+                return {}
+            raise RuntimeError(f"`autotune token create --role {role}` failed ({done.returncode}): {done.stderr}")
+        tokens[role] = done.stdout.strip().splitlines()[-1]
+    return tokens
+
+
+def bearer(tokens: dict[str, str], role: str) -> dict[str, str]:
+    """The Authorization header for `role` ({} without auth)."""
+    return {"Authorization": f"Bearer {tokens[role]}"} if role in tokens else {}
 
 
 def pg_psycopg_url(sqlalchemy_url: str) -> str:
@@ -204,7 +226,7 @@ def fake_result(lease: dict[str, Any], rng: random.Random) -> dict[str, Any]:
 
 
 async def run_worker(index: int, base_url: str, level: Level, rng: random.Random, probe_s: float,
-                     max_errors: int = 50) -> None:
+                     max_errors: int = 50, headers: dict[str, str] | None = None) -> None:
     import httpx
 
     worker_id = f"bench-w{index:03d}"
@@ -230,7 +252,8 @@ async def run_worker(index: int, base_url: str, level: Level, rng: random.Random
     # verify=False: plain HTTP, no TLS; the default client loads the CA bundle, ~18 ms of CPU that
     # blocks the event loop all 64 workers share (with staggered starts it inflated the latencies
     # of whatever calls were in flight). The client is made before the staggered start.
-    async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits, verify=False) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits, verify=False,
+                                 headers=headers) as client:
         if probe_s > 0:  # simulated probes: start the workers spread over one probe time, as a real fleet runs
             await asyncio.sleep(rng.uniform(0, probe_s))
         while consecutive < max_errors:
@@ -282,8 +305,9 @@ async def run_worker(index: int, base_url: str, level: Level, rng: random.Random
         level.gave_up.append(worker_id)
 
 
-async def drive(base_url: str, workers: int, level: Level, seed: int, probe_s: float) -> None:
-    await asyncio.gather(*(run_worker(i, base_url, level, random.Random(seed * 1000 + i), probe_s)
+async def drive(base_url: str, workers: int, level: Level, seed: int, probe_s: float,
+                headers: dict[str, str] | None = None) -> None:
+    await asyncio.gather(*(run_worker(i, base_url, level, random.Random(seed * 1000 + i), probe_s, headers=headers)
                            for i in range(workers)))
 
 
@@ -324,6 +348,7 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
     tag = f"{backend}-{sampler}-{workers}w"
     print(f"== {tag}: {n_trials} trials", flush=True)
     with fresh_database(backend, workdir) as db_url:
+        tokens = create_tokens(db_url)
         server = Server(db_url, args.server, workdir / f"{tag}.log")
         try:
             server.wait_ready()
@@ -331,7 +356,7 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
             study = f"load-{sampler}-{workers}w"
             spec = {"name": study, "space": SPACE, "hardware": HARDWARE, "n_trials": n_trials, "sampler": sampler,
                     "seed": args.seed, "baseline": {"batch_size": 8, "accum_steps": 1}}
-            r = httpx.post(f"{base}/v1/studies", json=spec, timeout=60)
+            r = httpx.post(f"{base}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
             if r.status_code != 201:
                 raise RuntimeError(f"creating the study failed: {r.status_code} {r.text}")
             if args.server == "instrumented":
@@ -339,7 +364,7 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
             level = Level()
             cpu_server0, cpu_client0 = server.cpu_s(), time.process_time()
             t0 = time.perf_counter()
-            asyncio.run(drive(base, workers, level, args.seed, args.probe_ms / 1e3))
+            asyncio.run(drive(base, workers, level, args.seed, args.probe_ms / 1e3, bearer(tokens, "worker")))
             wall = time.perf_counter() - t0
             cpu_server = (server.cpu_s() or 0.0) - (cpu_server0 or 0.0)
             cpu_client = time.process_time() - cpu_client0
@@ -393,6 +418,381 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
           f"{lat['round_trip']['p99']} ms, lease p99 {lat['lease']['p99']} ms, errors {run['errors_total']}, "
           f"locked {run['database_locked']}, checks {'ok' if ok else 'FAILED'}, cpu {run['cpu_s']}", flush=True)
     return run
+
+
+# --- crash recovery under load (--kills) ----------------------------------------------------------
+
+KILLS_OUT = RESULTS / "service_load_kills_pg.json"
+
+
+@dataclass
+class Chaos:
+    """What the simulated fleet of one --kills run did, seen from the client side."""
+
+    leases: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # trial_id → workers
+    completed: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # trial_id → workers (200)
+    refused: list[dict[str, Any]] = field(default_factory=list)  # a live worker's call answered 409
+    kills: list[dict[str, Any]] = field(default_factory=list)  # {worker, trial_id, number, at}
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # call → ms
+    errors: Counter[str] = field(default_factory=Counter)
+    done_times: list[float] = field(default_factory=list)  # unix time of every successful complete
+    workers_started: int = 0
+
+
+async def chaos_worker(slot: int, generation: int, base_url: str, headers: dict[str, str], chaos: Chaos,
+                       rng: random.Random, args: argparse.Namespace, done: asyncio.Event,
+                       spawn: Callable[[int, int], None]) -> None:
+    """One simulated worker: lease → "probe" (sleep) with one report → complete, until the study
+    is finished. With probability args.kill_rate per trial it dies mid-probe: it never calls
+    again, and a replacement with a new worker id starts in its slot."""
+    import httpx
+
+    worker_id = f"bench-w{slot:03d}-g{generation}"
+    chaos.workers_started += 1
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+
+    async def post(client: httpx.AsyncClient, call: str, path: str, body: dict[str, Any]) -> httpx.Response | None:
+        t0 = time.perf_counter()
+        try:
+            response = await client.post(path, json=body)
+        except httpx.HTTPError as e:
+            chaos.errors[f"{call}:{type(e).__name__}"] += 1
+            return None
+        chaos.latencies["lease_204" if call == "lease" and response.status_code == 204 else call].append(
+            (time.perf_counter() - t0) * 1e3)
+        if response.status_code >= 400:
+            chaos.errors[f"{call}:{response.status_code}"] += 1
+        return response
+
+    lo, hi = args.probe_range
+    async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits, verify=False,
+                                 headers=headers) as client:
+        if generation == 0:
+            await asyncio.sleep(rng.uniform(0, hi))  # a fleet does not start in lockstep
+        while not done.is_set():
+            r = await post(client, "lease", "/v1/trials/lease", {"worker_id": worker_id, "hardware": HARDWARE})
+            if r is None or r.status_code not in (200, 204):
+                await asyncio.sleep(0.2)
+                continue
+            if r.status_code == 204:  # nothing now (baselines running, retries not reaped yet): poll again
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), timeout=rng.uniform(0.3, 0.7))
+                continue
+            lease = r.json()
+            trial_id = lease["trial_id"]
+            chaos.leases[trial_id].append(worker_id)
+            probe_s = rng.uniform(lo, hi)
+            if rng.random() < args.kill_rate:
+                await asyncio.sleep(rng.uniform(0, probe_s))  # killed mid-probe: no call ever again
+                chaos.kills.append({"worker": worker_id, "trial_id": trial_id, "number": lease["number"],
+                                    "role": lease["role"], "at": time.time()})
+                spawn(slot, generation + 1)
+                return
+            await asyncio.sleep(probe_s / 2)
+            result = fake_result(lease, rng)
+            r = await post(client, "report", f"/v1/trials/{trial_id}/report",
+                           {"worker_id": worker_id, "step": 0, "metrics": {"loss": rng.uniform(0.1, 1.0)}})
+            if r is not None and r.status_code == 409:
+                chaos.refused.append({"worker": worker_id, "trial_id": trial_id, "call": "report", "detail": r.text})
+                continue
+            await asyncio.sleep(probe_s / 2)
+            for attempt in range(20):  # complete is idempotent for the same worker: retry what did not answer
+                r = await post(client, "complete", f"/v1/trials/{trial_id}/complete",
+                               {"worker_id": worker_id, "result": result})
+                if r is not None and r.status_code in (200, 409):
+                    break
+                await asyncio.sleep(0.1 * (attempt + 1))
+            if r is not None and r.status_code == 200:
+                chaos.completed[trial_id].append(worker_id)
+                chaos.done_times.append(time.time())
+            elif r is not None and r.status_code == 409:
+                chaos.refused.append({"worker": worker_id, "trial_id": trial_id, "call": "complete",
+                                      "detail": r.text})
+
+
+async def drive_chaos(base_url: str, study: str, tokens: dict[str, str], args: argparse.Namespace,
+                      chaos: Chaos) -> bool:
+    """Run args.workers slots of simulated workers until the study is finished (True) or
+    args.timeout_s passes (False)."""
+    import httpx
+
+    done = asyncio.Event()
+    tasks: set[asyncio.Task[None]] = set()
+    headers = bearer(tokens, "worker")
+
+    def spawn(slot: int, generation: int) -> None:
+        rng = random.Random(args.seed * 1_000_003 + slot * 1009 + generation)
+        task = asyncio.create_task(chaos_worker(slot, generation, base_url, headers, chaos, rng, args, done, spawn))
+        tasks.add(task)
+
+    for slot in range(args.workers):
+        spawn(slot, 0)
+    deadline = time.monotonic() + args.timeout_s
+    finished = False
+    async with httpx.AsyncClient(base_url=base_url, timeout=60.0, verify=False) as client:
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(httpx.HTTPError):
+                info = (await client.get(f"/v1/studies/{study}")).json()
+                if info.get("state") == "finished":
+                    finished = True
+                    break
+    done.set()
+    await asyncio.gather(*tasks)
+    return finished
+
+
+def db_rows(db_url: str, study: str) -> dict[str, Any]:
+    """The study's trials (Optuna's tables) and leases (ours), read straight from PostgreSQL."""
+    import psycopg
+
+    with psycopg.connect(pg_psycopg_url(db_url), autocommit=True) as conn:
+        trials = conn.execute(
+            "SELECT t.trial_id, t.number, t.state::text FROM trials t JOIN studies s ON s.study_id = t.study_id "
+            "WHERE s.study_name = %s ORDER BY t.number", (study,)).fetchall()
+        attrs = conn.execute(
+            "SELECT a.trial_id, a.key, a.value_json FROM trial_user_attributes a JOIN trials t "
+            "ON t.trial_id = a.trial_id JOIN studies s ON s.study_id = t.study_id WHERE s.study_name = %s AND a.key "
+            "IN ('retry_of', 'attempt', 'failure_kind', 'failure_message', 'role', 'worker_id', 'remeasure_of')",
+            (study,)).fetchall()
+        leases = conn.execute(
+            "SELECT trial_id, trial_number, worker_id, state, outcome, leased_at, finished_at FROM autotune_leases "
+            "WHERE study_name = %s", (study,)).fetchall()
+        lease_rows_per_trial = conn.execute(
+            "SELECT count(*) FROM (SELECT trial_id FROM autotune_leases WHERE study_name = %s GROUP BY trial_id "
+            "HAVING count(*) > 1) d", (study,)).fetchone()
+    by_id: dict[int, dict[str, Any]] = {tid: {"trial_id": tid, "number": n, "state": st, "attrs": {}}
+                                        for tid, n, st in trials}
+    for tid, key, value in attrs:
+        by_id[tid]["attrs"][key] = json.loads(value)
+    return {"trials": by_id, "leases": {r[0]: {"trial_id": r[0], "number": r[1], "worker": r[2], "state": r[3],
+                                               "outcome": r[4], "leased_at": r[5], "finished_at": r[6]}
+                                        for r in leases},
+            "trials_with_two_lease_rows": int(lease_rows_per_trial[0]) if lease_rows_per_trial else -1}
+
+
+def overlapping_leases(leases: list[dict[str, Any]]) -> int:
+    """Pairs of one worker's leases that overlap in time (a worker holding two trials at once)."""
+    by_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for lease in leases:
+        by_worker[lease["worker"]].append(lease)
+    overlaps = 0
+    for rows in by_worker.values():
+        rows.sort(key=lambda r: r["leased_at"])
+        for a, b in itertools.pairwise(rows):
+            if a["finished_at"] is None or b["leased_at"] < a["finished_at"]:
+                overlaps += 1
+    return overlaps
+
+
+def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, Any]:
+    """Exactly-once and recovery checks from the database (see the --kills section of
+    bench/README.md). A *slot* is one configuration: a first attempt and its chain of retries."""
+    trials: dict[int, dict[str, Any]] = db["trials"]
+    leases: dict[int, dict[str, Any]] = db["leases"]
+    by_number = {t["number"]: t for t in trials.values()}
+
+    def root(t: dict[str, Any]) -> int:
+        seen = set()
+        while isinstance(of := t["attrs"].get("retry_of"), int) and of in by_number and of not in seen:
+            seen.add(of)
+            t = by_number[of]
+        return int(t["number"])
+
+    slots: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for t in trials.values():
+        slots[root(t)].append(t)
+    retried = {t["attrs"]["retry_of"] for t in trials.values() if isinstance(t["attrs"].get("retry_of"), int)}
+    complete_per_slot = {r: sum(t["state"] == "COMPLETE" for t in ts) for r, ts in slots.items()}
+    lost = sorted(t["number"] for t in trials.values()
+                  if t["state"] != "COMPLETE" and not (t["state"] == "FAIL" and t["number"] in retried))
+    configs = [r for r in slots if by_number[r]["attrs"].get("role") in ("baseline", "search")]
+    two_workers = {tid: ws for tid, ws in chaos.leases.items() if len(set(ws)) > 1}
+    completed_twice = {tid: ws for tid, ws in chaos.completed.items() if len(set(ws)) > 1}
+    never_leased = sorted(t["number"] for t in trials.values() if t["trial_id"] not in leases)
+
+    recoveries = []
+    unrecovered = []
+    for kill in chaos.kills:
+        t = trials.get(kill["trial_id"])
+        lease = leases.get(kill["trial_id"])
+        chain = sorted(slots[root(t)], key=lambda x: x["number"]) if t is not None else []
+        winner = next((x for x in chain if x["state"] == "COMPLETE"), None)
+        retry = next((x for x in chain if x["attrs"].get("retry_of") == kill["number"]), None)
+        retry_lease = leases.get(retry["trial_id"]) if retry is not None else None
+        ok = (t is not None and t["state"] == "FAIL" and t["attrs"].get("failure_kind") == "lost"
+              and lease is not None and lease["outcome"] == "lost" and lease["worker"] == kill["worker"]
+              and winner is not None and winner["attrs"].get("worker_id") != kill["worker"] and retry is not None)
+        if not ok:
+            unrecovered.append({"kill": {k: v for k, v in kill.items() if k != "at"}, "trial": t, "lease_outcome":
+                                lease["outcome"] if lease else None})
+            continue
+        killed_at = datetime.fromtimestamp(kill["at"], timezone.utc).replace(tzinfo=None)
+        winner_lease = leases[winner["trial_id"]]  # type: ignore[index]
+        recoveries.append({
+            "number": kill["number"], "role": kill["role"], "retry": retry["number"],  # type: ignore[index]
+            "attempts": len(chain),
+            "kill_to_reaped_s": round((lease["finished_at"] - killed_at).total_seconds(), 3)
+            if lease is not None and lease["finished_at"] else None,
+            "kill_to_retry_leased_s": round((retry_lease["leased_at"] - killed_at).total_seconds(), 3)
+            if retry_lease else None,
+            "kill_to_completed_s": round((winner_lease["finished_at"] - killed_at).total_seconds(), 3)
+            if winner_lease and winner_lease["finished_at"] else None})
+    checks = {
+        "trials": len(trials), "configurations": len(configs), "n_trials": n_trials,
+        "slots_without_a_complete_trial": sum(1 for c in complete_per_slot.values() if c == 0),
+        "slots_completed_twice": sum(1 for c in complete_per_slot.values() if c > 1),
+        "lost_trials": len(lost), "lost_examples": lost[:10],
+        "trials_with_two_lease_rows": db["trials_with_two_lease_rows"],
+        "trials_leased_to_two_workers": len(two_workers), "trials_completed_by_two_workers": len(completed_twice),
+        "overlapping_leases_of_one_worker": overlapping_leases(list(leases.values())),
+        "never_leased": len(never_leased),
+        "kills": len(chaos.kills), "kills_recovered": len(recoveries), "kills_unrecovered": len(unrecovered),
+        "unrecovered_examples": unrecovered[:5],
+        "retries": len(retried), "lost_leases": sum(1 for x in leases.values() if x["outcome"] == "lost"),
+        "live_workers_refused": len(chaos.refused), "refused_examples": chaos.refused[:5],
+        "still_active_leases": sum(1 for x in leases.values() if x["state"] == "active"),
+    }
+    checks["ok"] = (checks["slots_without_a_complete_trial"] == 0 and checks["slots_completed_twice"] == 0
+                    and checks["lost_trials"] == 0 and checks["trials_with_two_lease_rows"] == 0
+                    and checks["trials_leased_to_two_workers"] == 0 and checks["trials_completed_by_two_workers"] == 0
+                    and checks["overlapping_leases_of_one_worker"] == 0 and checks["kills_unrecovered"] == 0
+                    and len(configs) == n_trials and checks["still_active_leases"] == 0)
+    return {"checks": checks, "recoveries": recoveries}
+
+
+def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One --kills run on a fresh database of args.backends[0]; returns the JSON document's run."""
+    import httpx
+
+    backend = args.backends.split(",")[0]
+    if backend != "postgresql":
+        raise SystemExit("--kills reads its checks from PostgreSQL: use --backends postgresql")
+    sampler = args.samplers.split(",")[0]
+    workers, n_trials = int(args.workers), int(args.trials)
+    args.workers = workers
+    print(f"== kills: {backend}/{sampler}, {workers} workers, {n_trials} trials, kill rate {args.kill_rate}, "
+          f"grace {args.grace_s} s", flush=True)
+    env = {"AUTOTUNE_LEASE_GRACE_S": str(args.grace_s), "AUTOTUNE_REAPER_INTERVAL_S": str(args.reaper_interval_s)}
+    study = f"kills-{sampler}-{workers}w"
+    with fresh_database(backend, workdir) as db_url:
+        tokens = create_tokens(db_url)
+        server = Server(db_url, args.server, workdir / "kills.log", env=env)
+        chaos = Chaos()
+        try:
+            server.wait_ready()
+            spec = {"name": study, "space": SPACE, "hardware": HARDWARE, "n_trials": n_trials, "sampler": sampler,
+                    "seed": args.seed, "baseline": {"batch_size": 8, "accum_steps": 1},
+                    "max_retries": args.max_retries}
+            r = httpx.post(f"{server.url}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
+            if r.status_code != 201:
+                raise RuntimeError(f"creating the study failed: {r.status_code} {r.text}")
+            cpu0 = server.cpu_s()
+            t0 = time.time()
+            finished = asyncio.run(drive_chaos(server.url, study, tokens, args, chaos))
+            wall = time.time() - t0
+            cpu = (server.cpu_s() or 0.0) - (cpu0 or 0.0)
+            info = httpx.get(f"{server.url}/v1/studies/{study}", timeout=60).json()
+        finally:
+            server.stop()
+        log = server.log_text()
+        db = db_rows(db_url, study)
+    judged = kill_checks(db, chaos, n_trials)
+    checks = judged["checks"]
+    checks["study_finished"] = finished
+    checks["study_counts"] = info.get("counts")
+    checks["study_retried"] = info.get("retried")
+    checks["ok"] = checks["ok"] and finished
+    recoveries = judged["recoveries"]
+    reaped_s = [r["kill_to_reaped_s"] for r in recoveries if r["kill_to_reaped_s"] is not None]
+    leased_s = [r["kill_to_retry_leased_s"] for r in recoveries if r["kill_to_retry_leased_s"] is not None]
+    completed_s = [r["kill_to_completed_s"] for r in recoveries if r["kill_to_completed_s"] is not None]
+    run = {
+        "backend": backend, "sampler": sampler, "workers": workers, "n_trials": n_trials,
+        "kill_rate": args.kill_rate, "probe_s": list(args.probe_range), "lease_grace_s": args.grace_s,
+        "reaper_interval_s": args.reaper_interval_s, "max_retries": args.max_retries,
+        "wall_s": round(wall, 1), "configs_per_s": round(n_trials / wall, 2) if wall > 0 else None,
+        "workers_started": chaos.workers_started, "checks": checks,
+        "recovery_s": {"kill_to_reaped": percentiles(reaped_s), "kill_to_retry_leased": percentiles(leased_s),
+                       "kill_to_completed": percentiles(completed_s)},
+        "latency_ms": {c: percentiles(chaos.latencies[c]) for c in ("lease", "lease_204", "report", "complete")},
+        "errors": dict(sorted(chaos.errors.items())),
+        "server": {"cpu_s": round(cpu, 1), "cpu_util": round(cpu / wall, 3) if wall > 0 else None,
+                   "log_errors": sum(" ERROR " in line for line in log.splitlines()),
+                   "log_tracebacks": log.count("Traceback"),
+                   "log_lost_warnings": sum(" lost: " in line for line in log.splitlines())},
+        "recoveries": recoveries,
+        "kills": [{**k, "at_s": round(k["at"] - t0, 3)} for k in chaos.kills],
+        "completions_s": [round(t - t0, 3) for t in sorted(chaos.done_times)],
+    }
+    rec = run["recovery_s"]
+    print(f"   {wall:.0f} s, {len(chaos.kills)} kills ({len(recoveries)} recovered), kill→retry leased p50 "
+          f"{rec['kill_to_retry_leased']['p50']} s max {rec['kill_to_retry_leased']['max']} s, "
+          f"lost {checks['lost_trials']}, duplicate leases {checks['trials_leased_to_two_workers']}, "
+          f"checks {'ok' if checks['ok'] else 'FAILED'}", flush=True)
+    return run
+
+
+def plot_kills(run: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    done = run["completions_s"]
+    axes[0].plot(done, range(1, len(done) + 1), lw=1.2, label="completed trials")
+    for i, k in enumerate(run["kills"]):
+        axes[0].axvline(k["at_s"], color="#e76f51", lw=0.6, alpha=0.6, label="worker killed" if i == 0 else None)
+    axes[0].set(xlabel="time (s)", ylabel="completed trials", title=f"{run['n_trials']} trials, {run['workers']} "
+                f"workers, {len(run['kills'])} kills")
+    axes[0].legend(fontsize=8)
+    reaped = [r["kill_to_reaped_s"] for r in run["recoveries"] if r.get("kill_to_reaped_s") is not None]
+    leased = [r["kill_to_retry_leased_s"] for r in run["recoveries"] if r["kill_to_retry_leased_s"] is not None]
+    completed = [r["kill_to_completed_s"] for r in run["recoveries"] if r["kill_to_completed_s"] is not None]
+    top = max([*reaped, *leased, *completed, run["lease_grace_s"] + run["reaper_interval_s"]]) + 1
+    bins = [i * top / 40 for i in range(41)]
+    axes[1].hist(reaped, bins=bins, alpha=0.6, label="kill → trial failed as lost (reaped)")
+    axes[1].hist(leased, bins=bins, alpha=0.6, label="kill → retry leased")
+    axes[1].hist(completed, bins=bins, alpha=0.5, label="kill → retry completed")
+    axes[1].axvline(run["lease_grace_s"], color="grey", ls=":", label=f"lease grace {run['lease_grace_s']:g} s")
+    axes[1].set(xlabel="seconds after the kill", ylabel="killed trials", title="recovery of each killed worker's trial")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"autotune service under worker kills ({run['backend']}, {run['sampler']} sampler, "
+                 f"{environment_cache.get('cpu_count')} CPUs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main_kills(args: argparse.Namespace, png: Path) -> int:
+    env = environment()
+    environment_cache.update(env)
+    with tempfile.TemporaryDirectory(prefix="autotune-bench-") as tmp:
+        run = run_kills(args, Path(tmp))
+        if args.keep_logs:
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            for log in Path(tmp).glob("*.log"):
+                (args.keep_logs / log.name).write_bytes(log.read_bytes())
+    doc = {"environment": env, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "run": run}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    plot_kills(run, png)
+    c = run["checks"]
+    print(f"\n| backend | workers | trials | kills | recovered | kill→retry leased p50 / max s | lost | "
+          f"duplicate leases | completed twice | live workers refused | wall s |\n"
+          f"|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n"
+          f"| {run['backend']} | {run['workers']} | {c['configurations']}/{run['n_trials']} | {c['kills']} | "
+          f"{c['kills_recovered']} | {run['recovery_s']['kill_to_retry_leased']['p50']} / "
+          f"{run['recovery_s']['kill_to_retry_leased']['max']} | {c['lost_trials']} | "
+          f"{c['trials_leased_to_two_workers'] + c['overlapping_leases_of_one_worker']} | "
+          f"{c['slots_completed_twice'] + c['trials_completed_by_two_workers']} | {c['live_workers_refused']} | "
+          f"{run['wall_s']} |")
+    print(f"\nwrote {args.out} and {png}; checks {'ok' if c['ok'] else 'FAILED'}")
+    return 0 if c["ok"] else 1
 
 
 # --- the instrumented server (--server instrumented) -------------------------------------------
@@ -744,20 +1144,43 @@ def main(argv: list[str] | None = None) -> int:
         serve_instrumented(argv[1], int(argv[2]))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite, postgresql")
-    p.add_argument("--samplers", default="random,tpe", help="comma-separated samplers")
-    p.add_argument("--workers", default="1,16,64", help="comma-separated worker counts")
-    p.add_argument("--trials", default="100,250,500",
-                   help="trials per worker count (one value, or one per count); the default keeps the whole "
-                        "run (2 backends × 2 samplers × 3 levels) under ~5 min on 2 cores")
+    p.add_argument("--backends", default=None, help="comma-separated: sqlite, postgresql (default: both; "
+                                                    "--kills: postgresql)")
+    p.add_argument("--samplers", default=None, help="comma-separated samplers (default: random,tpe; --kills: random)")
+    p.add_argument("--workers", default=None, help="comma-separated worker counts (default: 1,16,64; --kills: 64)")
+    p.add_argument("--trials", default=None,
+                   help="trials per worker count (one value, or one per count; default 100,250,500, which keeps "
+                        "the whole run (2 backends × 2 samplers × 3 levels) under ~5 min on 2 cores; --kills: 2000)")
+    kills = p.add_argument_group("crash recovery under load (--kills)")
+    kills.add_argument("--kills", action="store_true",
+                       help="one run of --workers simulated workers that die at random mid-probe (never calling "
+                            "again; a replacement with a new worker id starts), checked from the database: no "
+                            "duplicate lease, no lost trial, every killed worker's trial retried and completed")
+    kills.add_argument("--kill-rate", type=float, default=0.02, help="probability that a worker dies during a trial")
+    kills.add_argument("--probe-range", type=float, nargs=2, default=(0.2, 0.6), metavar=("MIN_S", "MAX_S"),
+                       help="simulated probe time, uniform (seconds)")
+    kills.add_argument("--grace-s", type=float, default=5.0, help="the service's lease grace (AUTOTUNE_LEASE_GRACE_S)")
+    kills.add_argument("--reaper-interval-s", type=float, default=1.0, help="AUTOTUNE_REAPER_INTERVAL_S")
+    kills.add_argument("--max-retries", type=int, default=5, help="the study's max_retries")
+    kills.add_argument("--timeout-s", type=float, default=1800.0, help="give up when the study is not finished by then")
     p.add_argument("--probe-ms", type=float, default=0.0, help="simulated probe time between lease and report")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server", choices=("cli", "instrumented"), default="cli",
                    help="cli: `python -m autotune.cli serve`; instrumented: the same service with timers")
-    p.add_argument("--out", type=Path, default=RESULTS / "service_load.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"default: {RESULTS / 'service_load.json'}; --kills: {KILLS_OUT}")
     p.add_argument("--png", type=Path, default=None, help="default: --out with .png")
     p.add_argument("--keep-logs", type=Path, default=None, help="copy the server logs into this directory")
     args = p.parse_args(argv)
+    mode_defaults = ({"backends": "postgresql", "samplers": "random", "workers": "64", "trials": "2000",
+                      "out": KILLS_OUT} if args.kills else
+                     {"backends": "sqlite,postgresql", "samplers": "random,tpe", "workers": "1,16,64",
+                      "trials": "100,250,500", "out": RESULTS / "service_load.json"})
+    for key, value in mode_defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.kills:
+        return main_kills(args, args.png or args.out.with_suffix(".png"))
     backends = [b for b in args.backends.split(",") if b]
     samplers = [s for s in args.samplers.split(",") if s]
     levels = [int(w) for w in args.workers.split(",")]

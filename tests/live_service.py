@@ -1,9 +1,12 @@
 """A real service and real workers in subprocesses, for the end-to-end tests.
 
-`LiveService` runs ``python -m autotune.cli serve`` on a SQLite file and a free port;
-`start_worker` runs ``python -m autotune.cli worker``. Every process starts in its own
-session (process group) and `Processes.stop_all` ends them all, workers first (SIGTERM,
-so each kills its probe child), so a failing test leaves nothing behind.
+`LiveService` runs ``python -m autotune.cli serve`` on a SQLite file and a free port, with
+auth on: it creates an admin and a worker token with ``autotune token create`` against its
+database (`admin_token`, `worker_token`, `headers(role)`); its REST shortcuts send them.
+`start_worker` runs ``python -m autotune.cli worker``; given a LiveService's URL it passes
+that service's worker token (AUTOTUNE_TOKEN). Every process starts in its own session
+(process group) and `Processes.stop_all` ends them all, workers first (SIGTERM, so each
+kills its probe child), so a failing test leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -147,8 +151,26 @@ def log_text(proc: subprocess.Popen[bytes]) -> str:
     return path.read_text(errors="replace")
 
 
+def create_token(db_url: str, role: str, name: str | None = None) -> str:
+    """`autotune token create --role ROLE --db URL` as a subprocess; the token it prints."""
+    argv = [*CLI, "token", "create", "--role", role, "--db", db_url, *(["--name", name] if name else [])]
+    done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert done.returncode == 0, f"token create failed ({done.returncode}): {done.stderr}"
+    token = done.stdout.strip()
+    assert token.startswith("at_"), done.stdout
+    return token
+
+
+# The LiveService of each URL, so that start_worker(processes, service.url) finds its worker token.
+_SERVICES: dict[str, LiveService] = {}
+
+
 class LiveService:
-    """`autotune serve` on `db_path` and `port`, restartable."""
+    """`autotune serve` on `db_path` and `port` with auth on, restartable.
+
+    Its tokens (`admin_token`, `worker_token`) are created on first use, or when the service
+    first starts, and survive restarts (they live in the database).
+    """
 
     def __init__(self, processes: Processes, db_path: Path, port: int | None = None,
                  env: dict[str, str] | None = None) -> None:
@@ -158,13 +180,37 @@ class LiveService:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
+        self._tokens: dict[str, str] = {}
+        _SERVICES[self.url] = self
 
     def start(self, wait: bool = True) -> LiveService:
         self.proc = self.processes.start([*CLI, "serve", "--db", self.db_url, "--port", str(self.port)], "serve.log",
-                                         self.env)
+                                         {"AUTOTUNE_AUTH": "true", **(self.env or {})})
         if wait:
             self.wait_healthy()
+            self.ensure_tokens()
         return self
+
+    def ensure_tokens(self) -> dict[str, str]:
+        """Create the admin and the worker token (once, in parallel: each is a CLI start); role -> token."""
+        if not self._tokens:
+            with ThreadPoolExecutor(2) as pool:
+                admin, worker = pool.map(lambda role: create_token(self.db_url, role),
+                                         ("admin", "worker"))
+            self._tokens = {"admin": admin, "worker": worker}
+        return self._tokens
+
+    @property
+    def admin_token(self) -> str:
+        return self.ensure_tokens()["admin"]
+
+    @property
+    def worker_token(self) -> str:
+        return self.ensure_tokens()["worker"]
+
+    def headers(self, role: str = "admin") -> dict[str, str]:
+        """The Authorization header of this service's `role` token (admin or worker)."""
+        return {"Authorization": f"Bearer {self.ensure_tokens()[role]}"}
 
     def healthy(self) -> bool:
         try:
@@ -188,12 +234,22 @@ class LiveService:
     # --- REST shortcuts -----------------------------------------------------------------------
 
     def get(self, path: str) -> Any:
-        response = httpx.get(f"{self.url}{path}", timeout=10)
+        response = httpx.get(f"{self.url}{path}", headers=self.headers("admin"), timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: Any, role: str = "admin", timeout: float = 30) -> httpx.Response:
+        """POST with this service's `role` token; the response, whatever its status."""
+        return httpx.post(f"{self.url}{path}", json=body, headers=self.headers(role), timeout=timeout)
+
+    def delete(self, path: str) -> Any:
+        """DELETE with the admin token; raises on an error status."""
+        response = httpx.delete(f"{self.url}{path}", headers=self.headers("admin"), timeout=10)
         response.raise_for_status()
         return response.json()
 
     def submit(self, spec: dict[str, Any]) -> Any:
-        response = httpx.post(f"{self.url}/v1/studies", json=spec, timeout=30)
+        response = self.post("/v1/studies", spec)
         assert response.status_code == 201, response.text
         return response.json()
 
@@ -204,6 +260,9 @@ class LiveService:
 
 def start_worker(processes: Processes, api: str, *args: str, log_name: str = "worker.log",
                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`autotune worker` with one torch thread and a fast heartbeat."""
+    """`autotune worker` with one torch thread and a fast heartbeat. When `api` is a LiveService's
+    URL the worker gets its worker token (AUTOTUNE_TOKEN; `env` may override it)."""
+    service = _SERVICES.get(api)
+    token_env = {"AUTOTUNE_TOKEN": service.worker_token} if service is not None else {}
     return processes.start([*CLI, "worker", "--api", api, "--threads", "1", "--heartbeat", "0.5", *args], log_name,
-                           env)
+                           {**token_env, **(env or {})})

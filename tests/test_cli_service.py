@@ -95,20 +95,35 @@ def test_an_unreachable_service_is_a_clear_error() -> None:
 def test_submit_creates_a_study_and_reports_server_side_errors(live: tuple[LiveService, str], tmp_path: Path) -> None:
     service, _ = live
     path = write_spec(tmp_path, small_spec("submitted", n_trials=3))
-    result = invoke("submit", path, "--api", service.url)
+    result = invoke("submit", path, "--api", service.url, "--token", service.admin_token)
     assert result.exit_code == 0, result.output
     assert "created study submitted (running)" in result.stdout
     assert service.get("/v1/studies/submitted")["spec"]["n_trials"] == 3
 
-    result = invoke("submit", path, "--api", service.url)  # the name is taken
+    result = invoke("submit", path, "--api", service.url, "--token", service.admin_token)  # the name is taken
     assert result.exit_code == 1
     assert "study 'submitted' already exists" in result.stderr
 
     # valid locally, refused by the service (a grid sampler cannot search a float range): 422 → exit 2
     spec = small_spec("grid", sampler="grid", space={"params": {"lr": {"low": 1e-4, "high": 1e-3}}})
-    result = invoke("submit", write_spec(tmp_path, spec), "--api", service.url)
+    result = invoke("submit", write_spec(tmp_path, spec), "--api", service.url, "--token", service.admin_token)
     assert result.exit_code == 2, result.output
     assert "space.params.lr" in result.stderr or "params.lr" in result.stderr
+
+
+def test_submit_without_the_right_token_exits_1_saying_how_to_get_one(live: tuple[LiveService, str],
+                                                                     tmp_path: Path) -> None:
+    service, _ = live
+    path = write_spec(tmp_path, small_spec("unauthorized"))
+    result = invoke("submit", path, "--api", service.url)  # no token
+    assert result.exit_code == 1, result.output
+    assert "needs an admin token" in result.stderr and "autotune token create --role admin" in result.stderr
+    result = invoke("submit", path, "--api", service.url, "--token", service.worker_token)  # wrong role
+    assert result.exit_code == 1, result.output
+    assert "is a worker token" in result.stderr and "autotune token create --role admin" in result.stderr
+    result = CliRunner().invoke(app, ["submit", path, "--api", service.url],  # AUTOTUNE_TOKEN works like --token
+                                env={"COLUMNS": "200", "AUTOTUNE_TOKEN": service.admin_token})
+    assert result.exit_code == 0, result.output
 
 
 def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str]) -> None:

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from live_service import (
     CLI,
@@ -113,7 +112,7 @@ def test_a_killed_probe_child_fails_its_trial_and_the_worker_goes_on(service: Li
 
     # the worker goes on: a new child for the next trial; stopping the study stops it
     wait_until(lambda: [p for p in probe_children(worker.pid) if p != first], 60, "the next probe child")
-    httpx.delete(f"{service.url}/v1/studies/killed", timeout=10).raise_for_status()
+    service.delete("/v1/studies/killed")
     trial = wait_until(lambda: finished(service, "killed", 1), 30, "trial 1 to be stopped")
     assert trial["state"] == "FAIL"
     assert trial["failure"]["message"].startswith("stopped by the service")

@@ -1,4 +1,4 @@
-"""GET /v1/health: is the service up and its database reachable."""
+"""GET /v1/health: is the service up and its database reachable (open: needs no token)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,28 @@
-"""Studies: create, list, inspect, stop; their trials, Pareto front and recommendation."""
+"""Studies: create, list, inspect, stop; their trials, Pareto front and recommendation.
+
+Creating and stopping a study needs an admin token; reading needs none.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Path, Query, Response, status
 
-from api.deps import ServiceDep
+from api.deps import AdminAuth, ServiceDep
 from api.results import recommendation_yaml
 from autotune.protocol import NAME_PATTERN, Recommendation, StudyInfo, StudyList, StudySpec, TrialList
 
 router = APIRouter(prefix="/studies", tags=["studies"])
 
 StudyName = Path(..., pattern=NAME_PATTERN, description="the study's name")
+ADMIN_ONLY: dict[int | str, dict[str, Any]] = {401: {"description": "no valid token (missing, unknown or revoked)"},
+              403: {"description": "the token is not an admin token"}}
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=StudyInfo)
-def create_study(spec: StudySpec, service: ServiceDep) -> StudyInfo:
-    """Create a study (409 if the name exists; 422 naming the bad field)."""
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=StudyInfo, responses=ADMIN_ONLY)
+def create_study(spec: StudySpec, service: ServiceDep, _caller: AdminAuth) -> StudyInfo:
+    """Create a study (409 if the name exists; 422 naming the bad field). Needs an admin token."""
     return service.create_study(spec)
 
 
@@ -32,9 +37,9 @@ def get_study(service: ServiceDep, name: str = StudyName) -> StudyInfo:
     return service.get_study(name)
 
 
-@router.delete("/{name}", response_model=StudyInfo)
-def stop_study(service: ServiceDep, name: str = StudyName) -> StudyInfo:
-    """Stop the study: no more leases, running trials are told to stop. Its data is kept."""
+@router.delete("/{name}", response_model=StudyInfo, responses=ADMIN_ONLY)
+def stop_study(service: ServiceDep, _caller: AdminAuth, name: str = StudyName) -> StudyInfo:
+    """Stop the study: no more leases, running trials are told to stop. Its data is kept. Needs an admin token."""
     return service.stop_study(name)
 
 

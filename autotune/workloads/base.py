@@ -6,16 +6,22 @@ losses on, which the ``inverse_loss_frequency`` knob thins out), training and va
 datasets of dict items, and a quality metric computed in fp32 on the validation set
 (lower is better). Presets give the default batch size, accumulation, learning rate and
 sample budget.
+
+This module does not import torch at run time (only for type checking): the registry in
+`autotune.workloads` imports it, and the service and the worker read the registry without
+torch. A workload's own module imports torch.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-from torch.utils.data import Dataset
+if TYPE_CHECKING:  # the registry (autotune.workloads) is read by the service and the worker: no torch there
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
 
 
 @dataclass(frozen=True)

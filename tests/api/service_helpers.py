@@ -18,8 +18,9 @@ StudyFactory = Callable[..., dict[str, Any]]  # the make_study fixture: make_stu
 
 
 def make_settings(db_url: str, **overrides: Any) -> Settings:
-    # a long reaper interval: tests call reap_stale() themselves, the thread must not interfere
-    return Settings(db_url=db_url, **{"reaper_interval_s": 3600.0, **overrides})
+    """Settings for a test app: auth off (these tests are about the service's logic; tests/api/test_auth.py
+    covers auth) and a long reaper interval (tests call reap_stale() themselves)."""
+    return Settings(db_url=db_url, **{"reaper_interval_s": 3600.0, "auth": False, **overrides})
 
 
 def free_port() -> int:

@@ -1,0 +1,127 @@
+"""Request size limits: a pure ASGI middleware that answers 413 to a body over the limit.
+
+Every request body of the API is a small JSON document (a study spec, a probe result of a
+few KiB), so anything near a MiB is a mistake or an attack. `BodySizeLimit` stops it
+before the app parses anything:
+
+* a ``Content-Length`` above the limit is answered 413 at once, without reading the body
+  (a Content-Length that is not a number: 400);
+* every body, chunked (no Content-Length) or not, is read and counted up to the limit and
+  answered 413 as soon as it passes it; a body within the limit is handed to the app
+  unchanged (at most `max_bytes` are held per request).
+
+The limit is ``max_bytes`` (default: ``$AUTOTUNE_MAX_BODY_BYTES``, else 1 MiB). The answer
+is ``{"detail": "..."}`` like every other error of the service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+MAX_BODY_ENV = "AUTOTUNE_MAX_BODY_BYTES"
+_TOO_LARGE = object()  # _read_body's answers other than the body
+_GONE = object()
+
+
+def max_body_bytes_from_env() -> int:
+    """``$AUTOTUNE_MAX_BODY_BYTES`` (a positive integer), else DEFAULT_MAX_BODY_BYTES."""
+    raw = os.environ.get(MAX_BODY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_BODY_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_BODY_ENV}={raw!r} is not an integer; give the request body limit in bytes, "
+                         f"e.g. {DEFAULT_MAX_BODY_BYTES}") from None
+    if value <= 0:
+        raise ValueError(f"{MAX_BODY_ENV}={raw!r}: the request body limit must be > 0 bytes")
+    return value
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _content_length(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            return bytes(value).decode("latin-1").strip()
+    return None
+
+
+async def _reply(send: Send, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodySizeLimit:
+    """ASGI middleware: HTTP request bodies above `max_bytes` get 413 (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_body_bytes_from_env() if max_bytes is None else max_bytes
+        if self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {self.max_bytes}")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None:
+            if not declared.isdigit():
+                await _reply(send, 400, f"invalid Content-Length header {declared[:40]!r}; send the body's "
+                                        "length in bytes")
+                return
+            if int(declared) > self.max_bytes:
+                await _reply(send, 413, f"request body of {_human(int(declared))} is over the limit of "
+                                        f"{_human(self.max_bytes)}; the API takes small JSON documents")
+                return
+        # Count what arrives too: a chunked body has no Content-Length (and a server need not
+        # hold a client to the one it declared).
+        body = await self._read_body(receive)
+        if body is _TOO_LARGE:
+            await _reply(send, 413, f"request body is over the limit of {_human(self.max_bytes)}; the API takes "
+                                    "small JSON documents")
+            return
+        if body is _GONE:
+            return  # the client disconnected before its body was complete: nobody to answer
+        assert isinstance(body, bytes)
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive) -> bytes | object:
+        """The whole body, read up to the limit; _TOO_LARGE once it passes it, _GONE on a disconnect."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return _GONE
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return _TOO_LARGE
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive channel that yields `body` once, then defers to `receive` (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

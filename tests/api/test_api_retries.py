@@ -1,0 +1,275 @@
+"""Retries of lost trials: the plan (retries first, budget, the baseline gate, exhaustion), the
+views, and that nothing about them lives only in one service process's memory.
+
+Leases go stale by calling `reap_stale(now=...)` with a moment past the grace period: no test
+sleeps.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from service_helpers import StudyFactory, complete, lease, make_settings
+from sqlalchemy import update
+
+from api.db import LeaseRow, utcnow
+from api.main import create_app
+from api.service import TuningService
+
+
+def _service(app: FastAPI) -> TuningService:
+    service: TuningService = app.state.service
+    return service
+
+
+def _reap(app: FastAPI) -> list[int]:
+    """Reap as if every lease had been silent for longer than the grace period."""
+    service = _service(app)
+    return service.reap_stale(utcnow() + timedelta(seconds=service.settings.lease_grace_s + 5))
+
+
+def _trials(client: TestClient, study: str = "s") -> dict[int, dict[str, Any]]:
+    return {t["number"]: t for t in client.get(f"/v1/studies/{study}/trials").json()["data"]}
+
+
+def _optuna_state(app: FastAPI, trial_id: int) -> str:
+    trial = _service(app).bridge.get_trial(trial_id)
+    assert trial is not None
+    return trial.state
+
+
+def test_max_retries_is_validated(client: TestClient) -> None:
+    r = client.post("/v1/studies", json={"name": "s", "max_retries": 11})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "max_retries"]
+    assert client.post("/v1/studies", json={"name": "s"}).json()["spec"]["max_retries"] == 2
+
+
+@pytest.fixture
+def backend_app(db_url: str) -> FastAPI:
+    """The service on each backend (SQLite file, fresh PostgreSQL database)."""
+    return create_app(make_settings(db_url))
+
+
+def test_a_lost_search_trial_is_retried_first_without_using_the_budget(backend_app: FastAPI) -> None:
+    with TestClient(backend_app) as client:
+        _lost_search_trial_is_retried(backend_app, client)
+
+
+def _lost_search_trial_is_retried(app: FastAPI, client: TestClient) -> None:
+    r = client.post("/v1/studies", json={"name": "s", "n_trials": 4, "sampler": "random", "seed": 3,
+                                         "baseline_seeds": 1, "remeasure": {"top_k": 0}})
+    assert r.status_code == 201, r.text
+    base = lease(client, "w0")
+    assert base is not None and base["role"] == "baseline"
+    complete(client, base, "w0")
+    lost, other = lease(client, "w1"), lease(client, "w2")
+    assert lost is not None and other is not None
+    complete(client, other, "w2")
+    assert _reap(app) == [lost["trial_id"]]
+    assert _optuna_state(app, lost["trial_id"]) == "FAIL"  # invisible to the samplers: not a verdict on the config
+
+    retry = lease(client, "w3")  # the retry comes before a new search trial
+    assert retry is not None and retry["trial_id"] != lost["trial_id"]
+    assert (retry["role"], retry["params"], retry["config"], retry["probe"]) == \
+        (lost["role"], lost["params"], lost["config"], lost["probe"])
+    fresh = lease(client, "w4")  # the last configuration of the budget: the retry did not use one up
+    assert fresh is not None and fresh["role"] == "search"
+    assert lease(client, "w5") is None  # 4 configurations handed out (5 trials)
+    complete(client, retry, "w3", throughput=321.0)
+    complete(client, fresh, "w4")
+
+    trials = _trials(client)
+    assert len(trials) == 5
+    assert trials[lost["number"]]["state"] == "FAIL" and trials[lost["number"]]["failure"]["kind"] == "lost"
+    assert "will be re-run" in trials[lost["number"]]["failure"]["message"]
+    assert trials[lost["number"]]["retried_as"] == retry["number"]
+    again = trials[retry["number"]]
+    assert (again["retry_of"], again["attempt"], again["state"]) == (lost["number"], 2, "COMPLETE")
+    assert again["throughput_samples_per_s"] == 321.0
+    study = client.get("/v1/studies/s").json()
+    # each configuration once: the lost attempt is not a failure of the study, nor a missing trial
+    assert study["state"] == "finished" and study["counts"] == {"COMPLETE": 4}
+    assert study["failures"] == {} and study["retried"] == 1
+
+
+def test_retries_keep_their_order_and_come_before_baseline_seeds(app: FastAPI, client: TestClient,
+                                                                 make_study: StudyFactory) -> None:
+    make_study("s", baseline_seeds=3, n_trials=4)
+    first, second = lease(client, "w1"), lease(client, "w2")
+    assert first is not None and second is not None
+    assert sorted(_reap(app)) == sorted([first["trial_id"], second["trial_id"]])
+    got = [lease(client, f"w{i}") for i in (3, 4, 5)]
+    assert all(g is not None for g in got)
+    # the lost seeds 0 and 1 again (same probe seeds), oldest first, then seed 2
+    seeds = [g["probe"]["seed"] for g in got]  # type: ignore[index]
+    assert seeds == [first["probe"]["seed"], second["probe"]["seed"], first["probe"]["seed"] + 2]
+    assert [g["role"] for g in got] == ["baseline"] * 3  # type: ignore[index]
+    assert [_trials(client)[g["number"]]["retry_of"] for g in got] == [  # type: ignore[index]
+        first["number"], second["number"], None]
+
+
+def test_the_gate_waits_for_a_lost_baseline_seed_and_its_retry(app: FastAPI, client: TestClient,
+                                                               make_study: StudyFactory) -> None:
+    make_study("s", baseline_seeds=2, n_trials=4)
+    seed0, seed1 = lease(client, "w1"), lease(client, "w2")
+    assert seed0 is not None and seed1 is not None
+    complete(client, seed1, "w2", nrmse=0.1)
+    assert _reap(app) == [seed0["trial_id"]]
+    # seed 0 is lost but will be re-run: the gate is not set from seed 1 alone
+    best = client.get("/v1/studies/s/best")
+    assert best.status_code == 404 and f"waiting for trials [{seed0['number']}]" in best.json()["detail"]
+    retry = lease(client, "w3")
+    assert retry is not None and retry["role"] == "baseline" and retry["probe"] == seed0["probe"]
+    assert lease(client, "w4") is None  # no search trial while the retried seed runs
+    complete(client, retry, "w3", nrmse=0.3)
+    search = lease(client, "w4")
+    assert search is not None and search["role"] == "search"
+    complete(client, search, "w4", nrmse=0.1, throughput=500.0)
+    rec = client.get("/v1/studies/s/best").json()
+    assert rec["baseline_seeds"] == 2 and rec["baseline_val_nrmse"] == pytest.approx(0.2)
+
+
+def test_retries_exhausted_leave_the_trial_failed_for_good(app: FastAPI, client: TestClient,
+                                                           make_study: StudyFactory) -> None:
+    make_study("s", n_trials=1, max_retries=1)
+    first = lease(client, "w1")
+    assert first is not None
+    assert _reap(app) == [first["trial_id"]]
+    retry = lease(client, "w2")
+    assert retry is not None
+    assert _reap(app) == [retry["trial_id"]]
+    assert lease(client, "w3") is None  # attempts used up: nothing more to run
+    trials = _trials(client)
+    assert [t["state"] for t in trials.values()] == ["FAIL", "FAIL"]
+    final = trials[retry["number"]]["failure"]["message"]
+    assert final.startswith(f"lost 2 times (trials #{first['number']}, #{retry['number']}; max_retries 1)")
+    assert "worker w2 stopped heartbeating" in final and trials[retry["number"]]["retried_as"] is None
+    study = client.get("/v1/studies/s").json()
+    assert study["state"] == "finished" and "every baseline run failed" in study["message"]
+    assert study["counts"] == {"FAIL": 1} and study["failures"] == {"lost": 1} and study["retried"] == 1
+
+
+def test_without_retries_a_lost_trial_is_lost_once(app: FastAPI, client: TestClient,
+                                                    make_study: StudyFactory) -> None:
+    make_study("s", n_trials=1, max_retries=0)
+    first = lease(client, "w1")
+    assert first is not None
+    _reap(app)
+    assert lease(client, "w2") is None
+    assert _trials(client)[0]["failure"]["message"].startswith("lost once (trials #0; max_retries 0)")
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "grid"])
+def test_a_search_retry_asks_the_sampler_for_the_same_point(app: FastAPI, client: TestClient,
+                                                            make_study: StudyFactory, sampler: str) -> None:
+    space = {"params": {"batch_size": {"choices": [2, 4, 8]}}, "fixed": {"accum_steps": 1}}
+    make_study("s", sampler=sampler, space=space, n_trials=4, seed=1)
+    base = lease(client, "w0")
+    assert base is not None
+    complete(client, base, "w0")
+    lost = lease(client, "w1")
+    assert lost is not None
+    _reap(app)
+    retry = lease(client, "w2")
+    assert retry is not None and retry["params"] == lost["params"] and retry["config"] == lost["config"]
+    rest = [lease(client, f"w{i}") for i in (3, 4)]
+    assert all(r is not None for r in rest) and lease(client, "w9") is None
+    if sampler == "grid":  # the retry did not use up a grid point: the three points, each once
+        sizes = sorted(r["params"]["batch_size"] for r in (retry, *rest))  # type: ignore[index]
+        assert sizes == [2, 4, 8]
+
+
+def test_a_repeated_complete_tells_optuna_once(app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", n_trials=2)
+    base = lease(client, "w0")
+    assert base is not None
+    service = _service(app)
+    first = complete(client, base, "w0", nrmse=0.1)
+    told = service.bridge.get_trial(base["trial_id"])
+    summary = service._summaries.get("s")
+    seeds = len(summary.baseline_curves) if summary is not None else None
+    assert complete(client, base, "w0", nrmse=0.1) == first  # a network retry of the same call
+    again = service.bridge.get_trial(base["trial_id"])
+    assert again == told  # same values, attrs and completion time: Optuna was told once
+    if summary is not None:
+        assert len(summary.baseline_curves) == seeds
+
+
+def test_a_complete_after_a_crash_between_tell_and_lease_update_is_a_repair(app: FastAPI, client: TestClient,
+                                                                            make_study: StudyFactory) -> None:
+    make_study("s", n_trials=2)
+    base = lease(client, "w0")
+    assert base is not None
+    service = _service(app)
+    ctx = service._ctx(service._record("s"))
+    service.bridge.finish(ctx, base["trial_id"], "COMPLETE", [100.0, 0.1], {"failure_kind": None})
+    _, told = service.bridge.finish_once(ctx, base["trial_id"], "COMPLETE", [1.0, 9.0])
+    assert told is False
+    info = complete(client, base, "w0", throughput=5.0)  # the worker's retry finds the trial told already
+    assert info["state"] == "COMPLETE" and info["throughput_samples_per_s"] == 100.0
+    assert lease(client, "w0") is not None  # the lease was ended: the worker gets new work
+
+
+def test_a_restarted_service_retries_what_the_old_one_lost(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    old = create_app(make_settings(url))
+    with TestClient(old) as client:
+        assert client.post("/v1/studies", json={"name": "s", "baseline_seeds": 1, "n_trials": 2}).status_code == 201
+        lost = lease(client, "w1")
+        assert lost is not None
+        _reap(old)
+    new = create_app(make_settings(url))
+    with TestClient(new) as client:
+        retry = lease(client, "w2")  # nothing lived only in the old process's memory
+        assert retry is not None and _trials(client)[retry["number"]]["retry_of"] == lost["number"]
+
+
+def test_after_a_restart_every_lease_gets_one_grace_period(tmp_path: Path) -> None:
+    """A service that was down longer than the grace period does not reap the leases of
+    workers that were alive all along: they get one grace period to heartbeat again."""
+    url = f"sqlite:///{tmp_path}/t.db"
+    with TestClient(create_app(make_settings(url))) as client:
+        assert client.post("/v1/studies", json={"name": "s", "baseline_seeds": 1}).status_code == 201
+        held = lease(client, "w1")
+        assert held is not None
+    new = create_app(make_settings(url))
+    service = _service(new)
+    grace = timedelta(seconds=service.settings.lease_grace_s)
+    with service.db.transaction() as session:  # the last heartbeat came long before the restart
+        session.execute(update(LeaseRow).values(heartbeat_at=utcnow() - 10 * grace))
+    with TestClient(new) as client:
+        assert service.reap_stale(utcnow()) == []
+        before_beat = utcnow()
+        r = client.post(f"/v1/trials/{held['trial_id']}/heartbeat", json={"worker_id": "w1"})
+        assert r.json()["action"] == "continue"
+        assert before_beat + grace > service.started_at + grace  # past the startup grace, and the beat is fresh:
+        assert service.reap_stale(before_beat + grace) == []
+        assert service.reap_stale(utcnow() + grace + timedelta(seconds=5)) == [held["trial_id"]]
+
+
+def test_a_lost_remeasurement_is_retried_and_the_study_waits_for_it(app: FastAPI, client: TestClient,
+                                                                     make_study: StudyFactory) -> None:
+    make_study("s", n_trials=2, remeasure={"top_k": 1, "windows": 5})
+    base = lease(client, "w0")
+    assert base is not None
+    complete(client, base, "w0", nrmse=0.1, throughput=100.0)
+    search = lease(client, "w1")
+    assert search is not None
+    complete(client, search, "w1", nrmse=0.1, throughput=200.0)
+    lost = lease(client, "w2")
+    assert lost is not None and lost["role"] == "remeasure"
+    _reap(app)
+    assert client.get("/v1/studies/s").json()["state"] == "running"  # the re-measurement is still to come
+    retry = lease(client, "w3")
+    assert retry is not None and (retry["role"], retry["config"], retry["probe"]) == \
+        (lost["role"], lost["config"], lost["probe"])
+    assert _trials(client)[retry["number"]]["remeasure_of"] == search["number"]
+    complete(client, retry, "w3", nrmse=0.1, throughput=190.0)
+    study = client.get("/v1/studies/s").json()
+    assert study["state"] == "finished" and study["best"]["remeasured"] is True
+    assert study["best"]["throughput_samples_per_s"] == 190.0

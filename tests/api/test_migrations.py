@@ -1,0 +1,216 @@
+"""Alembic migrations of the service tables (migrations/, api/db.py), on SQLite and PostgreSQL.
+
+The cycle upgrade → downgrade to base → upgrade works with Optuna's tables in the same
+database and never touches them (nor their ``alembic_version``); the migrated schema equals
+the models; a database made by the old create_all path is adopted; concurrent upgrades
+take turns; `autotune db ...` works from any directory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from service_helpers import make_settings
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.pool import NullPool
+from typer.testing import CliRunner
+
+from api.db import (
+    LEGACY_REVISION,
+    MIGRATIONS_DIR,
+    VERSION_TABLE,
+    Base,
+    StudyRow,
+    current_schema_revision,
+    downgrade_schema,
+    head_revision,
+    migration_options,
+    upgrade_schema,
+    utcnow,
+)
+from api.main import create_app
+from autotune.cli import app as cli_app
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_TABLES = set(Base.metadata.tables)
+
+
+def table_names(url: str) -> set[str]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return set(inspect(conn).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def scalar(url: str, sql: str) -> Any:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(sql)).scalar()
+    finally:
+        engine.dispose()
+
+
+def schema_diff(url: str) -> list[Any]:
+    """What autogenerate would change to make the database match the models (Optuna's tables excluded)."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(conn, opts=migration_options(engine.dialect.name))
+            return list(compare_metadata(context, Base.metadata))
+    finally:
+        engine.dispose()
+
+
+def make_optuna_study(url: str) -> set[str]:
+    """An Optuna storage with one study and one trial in `url`; Optuna's table names."""
+    storage = optuna.storages.RDBStorage(url)
+    study = optuna.create_study(storage=storage, study_name="optuna-own")
+    study.enqueue_trial({"x": 1.0})
+    study.optimize(lambda t: t.suggest_float("x", 0, 2), n_trials=1)
+    storage.engine.dispose()
+    return table_names(url)
+
+
+def test_the_model_tables_are_the_service_tables() -> None:
+    assert {"autotune_studies", "autotune_leases", "autotune_reports", "autotune_workers",
+            "autotune_tokens"} == MODEL_TABLES
+    assert head_revision() == "0002"
+
+
+@pytest.mark.parametrize("with_optuna", [False, True], ids=["alone", "beside-optuna"])
+def test_upgrade_downgrade_upgrade_leaves_optuna_alone(db_url: str, with_optuna: bool) -> None:
+    optuna_tables = make_optuna_study(db_url) if with_optuna else set()
+    optuna_version = scalar(db_url, "SELECT version_num FROM alembic_version") if with_optuna else None
+
+    assert upgrade_schema(db_url) == (None, "0002")
+    assert table_names(db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
+    assert scalar(db_url, f"SELECT version_num FROM {VERSION_TABLE}") == "0002"
+    assert upgrade_schema(db_url) == ("0002", "0002")  # idempotent
+    assert schema_diff(db_url) == []
+
+    assert downgrade_schema(db_url, "base") == ("0002", None)
+    assert table_names(db_url) == {VERSION_TABLE} | optuna_tables  # only the (empty) version table is left
+    assert scalar(db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 0
+
+    assert upgrade_schema(db_url) == (None, "0002")
+    assert table_names(db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
+    assert schema_diff(db_url) == []
+    if with_optuna:
+        assert scalar(db_url, "SELECT version_num FROM alembic_version") == optuna_version
+        assert optuna.load_study(study_name="optuna-own", storage=db_url).trials[0].params == {"x": 1.0}
+
+
+def test_the_migrated_schema_equals_the_models_and_a_gap_would_show(db_url: str) -> None:
+    upgrade_schema(db_url)
+    assert schema_diff(db_url) == []
+    downgrade_schema(db_url, "0001")  # without the tokens table: the comparison must notice
+    diff = schema_diff(db_url)
+    assert ("add_table", "autotune_tokens") in [(d[0], d[1].name) for d in diff if isinstance(d, tuple)]
+
+
+def test_a_database_made_by_create_all_is_adopted(db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    engine = create_engine(db_url, poolclass=NullPool)
+    legacy = [t for name, t in Base.metadata.tables.items() if name != "autotune_tokens"]
+    Base.metadata.create_all(engine, tables=legacy)  # what the service did before migrations
+    with engine.begin() as conn:
+        conn.execute(StudyRow.__table__.insert().values(name="old", spec={}, space={}, hardware="cpu",
+                                                         state="running", created_at=utcnow()))
+    engine.dispose()
+
+    with caplog.at_level("WARNING", logger="api.db"):
+        assert upgrade_schema(db_url) == (LEGACY_REVISION, "0002")
+    assert "predate migrations" in caplog.text and f"revision {LEGACY_REVISION}" in caplog.text
+    assert "autotune_tokens" in table_names(db_url)
+    assert scalar(db_url, "SELECT name FROM autotune_studies") == "old"
+    assert schema_diff(db_url) == []
+
+
+def _upgrade_after(barrier: Any, url: str, results: Any) -> None:
+    barrier.wait()
+    try:
+        results.put(str(upgrade_schema(url)))
+    except Exception as e:  # reported: the test's assertion shows it
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def test_concurrent_upgrades_from_several_processes_take_turns(db_url: str) -> None:
+    """Service processes starting together on one database: every upgrade succeeds, the schema is made once."""
+    processes = 4
+    ctx = multiprocessing.get_context("fork")  # the children start with everything imported: a real race
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_upgrade_after, args=(barrier, db_url, results)) for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    outcomes = sorted(results.get(timeout=60) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert outcomes == sorted([str((None, "0002"))] + [str(("0002", "0002"))] * (processes - 1)), outcomes
+    assert scalar(db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 1
+
+
+def test_the_service_upgrades_at_start(sqlite_url: str) -> None:
+    assert current_schema_revision(sqlite_url) is None
+    create_app(make_settings(sqlite_url))
+    assert current_schema_revision(sqlite_url) == head_revision()
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "autotune.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_autotune_db_upgrade_works_from_any_directory(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/cli.db"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = run_cli("db", "upgrade", "--db", url, cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert "→ 0002" in done.stdout
+    assert current_schema_revision(url) == "0002"
+    done = run_cli("db", "current", "--db", url, cwd=elsewhere)
+    assert done.returncode == 0 and done.stdout.strip() == "0002 (head)", done.stdout + done.stderr
+
+
+def test_autotune_db_downgrade_current_and_errors(db_url: str) -> None:
+    runner = CliRunner()
+    assert runner.invoke(cli_app, ["db", "upgrade", "--db", db_url]).exit_code == 0
+    result = runner.invoke(cli_app, ["db", "downgrade", "0001", "--db", db_url])
+    assert result.exit_code == 0 and "0002 → 0001" in result.stdout, result.output
+    result = runner.invoke(cli_app, ["db", "current", "--db", db_url])
+    assert "0001 (newest: 0002; run `autotune db upgrade`)" in result.stdout
+    result = runner.invoke(cli_app, ["db", "downgrade", "nope", "--db", db_url])
+    assert result.exit_code == 1 and "Can't locate revision identified by 'nope'" in result.stderr
+    result = runner.invoke(cli_app, ["db", "downgrade", "base", "--db", db_url])
+    assert result.exit_code == 0 and table_names(db_url) == {VERSION_TABLE}
+    result = runner.invoke(cli_app, ["db", "current", "--db", db_url])
+    assert result.stdout.startswith("none (no autotune tables yet)")
+
+
+def test_an_unreachable_database_is_a_clear_cli_error() -> None:
+    url = "postgresql+psycopg://nobody@127.0.0.1:1/none?connect_timeout=2"
+    result = CliRunner().invoke(cli_app, ["db", "upgrade", "--db", url])
+    assert result.exit_code == 1
+    assert "the database failed (OperationalError" in result.stderr and "check --db / AUTOTUNE_DB_URL" in result.stderr
+
+
+def test_the_migrations_are_packaged_next_to_api() -> None:
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    assert MIGRATIONS_DIR == REPO / "migrations" and (MIGRATIONS_DIR / "env.py").is_file()
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = find_packages(str(REPO), include=config["packages"]["find"]["include"])
+    assert {"migrations", "migrations.versions", "api"} <= set(packages)
+    assert "script.py.mako" in config["package-data"]["migrations"]

@@ -1,0 +1,248 @@
+"""Crash recovery with real processes: the real service (`autotune serve` on SQLite) and real
+workers, killed with SIGKILL, frozen with SIGSTOP, or left without their service.
+
+What must hold: a trial whose worker dies is failed as "lost" once the grace period passes
+and re-run (same config, role and probe) by another worker; the dead worker's probe child
+does not outlive it; a worker that comes back after its lease was reaped is refused (409 /
+stop) and changes nothing; a service restart loses and duplicates nothing; a repeated
+complete is harmless; after max_retries retries a lost trial stays failed, saying why.
+
+The service runs with a short lease grace and reaper interval (environment variables
+AUTOTUNE_LEASE_GRACE_S / AUTOTUNE_REAPER_INTERVAL_S), so each test takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from live_service import (
+    LiveService,
+    Processes,
+    is_alive,
+    log_text,
+    probe_children,
+    small_spec,
+    start_worker,
+    wait_until,
+)
+
+from autotune.client import Client, Conflict
+from autotune.protocol import LeaseRequest
+
+pytestmark = pytest.mark.slow
+GRACE_S = 2.0
+FAST_REAPER = {"AUTOTUNE_LEASE_GRACE_S": str(GRACE_S), "AUTOTUNE_REAPER_INTERVAL_S": "0.25"}
+LEASED = re.compile(r"▶ trial (\d+) of (\S+) \(id (\d+)\)")
+NO_PRUNING = {"enabled": False}  # every trial runs to the end: the outcomes are known in advance
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    yield procs
+    procs.stop_all()
+
+
+@pytest.fixture
+def service(processes: Processes, tmp_path: Path, tiny_datasets: Any) -> LiveService:
+    return LiveService(processes, tmp_path / "autotune.db", env=FAST_REAPER).start()
+
+
+def worker_client(service: LiveService) -> Client:
+    """A client that plays a worker (with the service's worker token once it has one)."""
+    return Client(service.url, getattr(service, "worker_token", None), retry_for_s=10.0)
+
+
+def by_number(service: LiveService, study: str) -> dict[int, dict[str, Any]]:
+    return {t["number"]: t for t in service.trials(study)}
+
+
+def study_finished(service: LiveService, study: str) -> dict[str, Any] | None:
+    info: dict[str, Any] = service.get(f"/v1/studies/{study}")
+    return info if info["state"] == "finished" else None
+
+
+def test_a_killed_workers_trial_is_retried_by_another_worker(service: LiveService, processes: Processes) -> None:
+    # one trial (the baseline), long enough to be killed mid-probe; two workers, either may lease it
+    service.submit(small_spec("kill", n_trials=1, samples=400))
+    workers = {wid: start_worker(processes, service.url, "--study", "kill", "--worker-id", wid, "--max-trials", "1",
+                                 log_name=f"{wid}.log") for wid in ("rec-a", "rec-b")}
+
+    def running() -> tuple[str, int] | None:
+        for wid, proc in workers.items():
+            if kids := probe_children(proc.pid):
+                return wid, kids[0]
+        return None
+
+    victim, child = wait_until(running, 60, "a probe child")
+    time.sleep(1.0)  # mid-probe
+    os.kill(workers[victim].pid, signal.SIGKILL)  # the worker only: its child runs in its own session
+    killed_at = time.monotonic()
+    # the orphaned probe dies with its worker (PR_SET_PDEATHSIG, or the parent-pid watchdog)
+    wait_until(lambda: not is_alive(child), 3, "the killed worker's probe child to exit")
+
+    survivor = "rec-b" if victim == "rec-a" else "rec-a"
+    retry = wait_until(lambda: by_number(service, "kill").get(1), 15, "the retry of trial 0")
+    # reaped after the grace period, leased at the survivor's next poll (idle backoff: at most 5 s)
+    assert time.monotonic() - killed_at < GRACE_S + 8
+    assert workers[survivor].wait(timeout=60) == 0, log_text(workers[survivor])[-3000:]
+
+    trials = by_number(service, "kill")
+    lost, retry = trials[0], trials[1]
+    assert lost["state"] == "FAIL" and lost["failure"]["kind"] == "lost", lost
+    assert f"worker {victim} stopped heartbeating" in lost["failure"]["message"]
+    assert lost["retried_as"] == 1 and lost["worker_id"] == victim
+    assert retry["state"] == "COMPLETE" and retry["worker_id"] == survivor, retry
+    assert (retry["retry_of"], retry["attempt"], retry["role"]) == (0, 2, "baseline")
+    assert {k: v for k, v in retry["config"].items() if k in lost["config"]} == lost["config"]
+    study = study_finished(service, "kill")
+    assert study is not None and study["counts"] == {"COMPLETE": 1} and study["retried"] == 1
+    assert study["best"] is not None  # the retried baseline set the gate
+
+
+def test_a_zombie_worker_is_refused_and_changes_nothing(service: LiveService, processes: Processes) -> None:
+    """A worker frozen past the grace period (SIGSTOP: a hung host, a network partition) finds
+    its trial re-run by another worker when it wakes up: its calls get stop / 409."""
+    service.submit(small_spec("zombie", n_trials=1, samples=400, pruning=NO_PRUNING))
+    frozen = start_worker(processes, service.url, "--study", "zombie", "--worker-id", "zz-a", "--max-trials", "1",
+                          log_name="zz-a.log")
+    wait_until(lambda: probe_children(frozen.pid), 60, "a probe child")
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: by_number(service, "zombie")[0]["state"] == "FAIL", GRACE_S + 10, "trial 0 to be reaped")
+        other = start_worker(processes, service.url, "--study", "zombie", "--worker-id", "zz-b", "--max-trials", "1",
+                             log_name="zz-b.log")
+        assert other.wait(timeout=60) == 0, log_text(other)[-3000:]
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    assert frozen.wait(timeout=30) == 0, log_text(frozen)[-3000:]
+    log = log_text(frozen)
+    assert "no longer ours" in log or "not ours any more" in log or "reaped" in log, log[-3000:]
+
+    trials = by_number(service, "zombie")
+    assert trials[0]["state"] == "FAIL" and trials[0]["failure"]["kind"] == "lost"  # the zombie's result was refused
+    assert trials[0]["retried_as"] == 1
+    assert trials[1]["state"] == "COMPLETE" and trials[1]["worker_id"] == "zz-b"
+
+
+def test_a_fake_zombies_late_calls_get_409_and_retries_run_out(service: LiveService) -> None:
+    """A client plays the workers: two leases that go silent (max_retries 1), then the first
+    worker's late report, heartbeat and complete."""
+    service.submit(small_spec("silent", n_trials=1, max_retries=1))
+    with worker_client(service) as client:
+        first = client.lease(LeaseRequest(worker_id="w1", hardware="cpu", study="silent"))
+        assert first is not None
+        wait_until(lambda: by_number(service, "silent")[0]["state"] == "FAIL", GRACE_S + 5, "trial 0 to be reaped")
+        with pytest.raises(Conflict, match="reaped"):
+            client.report(first.trial_id, "w1", 1, {"loss": 0.5})
+        assert client.heartbeat(first.trial_id, "w1").action == "stop"
+        with pytest.raises(Conflict, match="reaped"):
+            client.complete(first.trial_id, "w1", {"failure": None, "throughput_samples_per_s": 1.0,
+                                                   "val_nrmse": 0.1})
+        second = client.lease(LeaseRequest(worker_id="w2", hardware="cpu", study="silent"))
+        assert second is not None and second.number == 1 and second.config == first.config
+        wait_until(lambda: by_number(service, "silent")[1]["state"] == "FAIL", GRACE_S + 5, "trial 1 to be reaped")
+        assert client.lease(LeaseRequest(worker_id="w3", hardware="cpu", study="silent")) is None
+    trials = by_number(service, "silent")
+    assert trials[0]["failure"]["kind"] == "lost" and trials[0]["retried_as"] == 1
+    message = trials[1]["failure"]["message"]
+    assert message.startswith("lost 2 times (trials #0, #1; max_retries 1)") and "worker w2" in message
+    study = study_finished(service, "silent")
+    assert study is not None and study["failures"] == {"lost": 1}
+
+
+def test_a_repeated_complete_returns_the_same_result(service: LiveService) -> None:
+    service.submit(small_spec("again", n_trials=1))
+    result = {"workload": "ups", "preset": "tiny", "config": {}, "device": "cpu", "torch_version": "test",
+              "throughput_samples_per_s": 123.0, "val_nrmse": 0.1, "failure": None, "stopped_early": False}
+    with worker_client(service) as client:
+        got = client.lease(LeaseRequest(worker_id="w1", hardware="cpu", study="again"))
+        assert got is not None
+        first = client.complete(got.trial_id, "w1", result)
+        time.sleep(0.05)
+        again = client.complete(got.trial_id, "w1", result)  # a network retry of the same call
+    assert again == first  # duration_s included: Optuna's completion time did not move
+    assert first.state == "COMPLETE" and first.throughput_samples_per_s == 123.0
+    assert service.get("/v1/studies/again")["counts"] == {"COMPLETE": 1}
+
+
+def test_a_service_restart_mid_study_loses_and_duplicates_nothing(processes: Processes, tmp_path: Path,
+                                                                  tiny_datasets: Any) -> None:
+    """A crash of the service mid-study: the workers retry their calls until it is back. The
+    grace period is longer than a worker's longest retry backoff (10 s), so a worker alive all
+    along is never reaped: its next heartbeat or complete gets through in time. (After a
+    restart every lease gets one full grace period: tests/api/test_api_retries.py.)"""
+    service = LiveService(processes, tmp_path / "autotune.db",
+                          env={"AUTOTUNE_LEASE_GRACE_S": "15", "AUTOTUNE_REAPER_INTERVAL_S": "0.25"}).start()
+    n = 3
+    service.submit(small_spec("restart", n_trials=n, samples=64, pruning=NO_PRUNING))
+    workers = {wid: start_worker(processes, service.url, "--study", "restart", "--worker-id", wid, "--idle-exit", "4",
+                                 log_name=f"{wid}.log") for wid in ("rs-a", "rs-b")}
+    wait_until(lambda: any(t["role"] == "search" and t["state"] == "RUNNING" for t in service.trials("restart")),
+               90, "a search trial to run")
+    assert service.proc is not None
+    os.killpg(service.proc.pid, signal.SIGKILL)  # a crash, mid-study
+    service.proc.wait()
+    time.sleep(2.0)  # reports, heartbeats and completes find no service meanwhile
+    service.start()  # same database file, same port
+    for wid, proc in workers.items():
+        assert proc.wait(timeout=120) == 0, f"{wid}:\n{log_text(proc)[-3000:]}"
+
+    study = study_finished(service, "restart")
+    assert study is not None and study["counts"] == {"COMPLETE": n}, study
+    trials = service.trials("restart")
+    numbers = sorted(t["number"] for t in trials)
+    assert numbers == list(range(len(trials)))  # every trial accounted for
+    for t in trials:  # the workers lived on: nothing was reaped for silence
+        assert t["state"] == "COMPLETE" or ("never leased" in t["failure"]["message"] and t["retried_as"]), t
+    leased = {wid: [int(m.group(3)) for m in LEASED.finditer(log_text(p))] for wid, p in workers.items()}
+    every = leased["rs-a"] + leased["rs-b"]
+    complete = {t["trial_id"]: t["worker_id"] for t in trials if t["state"] == "COMPLETE"}
+    assert sorted(every) == sorted(complete)  # each completed trial leased once, by one worker
+    for wid, ids in leased.items():
+        assert all(complete[i] == wid for i in ids)  # ... and completed by the worker that leased it
+
+
+PARENT = """
+import subprocess, sys, time
+from autotune.probe_child import ChildJob
+job = ChildJob(workload="ups", preset="tiny", config={"batch_size": 2, "accum_steps": 1},
+               probe={"samples": 1_000_000, "windows": 5, "warmup_steps": 5}, threads=1)
+child = subprocess.Popen([sys.executable, "-m", "autotune.probe_child"], stdin=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, start_new_session=True)
+child.stdin.write(job.to_json().encode())
+child.stdin.close()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_probe_child_exits_when_its_parent_is_killed(processes: Processes, tiny_datasets: Any) -> None:
+    """The child runs in its own session (a SIGKILL of the worker's group does not reach it),
+    with a probe far too long to end by itself: only the parent-death watch can stop it."""
+    parent = processes.start([sys.executable, "-c", PARENT], "parent.log")
+    child = int(wait_until(lambda: log_text(parent).strip().splitlines()[:1], 30, "the child's pid")[0])
+    wait_until(lambda: "torch" in Path(f"/proc/{child}/maps").read_text(), 60, "the child to import torch")
+    assert is_alive(child)
+    os.kill(parent.pid, signal.SIGKILL)
+    wait_until(lambda: not is_alive(child), 3, "the orphaned probe child to exit")
+
+
+def test_a_probe_child_whose_parent_is_already_gone_exits_at_once() -> None:
+    """The parent died before the child could arm the death signal: $AUTOTUNE_PARENT_PID
+    names a parent that is not the child's parent any more."""
+    env = {**os.environ, "AUTOTUNE_PARENT_PID": "1" if os.getpid() != 1 else "2"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "autotune.probe_child"], input="{}", capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.returncode == 137 and done.stdout == ""  # killed itself before reading the job
+    assert time.monotonic() - started < 30

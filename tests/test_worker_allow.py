@@ -1,0 +1,230 @@
+"""No remote code execution: a study names a workload; only the worker decides what runs.
+
+* the registry (autotune.workloads): built-in workloads and their presets, workloads other
+  packages register under the entry-point group ``autotune.workloads`` (found, not
+  imported), no torch on the service's and the worker's import path;
+* `refusal`: a workload must be on the worker's allow-list (``--allow-workload``, default:
+  the built-ins) and installed on its host;
+* live: a real service and real workers. A lease naming a workload that is not allowed, or
+  allowed but not installed, is completed as failed with kind "refused" and a message
+  saying how to allow it; no probe runs and the workload's module is never imported, by
+  the worker, its children or the service. A positive control (a worker that allows and
+  has the plugin) shows that the same module *is* imported when a probe runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from live_service import LiveService, Processes, log_text, small_spec, start_worker, wait_until
+
+from autotune.worker import WorkerOptions, refusal
+from autotune.workloads import (
+    BUILTIN,
+    ENTRY_POINT_GROUP,
+    UnknownWorkloadError,
+    check_workload,
+    get_workload,
+    registered_workloads,
+    workload_names,
+)
+
+PLUGIN = "fakewl"
+PLUGIN_MODULE = "fakewl_module"
+# Importing the plugin's module leaves a marker file: the proof of who imported it, and when.
+PLUGIN_SOURCE = '''
+import os
+import pathlib
+
+pathlib.Path(os.environ["FAKEWL_MARKER"]).write_text(f"imported by pid {os.getpid()}")
+
+
+class FakeWorkload:
+    """Not a real workload: a probe of it fails, after importing this module."""
+
+    def __init__(self, preset):
+        self.preset = preset
+'''
+
+
+def write_module(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
+    return directory
+
+
+def write_plugin(directory: Path) -> Path:
+    """`directory` as an installed distribution that registers workload `fakewl`."""
+    write_module(directory)
+    info = directory / "fakewl_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakewl-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{PLUGIN} = {PLUGIN_MODULE}:FakeWorkload\n")
+    return directory
+
+
+# --- the registry --------------------------------------------------------------------------------
+
+
+def test_the_builtin_presets_are_the_workloads_own() -> None:
+    from autotune.workloads.ups import PRESETS
+
+    assert BUILTIN["ups"].presets == tuple(PRESETS)
+    assert workload_names() == ["ups"]
+    for preset in PRESETS:
+        assert get_workload("ups", preset).preset == preset
+
+
+def test_unknown_workloads_and_presets_name_the_field_and_the_known_ones() -> None:
+    with pytest.raises(UnknownWorkloadError) as info:
+        check_workload("nope", "tiny")
+    assert info.value.field == "workload" and "installed: ups" in str(info.value)
+    with pytest.raises(UnknownWorkloadError) as info:
+        check_workload("ups", "huge")
+    assert info.value.field == "preset" and "known: tiny, full" in str(info.value)
+    with pytest.raises(UnknownWorkloadError):
+        get_workload("os.path:join", "tiny")  # a name, never a module path
+
+
+def test_the_registry_the_protocol_and_the_worker_import_no_torch() -> None:
+    code = ("import sys, autotune.workloads, autotune.protocol, autotune.worker\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "assert 'autotune.workloads.ups' not in sys.modules, 'a workload module was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.fixture
+def installed_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The fake plugin installed on sys.path of this process (the registry reread)."""
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("FAKEWL_MARKER", str(marker))
+    monkeypatch.syspath_prepend(str(write_plugin(tmp_path / "site")))
+    registered_workloads.cache_clear()
+    yield marker
+    registered_workloads.cache_clear()
+    sys.modules.pop(PLUGIN_MODULE, None)
+
+
+def test_entry_point_workloads_are_found_without_being_imported(installed_plugin: Path) -> None:
+    entry = check_workload(PLUGIN, "any-preset")  # presets unknown before loading: any name passes
+    assert entry.target == f"{PLUGIN_MODULE}:FakeWorkload" and entry.presets is None and not entry.builtin
+    assert PLUGIN in workload_names()
+    assert not installed_plugin.exists() and PLUGIN_MODULE not in sys.modules
+    workload: Any = get_workload(PLUGIN, "p1")  # a probe child does this, for an allowed workload only
+    assert workload.preset == "p1" and installed_plugin.exists()
+
+
+def test_a_stored_spec_is_read_back_whatever_is_installed_now() -> None:
+    """A study keeps working when its workload's package leaves the service host: specs read
+    from storage are validated with context {"stored": True}, which skips the registry."""
+    from pydantic import ValidationError
+
+    from autotune.protocol import StudyInfo, StudySpec
+
+    with pytest.raises(ValidationError, match="unknown workload 'gone'"):
+        StudySpec.model_validate({"name": "s", "workload": "gone"})
+    spec = StudySpec.model_validate({"name": "s", "workload": "gone"}, context={"stored": True})
+    assert StudyInfo(name="s", state="running", spec=spec).spec.workload == "gone"  # not checked again
+
+
+# --- the allow-list ------------------------------------------------------------------------------
+
+
+def test_the_default_allow_list_is_the_builtin_workloads() -> None:
+    assert WorkerOptions().allowed_workloads() == ("ups",)
+    assert WorkerOptions(allow_workloads=("a", "b")).allowed_workloads() == ("a", "b")
+    assert WorkerOptions(allow_workloads=()).allowed_workloads() == ()
+
+
+def test_refusal_names_the_workload_and_the_fix(installed_plugin: Path) -> None:
+    assert refusal("ups", ("ups",)) is None
+    assert refusal(PLUGIN, ("ups", PLUGIN)) is None
+    message = refusal(PLUGIN, ("ups",))
+    assert message is not None and "'fakewl' is not allowed" in message and "--allow-workload fakewl" in message
+    message = refusal("ups", ())
+    assert message is not None and "allowed: none" in message
+    message = refusal("elsewhere", ("elsewhere",))
+    assert message is not None and "not installed" in message and ENTRY_POINT_GROUP in message
+    assert not installed_plugin.exists()
+
+
+# --- live: a real service and real workers ----------------------------------------------------------
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    yield procs
+    procs.stop_all()
+
+
+def _pythonpath(*dirs: Path) -> str:
+    return os.pathsep.join([*map(str, dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _refused_trial(service: LiveService, study: str, worker: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """The study's one trial once the worker (--max-trials 1) has finished it; it must be refused."""
+    assert worker.wait(timeout=180) == 0, log_text(worker)[-3000:]
+    trials = service.trials(study)
+    assert len(trials) == 1, trials
+    trial = trials[0]
+    assert trial["state"] == "FAIL" and trial["failure"]["kind"] == "refused", (trial, log_text(worker)[-3000:])
+    assert "refused" in log_text(worker)
+    assert service.get(f"/v1/studies/{study}")["failures"] == {"refused": 1}
+    return trial
+
+
+@pytest.mark.slow
+def test_workers_refuse_workloads_they_do_not_allow_or_have(processes: Processes, tmp_path: Path) -> None:
+    marker = tmp_path / "plugin-imported"
+    plugin_site = write_plugin(tmp_path / "plugin-site")  # the plugin, installed
+    module_only = write_module(tmp_path / "module-only")  # its module, importable but not registered
+    empty_data = tmp_path / "data"
+    empty_data.mkdir()
+    base_env = {"FAKEWL_MARKER": str(marker), "AUTOTUNE_DATA_DIR": str(empty_data)}
+    # the service knows the plugin's name (it accepts the studies); it never imports it
+    service = LiveService(processes, tmp_path / "autotune.db",
+                          env={**base_env, "PYTHONPATH": _pythonpath(plugin_site)}).start()
+    for name, workload, preset in (("ups-study", "ups", "tiny"), ("plugin-a", PLUGIN, "p"),
+                                   ("plugin-b", PLUGIN, "p"), ("plugin-c", PLUGIN, "p")):
+        service.submit(small_spec(name, n_trials=2, workload=workload, preset=preset))
+    assert service.post("/v1/studies", small_spec("x", workload="not-installed")).status_code == 422
+
+    def worker(study: str, *allow: str, pythonpath: Path | None = None) -> subprocess.Popen[bytes]:
+        env = {**base_env, **({"PYTHONPATH": _pythonpath(pythonpath)} if pythonpath else {})}
+        args = [arg for name in allow for arg in ("--allow-workload", name)]
+        return start_worker(processes, service.url, "--study", study, "--max-trials", "1", *args,
+                            log_name=f"worker-{study}.log", env=env)
+
+    not_allowed_builtin = worker("ups-study", PLUGIN)  # allows only the plugin
+    not_allowed_plugin = worker("plugin-a", pythonpath=plugin_site)  # has it, default allow-list
+    not_installed = worker("plugin-b", PLUGIN, pythonpath=module_only)  # allows it, has only the module
+
+    trial = _refused_trial(service, "ups-study", not_allowed_builtin)
+    message = trial["failure"]["message"]
+    assert "'ups' is not allowed on this worker (allowed: fakewl)" in message
+    assert "--allow-workload ups" in message
+    assert list(empty_data.iterdir()) == []  # no probe ran: the ups data was never generated
+
+    message = _refused_trial(service, "plugin-a", not_allowed_plugin)["failure"]["message"]
+    assert "'fakewl' is not allowed on this worker (allowed: ups)" in message
+    assert "--allow-workload fakewl" in message
+
+    message = _refused_trial(service, "plugin-b", not_installed)["failure"]["message"]
+    assert "'fakewl' is allowed but not installed" in message and ENTRY_POINT_GROUP in message
+
+    # nobody imported the plugin's module: not the service, not a worker, not a probe child
+    assert not marker.exists(), marker.read_text()
+
+    # the control: a worker that allows and has the plugin runs its probe, which imports it
+    runs_it = worker("plugin-c", PLUGIN, pythonpath=plugin_site)
+    assert runs_it.wait(timeout=180) == 0, log_text(runs_it)[-3000:]
+    wait_until(lambda: marker.exists(), 10, "the probe child's import of the plugin")
+    trial = service.trials("plugin-c")[0]
+    assert trial["state"] == "FAIL" and trial["failure"]["kind"] != "refused", trial
