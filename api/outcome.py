@@ -17,8 +17,8 @@ the samplers. So a failed probe is told to Optuna as **COMPLETE with worst-case 
 failure_message. Everything the service shows reads the failure attrs first
 (`api.results.service_state`): such a trial is FAIL in TrialInfo.state, in the counts by state
 and in the failures by kind, it is never feasible, and it is excluded from the Pareto front
-and the recommendation. (Trials *lost* by a silent worker stay Optuna FAIL: that says nothing
-about the config.)
+and the recommendation. (Trials *lost* by a silent worker, or *refused* by a worker that does
+not run their workload, stay Optuna FAIL: that says nothing about the config; both are re-run.)
 
 Every completed trial carries the constraint the samplers learn (≤ 0 feasible):
 ``constraint_value(nrmse, gate)``, or the larger of it and the memory constraint
@@ -46,6 +46,10 @@ RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "pea
                 "peak_mem_allocated_bytes", "data_wait_fraction", "samples_trained", "throughput_samples_per_s",
                 "val_nrmse", "window_throughputs", "loss_curve")
 MAX_MESSAGE = 2000
+# Failures that say nothing about the trial's config: the worker refused its workload (not on
+# its allow-list, or not installed there). Like a lost trial they stay Optuna FAIL and are re-run
+# by another worker (api/results.py may_retry).
+NOT_ABOUT_THE_CONFIG = ("refused",)
 WORST_NRMSE = 10.0  # the val_nrmse a failed trial is told with (with throughput 0)
 GIB = 2**30
 
@@ -115,6 +119,9 @@ def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, ga
 
     if result.get("failure"):
         kind, message = _failure(result["failure"])
+        if kind in NOT_ABOUT_THE_CONFIG:  # Optuna FAIL: the samplers ignore it; another worker re-runs it
+            attrs.update({"failure_kind": kind, "failure_message": message})
+            return TrialOutcome("FAIL", None, attrs)
         attrs.update(failed_attrs(kind, message))
         return TrialOutcome("COMPLETE", worst_values(spec), attrs)
     if result.get("stopped_early"):

@@ -71,9 +71,13 @@ def completed(trial: TrialRecord) -> bool:
     return service_state(trial) == "COMPLETE"
 
 
+RETRIED_KINDS = ("lost", "refused")
+
+
 def is_lost(trial: TrialRecord) -> bool:
-    """Failed because its worker went silent (the reaper), not because of its config."""
-    return trial.state == "FAIL" and trial.user_attrs.get("failure_kind") == "lost"
+    """Failed not because of its config: its worker went silent (the reaper: "lost") or did not
+    run its workload ("refused"). Such a trial is re-run by another worker (`may_retry`)."""
+    return trial.state == "FAIL" and trial.user_attrs.get("failure_kind") in RETRIED_KINDS
 
 
 def attempt_of(trial: TrialRecord) -> int:

@@ -458,8 +458,15 @@ class TuningService:
         # that lock could wait for a connection forever (pool exhausted by waiting leases).
         with self._worker_lock(request.worker_id):
             with self.db.transaction() as session:
-                if request.study is not None and crud.get_study(session, request.study) is None:
-                    raise NotFound(f"no study named {request.study!r}; GET /v1/studies lists them")
+                if request.study is not None:
+                    pinned = crud.get_study(session, request.study)
+                    if pinned is None:
+                        raise NotFound(f"no study named {request.study!r}; GET /v1/studies lists them")
+                    workload = _spec(pinned).workload
+                    if request.workloads is not None and workload not in request.workloads:
+                        raise Invalid("workloads", f"study {request.study!r} runs workload {workload!r}, which "
+                                      f"this worker does not run (it runs: {', '.join(request.workloads) or 'none'}); "
+                                      f"start the worker with --allow-workload {workload}, or pick another study")
                 held = crud.active_lease_of_worker(session, request.worker_id)
                 if held is not None:
                     record = crud.get_study(session, held.study_name)
@@ -473,6 +480,8 @@ class TuningService:
                     return None
             for candidate in candidates:
                 ctx = self._ctx(candidate)
+                if request.workloads is not None and ctx.spec.workload not in request.workloads:
+                    continue  # not offered: the worker would refuse it (its --allow-workload list)
                 with self._study_lock(ctx.name), self.db.transaction() as session:
                     # PostgreSQL: the study row stays locked until the lease is in, which serialises
                     # the trial count and the baseline choice across service processes

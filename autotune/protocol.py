@@ -228,6 +228,9 @@ class LeaseRequest(Strict):
     worker_id: Text = Field(..., min_length=1, max_length=200)
     hardware: Text = Field(..., min_length=1, max_length=200)
     study: str | None = Field(None, pattern=NAME_PATTERN)
+    workloads: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
+        None, max_length=100, description="the workloads this worker runs (its --allow-workload list): studies of "
+                                          "other workloads are not offered to it (None: any)")
 
 
 class TrialLease(BaseModel):

@@ -2,9 +2,12 @@
 
 One worker serves one device. The loop (`Worker.run`):
 
-lease     POST /v1/trials/lease with the worker's hardware class (and study, if given).
+lease     POST /v1/trials/lease with the worker's hardware class, its allow-list (the service
+          offers it only studies of those workloads; a --study of another workload is a 422
+          naming the fix) and the study, if given.
           204: nothing to do: wait with backoff (capped at 5 s); exit after `idle_exit_s`.
-refuse    a lease naming a workload that is not on the worker's allow-list (`--allow-workload`,
+refuse    the allow-list is the worker's own boundary, whatever the service sends: a lease
+          naming a workload that is not on the worker's allow-list (`--allow-workload`,
           default: the built-in workloads) or not installed here is completed at once as failed,
           kind "refused", with a message naming the workload and how to allow it. Nothing the
           lease names is imported: the check reads the registry's names (autotune.workloads),
@@ -418,7 +421,7 @@ class Worker:
         delay = IDLE_BACKOFF_START_S
         waiting_shown = False
         request = LeaseRequest(worker_id=self.worker_id, hardware=self.hardware.hardware_class,
-                               study=self.options.study)
+                               study=self.options.study, workloads=list(self.allowed))
         try:
             while not self.stop_event.is_set():
                 if self.options.max_trials is not None and self.trials_done >= self.options.max_trials:

@@ -181,7 +181,7 @@ def _refused_trial(service: LiveService, study: str, worker: subprocess.Popen[by
 
 
 @pytest.mark.slow
-def test_workers_refuse_workloads_they_do_not_allow_or_have(processes: Processes, tmp_path: Path) -> None:
+def test_workers_get_only_workloads_they_allow_and_refuse_what_they_lack(processes: Processes, tmp_path: Path) -> None:
     marker = tmp_path / "plugin-imported"
     plugin_site = write_plugin(tmp_path / "plugin-site")  # the plugin, installed
     module_only = write_module(tmp_path / "module-only")  # its module, importable but not registered
@@ -202,20 +202,25 @@ def test_workers_refuse_workloads_they_do_not_allow_or_have(processes: Processes
         return start_worker(processes, service.url, "--study", study, "--max-trials", "1", *args,
                             log_name=f"worker-{study}.log", env=env)
 
+    # a worker is offered only studies of the workloads it allows: pinned to another one, it is told why
     not_allowed_builtin = worker("ups-study", PLUGIN)  # allows only the plugin
     not_allowed_plugin = worker("plugin-a", pythonpath=plugin_site)  # has it, default allow-list
-    not_installed = worker("plugin-b", PLUGIN, pythonpath=module_only)  # allows it, has only the module
-
-    trial = _refused_trial(service, "ups-study", not_allowed_builtin)
-    message = trial["failure"]["message"]
-    assert "'ups' is not allowed on this worker (allowed: fakewl)" in message
-    assert "--allow-workload ups" in message
+    for proc, study, workload, allowed in ((not_allowed_builtin, "ups-study", "ups", PLUGIN),
+                                           (not_allowed_plugin, "plugin-a", PLUGIN, "ups")):
+        assert proc.wait(timeout=120) == 2, log_text(proc)[-3000:]
+        text = " ".join(log_text(proc).split())  # rich wraps long lines
+        assert f"runs workload '{workload}', which this worker does not run (it runs: {allowed})" in text, text
+        assert f"--allow-workload {workload}" in text
+        assert service.trials(study) == []  # nothing was leased, so nothing is failed
+    # unpinned, it is simply not offered them (and waits)
+    idle = start_worker(processes, service.url, "--allow-workload", "none-such", "--idle-exit", "2",
+                        log_name="worker-idle.log", env=base_env)
+    assert idle.wait(timeout=120) == 0 and "idle for" in log_text(idle), log_text(idle)[-3000:]
+    assert service.trials("ups-study") == [] and service.trials("plugin-a") == []
     assert list(empty_data.iterdir()) == []  # no probe ran: the ups data was never generated
 
-    message = _refused_trial(service, "plugin-a", not_allowed_plugin)["failure"]["message"]
-    assert "'fakewl' is not allowed on this worker (allowed: ups)" in message
-    assert "--allow-workload fakewl" in message
-
+    # allowed but not installed here: offered, and refused by the worker itself (its own boundary)
+    not_installed = worker("plugin-b", PLUGIN, pythonpath=module_only)  # allows it, has only the module
     message = _refused_trial(service, "plugin-b", not_installed)["failure"]["message"]
     assert "'fakewl' is allowed but not installed" in message and ENTRY_POINT_GROUP in message
 

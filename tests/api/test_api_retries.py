@@ -273,3 +273,38 @@ def test_a_lost_remeasurement_is_retried_and_the_study_waits_for_it(app: FastAPI
     study = client.get("/v1/studies/s").json()
     assert study["state"] == "finished" and study["best"]["remeasured"] is True
     assert study["best"]["throughput_samples_per_s"] == 190.0
+
+
+# --- workloads a worker does not run ---------------------------------------------------------
+
+
+def test_a_worker_is_offered_only_the_workloads_it_runs(client: TestClient) -> None:
+    assert client.post("/v1/studies", json={"name": "s", "baseline_seeds": 1}).status_code == 201
+    body = {"worker_id": "w", "hardware": "cpu", "workloads": ["other"]}
+    assert client.post("/v1/trials/lease", json=body).status_code == 204  # the ups study is not offered
+    r = client.post("/v1/trials/lease", json={**body, "study": "s"})
+    assert r.status_code == 422
+    detail = r.json()["detail"][0]
+    assert detail["loc"] == ["body", "workloads"]
+    assert "runs workload 'ups'" in detail["msg"] and "--allow-workload ups" in detail["msg"]
+    assert _trials(client) == {}  # nothing was created for a worker that cannot run it
+    r = client.post("/v1/trials/lease", json={**body, "workloads": ["other", "ups"]})
+    assert r.status_code == 200 and r.json()["workload"] == "ups"
+
+
+def test_a_refused_trial_is_not_taught_to_the_sampler_and_is_rerun(client: TestClient, app: FastAPI) -> None:
+    assert client.post("/v1/studies", json={"name": "s", "baseline_seeds": 1}).status_code == 201
+    first = lease(client, "old-worker")
+    assert first is not None
+    failure = {"kind": "refused", "message": "workload 'ups' is allowed but not installed on this worker"}
+    view = complete(client, first, "old-worker", failure=failure, throughput=None, nrmse=None)
+    assert view["state"] == "FAIL" and view["failure"]["kind"] == "refused"
+    assert _optuna_state(app, first["trial_id"]) == "FAIL"  # not COMPLETE with worst-case values
+    again = lease(client, "good-worker")
+    assert again is not None and again["role"] == "baseline" and again["config"] == first["config"]
+    assert again["probe"] == first["probe"]  # the same seed: the same measurement, re-run
+    complete(client, again, "good-worker")
+    trials = _trials(client)
+    assert trials[first["number"]]["retried_as"] == again["number"]
+    info = client.get("/v1/studies/s").json()
+    assert info["counts"].get("COMPLETE") == 1 and info["failures"] == {} and info["retried"] == 1
