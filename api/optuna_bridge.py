@@ -42,7 +42,7 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
-from autotune.protocol import OBJECTIVES, StudySpec
+from autotune.protocol import StudySpec
 from autotune.samplers import make_sampler
 from autotune.space import Space, SpaceError, suggest
 
@@ -190,13 +190,16 @@ def _record(trial: FrozenTrial) -> TrialRecord:
 
 
 def directions(spec: StudySpec) -> list[StudyDirection]:
-    """Optuna directions in the spec's objective order (throughput maximize, val_nrmse minimize)."""
-    return [StudyDirection[OBJECTIVES[o][1].upper()] for o in spec.objectives]
+    """Optuna directions in the spec's objective order (throughput maximize; quality: the study's
+    quality direction, StudySpec.quality_direction)."""
+    return [StudyDirection[d.upper()] for d in spec.objective_directions()]
 
 
 def metric_names(spec: StudySpec) -> list[str]:
-    """The names of the values Optuna stores, in objective order (e.g. throughput_samples_per_s)."""
-    return [OBJECTIVES[o][0] for o in spec.objectives]
+    """The names of the values Optuna stores, in objective order: throughput_samples_per_s and the
+    quality metric's own name (val_nrmse, val_loss, ...; "quality" for a plugin workload whose
+    metric the spec does not name)."""
+    return spec.objective_metric_names()
 
 
 def check_sampler_fits(spec: StudySpec, space: Space) -> None:

@@ -5,14 +5,21 @@ The mapping is explicit (one place, one function):
 * ``result["failure"]`` set           → *failed*: user attrs failure_kind / failure_message
 * ``result["stopped_early"]``         → PRUNED (pruned or stopped by the service; no values)
 * otherwise                           → COMPLETE with values in the study's objective order,
-  provided both throughput_samples_per_s (> 0) and val_nrmse are finite numbers: the
-  gate and the recommendation need both, whichever objectives the study optimises.
+  provided both throughput_samples_per_s (> 0) and the quality value are finite numbers:
+  the gate and the recommendation need both, whichever objectives the study optimises.
   Otherwise *failed* with kind "error" saying which value was bad.
+
+The quality value is ``result["quality"]`` (the workload's metric, named by
+``result["quality_metric"]``), or ``result["val_nrmse"]`` from a worker older than the
+generic field. A result whose metric name or direction differs from the study's
+(`StudySpec.quality`) fails with kind "error" naming both: a gate must never compare two
+different metrics. User attrs ``quality`` and ``quality_metric`` keep it (``val_nrmse``
+stays set for NRMSE workloads).
 
 Failed trials teach the sampler (a design choice): an OOM, crash, unsupported combination or
 timeout says something about its region of the space, and an Optuna FAIL is invisible to
 the samplers. So a failed probe is told to Optuna as **COMPLETE with worst-case values**
-(throughput 0, val_nrmse WORST_NRMSE) and the gate constraint
+(throughput 0, quality `worst_quality`) and the gate constraint
 ``autotune.gate.FAILED_CONSTRAINT`` (user attr ``constraint``), keeping failure_kind /
 failure_message. Everything the service shows reads the failure attrs first
 (`api.results.service_state`): such a trial is FAIL in TrialInfo.state, in the counts by state
@@ -44,20 +51,42 @@ from autotune.samplers import CONSTRAINT_ATTR
 # ProbeResult fields copied verbatim into user attrs
 RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
                 "peak_mem_allocated_bytes", "data_wait_fraction", "samples_trained", "throughput_samples_per_s",
-                "val_nrmse", "window_throughputs", "loss_curve")
+                "val_nrmse", "window_throughputs", "loss_curve", "quality_metric")
 MAX_MESSAGE = 2000
 # Failures that say nothing about the trial's config: the worker refused its workload (not on
-# its allow-list, or not installed there). Like a lost trial they stay Optuna FAIL and are re-run
-# by another worker (api/results.py may_retry).
-NOT_ABOUT_THE_CONFIG = ("refused",)
+# its allow-list, or not installed there), or was interrupted (SIGTERM/SIGINT: a preemption).
+# Like a lost trial they stay Optuna FAIL and are re-run by another worker (api/results.py
+# may_retry).
+NOT_ABOUT_THE_CONFIG = ("refused", "interrupted")
 WORST_NRMSE = 10.0  # the val_nrmse a failed trial is told with (with throughput 0)
+WORST_QUALITY = 1.0e4  # the magnitude for other metrics (a loss can exceed 10)
 GIB = 2**30
+
+
+def worst_quality(spec: StudySpec) -> float:
+    """The quality a failed trial is told with: WORST_NRMSE for NRMSE, else ±WORST_QUALITY
+    on the bad side of the study's direction."""
+    if spec.quality_metric == "val_nrmse":
+        return WORST_NRMSE
+    return WORST_QUALITY if spec.quality_direction == "minimize" else -WORST_QUALITY
 
 
 def worst_values(spec: StudySpec) -> list[float]:
     """The objective values a failed trial is told with (see the module docstring)."""
-    worst = {"throughput_samples_per_s": 0.0, "val_nrmse": WORST_NRMSE}
+    worst = {"throughput_samples_per_s": 0.0, "quality": worst_quality(spec)}
     return [worst[OBJECTIVES[o][0]] for o in spec.objectives]
+
+
+def quality_mismatch(result: Mapping[str, Any], spec: StudySpec) -> str | None:
+    """Why `result`'s quality cannot be judged by `spec`'s gate (another metric or direction), or None."""
+    metric, direction = result.get("quality_metric"), result.get("quality_direction")
+    if spec.quality_metric is not None and isinstance(metric, str) and metric != spec.quality_metric:
+        return (f"the workload reported quality metric {metric!r} but the study gates on {spec.quality_metric!r}; "
+                f"submit a study with quality: {{metric: {metric}}} (or fix the workload's quality_metric)")
+    if isinstance(direction, str) and direction != spec.quality_direction:
+        return (f"the workload's quality metric {metric!r} is to {direction} but the study's is to "
+                f"{spec.quality_direction}; submit a study with quality: {{direction: {direction}}}")
+    return None
 
 
 def failed_attrs(kind: str, message: str) -> dict[str, Any]:
@@ -72,9 +101,10 @@ def memory_constraint(peak_reserved_bytes: Any, spec: StudySpec) -> float | None
     return peak / GIB - spec.max_memory_gb
 
 
-def constraint_of(nrmse: float | None, peak_reserved_bytes: Any, spec: StudySpec, gate: float | None) -> float | None:
+def constraint_of(quality: float | None, peak_reserved_bytes: Any, spec: StudySpec, gate: float | None
+                  ) -> float | None:
     """The constraint a completed trial is told with; None when neither the gate nor a memory limit applies."""
-    parts = [c for c in (constraint_value(nrmse, gate) if gate is not None else None,
+    parts = [c for c in (constraint_value(quality, gate, spec.quality_direction) if gate is not None else None,
                          memory_constraint(peak_reserved_bytes, spec)) if c is not None]
     return max(parts) if parts else None
 
@@ -105,7 +135,7 @@ def _failure(failure: Any) -> tuple[str, str]:
 def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, gate: float | None = None,
                   baseline: bool = False) -> TrialOutcome:
     """The trial outcome for `result` (ProbeResult.to_dict()) reported by `worker_id`; `gate`:
-    the study's NRMSE threshold when known; `baseline`: the trial is a baseline seed."""
+    the study's quality threshold when known; `baseline`: the trial is a baseline seed."""
     attrs: dict[str, Any] = {k: result.get(k) for k in RESULT_ATTRS}
     attrs["worker_id"] = worker_id
     knobs = result.get("knobs")
@@ -127,19 +157,27 @@ def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, ga
     if result.get("stopped_early"):
         return TrialOutcome("PRUNED", None, attrs)
 
+    mismatch = quality_mismatch(result, spec)
+    if mismatch:
+        attrs.update(failed_attrs("error", mismatch))
+        return TrialOutcome("COMPLETE", worst_values(spec), attrs)
     throughput = _number(result.get("throughput_samples_per_s"))
-    nrmse = _number(result.get("val_nrmse"))
+    quality_key = "quality" if result.get("quality") is not None else "val_nrmse"  # older workers: val_nrmse
+    nrmse = _number(result.get(quality_key))
+    attrs["quality"] = nrmse
+    if not isinstance(attrs.get("quality_metric"), str):
+        attrs["quality_metric"] = spec.quality_metric or "val_nrmse"
     problems = []
     if throughput is None or throughput <= 0:
         problems.append(f"throughput_samples_per_s is {result.get('throughput_samples_per_s')!r}")
     if nrmse is None:
-        problems.append(f"val_nrmse is {result.get('val_nrmse')!r}")
+        problems.append(f"{attrs['quality_metric']} is {result.get(quality_key)!r}")
     if problems:
         attrs.update(failed_attrs("error", "the probe reported no failure but " + " and ".join(problems)
                                   + " (need finite numbers)"))
         return TrialOutcome("COMPLETE", worst_values(spec), attrs)
     assert throughput is not None and nrmse is not None
-    measured = {"throughput_samples_per_s": throughput, "val_nrmse": nrmse}
+    measured = {"throughput_samples_per_s": throughput, "quality": nrmse}
     values = [measured[OBJECTIVES[o][0]] for o in spec.objectives]
     constraint = constraint_of(None if baseline else nrmse, result.get("peak_mem_reserved_bytes"), spec,
                                None if baseline else gate)

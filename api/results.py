@@ -13,9 +13,12 @@ failures and the baseline), one that may still be retried is *pending*, and the 
 wait for pending ones as for running ones. Retries are not configurations: the study's
 budget (n_trials) counts first attempts only.
 
-Gate (autotune.gate): a completed trial is feasible iff its val_nrmse ≤ μ + max(abs_tol, k·σ)
-over the baseline seeds' NRMSE (and, with max_memory_gb, its peak reserved memory fits).
-Until every baseline has finished, feasibility is unknown (None).
+Gate (autotune.gate): a completed trial is feasible iff its quality q (the study's metric:
+val_nrmse for ups, val_loss for gpt, `StudySpec.quality_metric`) is within the gate,
+q ≤ μ + max(abs_tol, k·σ) over the baseline seeds' q (q ≥ μ − max(...) for a metric to
+maximize), and, with max_memory_gb, its peak reserved memory fits. Until every baseline has
+finished, feasibility is unknown (None). `quality_name` is the metric's name shown to users
+(the spec's, else the one the trials reported): a language model's loss is never called NRMSE.
 
 Failed probes are told to Optuna as COMPLETE with worst-case values (api/outcome.py); every
 view here reads `service_state`, which says FAIL for them.
@@ -38,6 +41,7 @@ import yaml
 from api.optuna_bridge import TrialRecord
 from autotune.config import KNOBS
 from autotune.gate import BaselineStats, Estimate, Gate
+from autotune.gate import is_feasible as gate_feasible
 from autotune.protocol import OBJECTIVES, Recommendation, StudySpec, TrialInfo
 
 GIB = 2**30
@@ -71,12 +75,13 @@ def completed(trial: TrialRecord) -> bool:
     return service_state(trial) == "COMPLETE"
 
 
-RETRIED_KINDS = ("lost", "refused")
+RETRIED_KINDS = ("lost", "refused", "interrupted")
 
 
 def is_lost(trial: TrialRecord) -> bool:
-    """Failed not because of its config: its worker went silent (the reaper: "lost") or did not
-    run its workload ("refused"). Such a trial is re-run by another worker (`may_retry`)."""
+    """Failed not because of its config: its worker went silent (the reaper: "lost"), did not
+    run its workload ("refused") or was stopped by a signal ("interrupted"). Such a trial is
+    re-run by another worker (`may_retry`)."""
     return trial.state == "FAIL" and trial.user_attrs.get("failure_kind") in RETRIED_KINDS
 
 
@@ -138,14 +143,31 @@ def first_attempts(trials: Sequence[TrialRecord]) -> list[TrialRecord]:
 
 
 def metric(trial: TrialRecord, spec: StudySpec, name: str) -> float | None:
-    """`name` (throughput_samples_per_s | val_nrmse) of a trial: its objective value, else its user attr.
+    """`name` (throughput_samples_per_s | quality) of a trial: its objective value, else its user
+    attr (quality: ``quality``, or ``val_nrmse`` of a trial stored before the generic field).
     None for a failed trial (its told values are the worst case, not a measurement)."""
     if trial.user_attrs.get("failure_kind"):
         return None
+    if name == "val_nrmse":
+        name = "quality"
     objective_names = [OBJECTIVES[o][0] for o in spec.objectives]
     if trial.values is not None and name in objective_names:
         return _finite(trial.values[objective_names.index(name)])
+    if name == "quality" and trial.user_attrs.get("quality") is None:
+        return _finite(trial.user_attrs.get("val_nrmse"))
     return _finite(trial.user_attrs.get(name))
+
+
+def quality_name(spec: StudySpec, trials: Sequence[TrialRecord] = ()) -> str:
+    """The study's quality metric name: the spec's, else the first one a trial reported (a
+    plugin workload's spec may not know it), else "quality"."""
+    if spec.quality_metric:
+        return spec.quality_metric
+    for t in trials:
+        reported = t.user_attrs.get("quality_metric")
+        if isinstance(reported, str) and reported and not t.user_attrs.get("failure_kind"):
+            return reported
+    return "quality"
 
 
 def baselines(trials: Sequence[TrialRecord]) -> list[TrialRecord]:
@@ -159,7 +181,7 @@ def baseline_of(trials: Sequence[TrialRecord]) -> TrialRecord | None:
 
 @dataclass(frozen=True)
 class BaselineSummary:
-    nrmse: BaselineStats | None
+    quality: BaselineStats | None  # the baseline seeds' quality metric
     throughput: float | None  # mean over the completed seeds
     finished: bool  # every baseline seed has finished
     failures: list[str]
@@ -172,25 +194,28 @@ def baseline_summary(spec: StudySpec, trials: Sequence[TrialRecord]) -> Baseline
     seeds = baselines(trials)
     runs = [t for t in seeds if not state.superseded(t)]
     done = [t for t in runs if completed(t)]
-    nrmses = [v for t in done if (v := metric(t, spec, "val_nrmse")) is not None]
+    nrmses = [v for t in done if (v := metric(t, spec, "quality")) is not None]
     thrs = [v for t in done if (v := metric(t, spec, "throughput_samples_per_s")) is not None]
     failures = [f"trial {t.number}: {service_state(t)}"
                 + (f" ({t.user_attrs.get('failure_kind')}: {t.user_attrs.get('failure_message')})"
                    if t.user_attrs.get("failure_kind") else "") for t in runs if t.finished and not completed(t)]
-    return BaselineSummary(nrmse=BaselineStats.from_values(nrmses) if nrmses else None,
+    return BaselineSummary(quality=BaselineStats.from_values(nrmses) if nrmses else None,
                            throughput=statistics.fmean(thrs) if thrs else None,
                            finished=len(first_attempts(seeds)) >= spec.baseline_seeds
                            and all(state.settled(t) for t in runs),
                            failures=failures)
 
 
-def gate_nrmse(spec: StudySpec, trials: Sequence[TrialRecord]) -> float | None:
-    """The largest val_nrmse a feasible trial may have; None until every baseline seed has
-    finished (or when none of them completed)."""
+def gate_quality(spec: StudySpec, trials: Sequence[TrialRecord]) -> float | None:
+    """The worst quality a feasible trial may have (the largest when minimizing, the smallest
+    when maximizing); None until every baseline seed has finished (or when none completed)."""
     summary = baseline_summary(spec, trials)
-    if not summary.finished or summary.nrmse is None:
+    if not summary.finished or summary.quality is None:
         return None
-    return Gate(spec.gate.abs_tol, spec.gate.k).threshold(summary.nrmse)
+    return Gate(spec.gate.abs_tol, spec.gate.k).threshold(summary.quality, spec.quality_direction)
+
+
+gate_nrmse = gate_quality  # the name from before quality was generalised (api/service.py uses it)
 
 
 def fits_memory(trial: TrialRecord, spec: StudySpec) -> bool:
@@ -202,12 +227,17 @@ def is_feasible(trial: TrialRecord, spec: StudySpec, gate: float | None) -> bool
     """True/False once both the gate and the trial's outcome are known, else None."""
     if gate is None or not trial.finished:
         return None
-    nrmse = metric(trial, spec, "val_nrmse")
-    return completed(trial) and nrmse is not None and nrmse <= gate and fits_memory(trial, spec)
+    quality = metric(trial, spec, "quality")
+    return (completed(trial) and bool(gate_feasible(quality, gate, spec.quality_direction))
+            and fits_memory(trial, spec))
 
 
-def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: int | None = None) -> TrialInfo:
-    """The wire view of `trial`; `retry`: the number of the trial that re-runs it (a lost trial)."""
+def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: int | None = None,
+               quality_metric: str | None = None) -> TrialInfo:
+    """The wire view of `trial`; `retry`: the number of the trial that re-runs it (a lost trial);
+    `quality_metric`: the study's metric name (default: `quality_name` of this trial)."""
+    name = quality_metric or quality_name(spec, [trial])
+    quality = metric(trial, spec, "quality")
     attrs = trial.user_attrs
     failure = None
     if attrs.get("failure_kind"):
@@ -221,7 +251,8 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         config=config if isinstance(config, dict) else None,
         values=None if failed else trial.values,
         throughput_samples_per_s=metric(trial, spec, "throughput_samples_per_s"),
-        val_nrmse=metric(trial, spec, "val_nrmse"), feasible=is_feasible(trial, spec, gate), failure=failure,
+        val_nrmse=quality if name == "val_nrmse" else None, quality=quality, quality_metric=name,
+        feasible=is_feasible(trial, spec, gate), failure=failure,
         worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
         prune_reason=str(prune_reason) if prune_reason else None,
         remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None, duration_s=trial.duration_s,
@@ -233,9 +264,10 @@ def trial_infos(trials: Sequence[TrialRecord], spec: StudySpec, all_trials: Sequ
                 ) -> list[TrialInfo]:
     """Views of `trials`; the gate comes from `all_trials` (default: `trials`)."""
     every = all_trials if all_trials is not None else trials
-    gate = gate_nrmse(spec, every)
+    gate = gate_quality(spec, every)
     links = retried_as(every)
-    return [trial_info(t, spec, gate, links.get(t.number)) for t in trials]
+    name = quality_name(spec, every)
+    return [trial_info(t, spec, gate, links.get(t.number), name) for t in trials]
 
 
 def counts_by_state(trials: Sequence[TrialRecord]) -> dict[str, int]:
@@ -260,7 +292,7 @@ def failures_by_kind(trials: Sequence[TrialRecord]) -> dict[str, int]:
 
 def pareto_front(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialRecord]:
     """The non-dominated completed trials (failed ones excluded), by number."""
-    signs = [1.0 if OBJECTIVES[o][1] == "maximize" else -1.0 for o in spec.objectives]
+    signs = [1.0 if direction == "maximize" else -1.0 for direction in spec.objective_directions()]
     points = [(t, [s * v for s, v in zip(signs, t.values, strict=True)]) for t in trials
               if completed(t) and t.values is not None and all(math.isfinite(v) for v in t.values)]
 
@@ -291,9 +323,10 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
 def baseline_failed_message(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> str | None:
     """A message when every baseline seed finished without a result (the gate cannot be set)."""
     summary = baseline_summary(spec, trials)
-    if summary.finished and summary.nrmse is None:
+    if summary.finished and summary.quality is None:
         return (f"study {study_name!r} cannot recommend anything: every baseline run failed "
-                f"({'; '.join(summary.failures)}); the quality gate needs the baseline's val_nrmse. "
+                f"({'; '.join(summary.failures)}); the quality gate needs the baseline's "
+                f"{quality_name(spec, trials)}. "
                 "Fix the baseline config (spec.baseline) and submit a new study")
     return None
 
@@ -320,8 +353,8 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         waiting = [t.number for t in runs if not t.finished or state.is_pending(t)]
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: the baseline runs "
                                f"({len(runs)}/{spec.baseline_seeds} started; waiting for trials {waiting}) have not "
-                               "all finished; the quality gate needs their val_nrmse")
-    gate = gate_nrmse(spec, trials)
+                               f"all finished; the quality gate needs their {quality_name(spec, trials)}")
+    gate = gate_quality(spec, trials)
     remeasured: dict[int, TrialRecord] = {}
     dropped: set[int] = set()
     state = retries(spec, trials)
@@ -347,15 +380,21 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
     config = best.user_attrs.get("config") or {}
     peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
     base_thr = summary.throughput
-    assert summary.nrmse is not None
+    assert summary.quality is not None
+    name = quality_name(spec, trials)
+    nrmse = name == "val_nrmse"  # the val_nrmse fields are set for NRMSE only: a loss is not an NRMSE
+    quality = metric(best, spec, "quality")
     return Recommendation(
         study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=best.number,
-        throughput_samples_per_s=throughput, val_nrmse=metric(best, spec, "val_nrmse") or 0.0,
-        baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=summary.nrmse.mean,
-        speedup=throughput / base_thr if base_thr else None, gate_nrmse=gate,
+        throughput_samples_per_s=throughput, val_nrmse=quality if nrmse else None,
+        baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=summary.quality.mean if nrmse else None,
+        speedup=throughput / base_thr if base_thr else None, gate_nrmse=gate if nrmse else None,
+        quality_metric=name, quality_direction=spec.quality_direction, quality=quality,
+        baseline_quality=summary.quality.mean, baseline_quality_std=summary.quality.std, gate_quality=gate,
         peak_mem_reserved_bytes=int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None,
         throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
-        remeasured=run is not best, baseline_val_nrmse_std=summary.nrmse.std, baseline_seeds=summary.nrmse.n,
+        remeasured=run is not best, baseline_val_nrmse_std=summary.quality.std if nrmse else None,
+        baseline_seeds=summary.quality.n,
     )
 
 
@@ -368,11 +407,14 @@ def recommendation_yaml(rec: Recommendation) -> str:
         speedup = f"{rec.speedup:.2f}x" if rec.speedup is not None else "n/a"
         lines.append(f"# baseline throughput: {rec.baseline_throughput_samples_per_s:.1f} samples/s "
                      f"(speedup {speedup})")
-    gate = f" (gate: <= {rec.gate_nrmse:.6g})" if rec.gate_nrmse is not None else ""
-    base = "n/a" if rec.baseline_val_nrmse is None else f"{rec.baseline_val_nrmse:.6g}"
-    if rec.baseline_val_nrmse_std is not None and rec.baseline_seeds > 1:
-        base += f" ± {rec.baseline_val_nrmse_std:.2g} over {rec.baseline_seeds} seeds"
-    lines.append(f"# val_nrmse: {rec.val_nrmse:.6g}{gate}; baseline val_nrmse: {base}")
+    name = rec.quality_metric
+    side = "<=" if rec.quality_direction == "minimize" else ">="
+    gate = f" (gate: {side} {rec.gate_quality:.6g})" if rec.gate_quality is not None else ""
+    base = "n/a" if rec.baseline_quality is None else f"{rec.baseline_quality:.6g}"
+    if rec.baseline_quality_std is not None and rec.baseline_seeds > 1:
+        base += f" ± {rec.baseline_quality_std:.2g} over {rec.baseline_seeds} seeds"
+    value = "n/a" if rec.quality is None else f"{rec.quality:.6g}"
+    lines.append(f"# {name}: {value}{gate}; baseline {name}: {base}")
     if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
         lines.append(f"# throughput 95% CI: {rec.throughput_ci_low:.1f}–{rec.throughput_ci_high:.1f} samples/s"
                      f"{' (re-measured)' if rec.remeasured else ''}")

@@ -446,7 +446,10 @@ class TuningService:
 
         Idempotent per worker: a worker holding an active lease gets that trial back. Only
         running studies of exactly the worker's hardware class are considered (oldest first;
-        only `request.study` when given, NotFound if it does not exist). A study hands out its
+        only `request.study` when given, NotFound if it does not exist), and of those only the
+        ones whose workload the worker runs and whose gpus_per_trial equals the worker's (a
+        pinned study that fails either is Invalid, naming the field and the worker option that
+        fixes it). A study hands out its
         baseline seeds first, nothing else until they have all finished (the gate), then search
         trials up to n_trials in all, then the re-measurements of its top configs; the retries
         of lost trials before anything else (`_plan`).
@@ -467,6 +470,11 @@ class TuningService:
                         raise Invalid("workloads", f"study {request.study!r} runs workload {workload!r}, which "
                                       f"this worker does not run (it runs: {', '.join(request.workloads) or 'none'}); "
                                       f"start the worker with --allow-workload {workload}, or pick another study")
+                    world = _spec(pinned).gpus_per_trial
+                    if world != request.gpus_per_trial:
+                        raise Invalid("gpus_per_trial", f"study {request.study!r} runs each trial on {world} GPU(s) "
+                                      f"(gpus_per_trial) and this worker on {request.gpus_per_trial}; start the "
+                                      f"worker with --gpus-per-trial {world}, or pick another study")
                 held = crud.active_lease_of_worker(session, request.worker_id)
                 if held is not None:
                     record = crud.get_study(session, held.study_name)
@@ -482,6 +490,8 @@ class TuningService:
                 ctx = self._ctx(candidate)
                 if request.workloads is not None and ctx.spec.workload not in request.workloads:
                     continue  # not offered: the worker would refuse it (its --allow-workload list)
+                if ctx.spec.gpus_per_trial != request.gpus_per_trial:
+                    continue  # not offered: its probes span another number of GPUs than this worker's
                 with self._study_lock(ctx.name), self.db.transaction() as session:
                     # PostgreSQL: the study row stays locked until the lease is in, which serialises
                     # the trial count and the baseline choice across service processes

@@ -1,3 +1,22 @@
-"""autotune: find the fastest PyTorch training configuration that keeps model quality."""
+"""autotune: find the fastest PyTorch training configuration that keeps model quality.
+
+``autotune.apply(config, model, optimizer=..., train_loader=..., loss_fn=...)`` applies a
+recommended config to your own training loop, and ``autotune.load_config("best.yaml")``
+reads one (autotune/apply.py). Both are imported on first use: ``import autotune`` does not
+import torch (the service and the worker read the package without it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("apply", "load_config", "Prepared", "ApplyError"):
+        import importlib
+
+        module = importlib.import_module("autotune.apply")  # callable: autotune.apply(...) is apply(...)
+        return module if name == "apply" else getattr(module, name)
+    raise AttributeError(f"module 'autotune' has no attribute {name!r}")

@@ -56,7 +56,7 @@ def print_probe_result(result: Any, console: Console) -> None:
         ("throughput", "-" if result.throughput_samples_per_s is None else
          f"{result.throughput_samples_per_s:,.1f} samples/s (spread {result.throughput_spread:.1%}, "
          f"{len(result.window_throughputs)} windows × {result.window_steps} steps)"),
-        (result.quality_metric, "-" if result.val_nrmse is None else f"{result.val_nrmse:.4f}"),
+        (result.quality_metric, "-" if result.quality is None else f"{result.quality:.4f}"),
         ("warm-up", "-" if result.warmup_s is None else f"{result.warmup_s:.2f} s ({result.warmup_steps} steps)"),
         ("setup", "-" if result.setup_s is None else f"{result.setup_s:.2f} s"),
         ("data wait", "-" if result.data_wait_fraction is None else f"{result.data_wait_fraction:.1%}"),
@@ -160,7 +160,9 @@ def _num(value: float | None, fmt: str) -> str:
 KNOB_ABBREVIATIONS = {"batch_size": "bs", "accum_steps": "acc", "inverse_loss_frequency": "ilf", "checkpoint": "ckpt",
                       "num_workers": "nw", "prefetch_factor": "pf", "fused_optimizer": "fused",
                       "cudnn_benchmark": "cudnn", "pin_memory": "pin", "persistent_workers": "persist",
-                      "bucket_cap_mb": "bucket"}
+                      "bucket_cap_mb": "bucket", "no_sync_accumulation": "nosync", "static_graph": "static",
+                      "gradient_as_bucket_view": "gabv", "nccl_nsocks_perthread": "nsocks",
+                      "nccl_socket_nthreads": "sockthr", "nccl_min_nchannels": "nchan"}
 KNOBS_LEGEND = "bs batch_size · acc accum_steps · ilf inverse_loss_frequency · ckpt checkpoint · nw num_workers · " \
                "pf prefetch_factor"
 
@@ -201,8 +203,10 @@ def studies_table(studies: list[StudyInfo]) -> Table:
 
 def trials_table(trials: list[TrialInfo], title: str) -> Table:
     table = Table(title=title, caption=KNOBS_LEGEND)
-    for column in ("#", "state", "samples/s", "NRMSE", "feasible", "failure"):
-        table.add_column(column, justify="right" if column in ("#", "samples/s", "NRMSE") else "left", no_wrap=True)
+    metric = next((t.quality_metric for t in trials if t.quality_metric), "val_nrmse")
+    quality = "NRMSE" if metric == "val_nrmse" else metric  # a language model's loss is not an NRMSE
+    for column in ("#", "state", "samples/s", quality, "feasible", "failure"):
+        table.add_column(column, justify="right" if column in ("#", "samples/s", quality) else "left", no_wrap=True)
     table.add_column("params")
     colors = {"COMPLETE": "green", "FAIL": "red", "PRUNED": "yellow", "RUNNING": "cyan"}
     for t in sorted(trials, key=lambda t: t.number):
@@ -214,7 +218,7 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
         if t.prune_reason and t.state == "PRUNED":
             failure = "pruned"
-        table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.val_nrmse, ".4f"),
+        table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.quality, ".4f"),
                       feasible, failure, params)
     return table
 
@@ -230,16 +234,18 @@ def recommendation_table(rec: Recommendation) -> Table:
         table.add_row("95% CI", f"{rec.throughput_ci_low:,.1f} – {rec.throughput_ci_high:,.1f} samples/s "
                       + ("(re-measured with a longer probe)" if rec.remeasured else "(over the trial's windows)"))
     table.add_row("speedup", "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline")
-    if rec.baseline_val_nrmse is None:
-        nrmse_vs = ""
+    name = "val NRMSE" if rec.quality_metric == "val_nrmse" else rec.quality_metric
+    if rec.baseline_quality is None or rec.quality is None:
+        quality_vs = ""
     else:
-        spread = f" ± {rec.baseline_val_nrmse_std:.4f}" if rec.baseline_val_nrmse_std is not None else ""
+        spread = f" ± {rec.baseline_quality_std:.4f}" if rec.baseline_quality_std is not None else ""
         seeds = f" over {rec.baseline_seeds} seed{'s' if rec.baseline_seeds != 1 else ''}" if rec.baseline_seeds else ""
-        nrmse_vs = (f" (baseline {rec.baseline_val_nrmse:.4f}{spread}{seeds}, "
-                    f"{rec.val_nrmse - rec.baseline_val_nrmse:+.4f})")
-    table.add_row("val NRMSE", f"{rec.val_nrmse:.4f}{nrmse_vs}")
-    if rec.gate_nrmse is not None:
-        table.add_row("quality gate", f"NRMSE <= {rec.gate_nrmse:.4f}")
+        quality_vs = (f" (baseline {rec.baseline_quality:.4f}{spread}{seeds}, "
+                      f"{rec.quality - rec.baseline_quality:+.4f})")
+    table.add_row(name, ("-" if rec.quality is None else f"{rec.quality:.4f}") + quality_vs)
+    if rec.gate_quality is not None:
+        side = "<=" if rec.quality_direction == "minimize" else ">="
+        table.add_row("quality gate", f"{name} {side} {rec.gate_quality:.4f}")
     table.add_row("peak memory", "n/a (not measured on this device)" if rec.peak_mem_reserved_bytes is None
                   else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB reserved")
     for knob, value in rec.config.items():
@@ -448,8 +454,13 @@ def worker(
     token: TokenOption = None,
     study: Annotated[str | None, typer.Option(help="Serve only this study (default: any study of this "
                                                    "hardware class).")] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
-    max_trials: Annotated[int | None, typer.Option(help="Exit after this many trials.", min=1)] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or cuda:N,M,... (several GPUs: split into groups "
+                                             "of --gpus-per-trial, one lease loop each).")] = "cpu",
+    gpus_per_trial: Annotated[int, typer.Option(help="GPUs per trial (torchrun + DDP/FSDP2 on this host; with "
+                                                     "--device cpu: gloo processes). Only studies with this "
+                                                     "gpus_per_trial are leased.", min=1, max=64)] = 1,
+    max_trials: Annotated[int | None, typer.Option(help="Exit after this many trials (per GPU group).",
+                                                   min=1)] = None,
     idle_exit: Annotated[float | None, typer.Option(help="Exit after this many seconds without work "
                                                          "(default: never).", min=0)] = None,
     worker_id: Annotated[str | None, typer.Option(help="Worker id (default: hostname-pid-device).")] = None,
@@ -459,8 +470,9 @@ def worker(
                                                      "workers on one CPU host use cores // workers).",
                                                 min=1)] = None,
     allow_workload: Annotated[list[str] | None, typer.Option(
-        "--allow-workload", metavar="NAME",
-        help="Run trials of this workload (repeatable; default: every built-in workload). A trial of any "
+        "--allow-workload", metavar="NAME[=module:attr]",
+        help="Run trials of this workload (repeatable; default: every built-in workload). NAME=module:attr "
+             "also defines it: the probe children import module:attr for studies naming NAME. A trial of any "
              "other workload is refused: completed as failed (kind 'refused') without running anything.")] = None,
 ) -> None:
     """Pull trials from the service and run their probes, one child process per trial.
@@ -472,6 +484,7 @@ def worker(
 
     options = WorkerOptions(api=api, token=token, study=study, device=device, max_trials=max_trials,
                             idle_exit_s=idle_exit, worker_id=worker_id, heartbeat_s=heartbeat, threads=threads,
+                            gpus_per_trial=gpus_per_trial,
                             allow_workloads=tuple(dict.fromkeys(allow_workload)) if allow_workload else None)
     try:
         code = run_worker(options)
@@ -521,7 +534,9 @@ def submit(
     console.print(f"created study [bold]{info.name}[/] ({info.state}): {info.spec.workload}/{info.spec.preset}, "
                   f"space {space}, {info.spec.n_trials} trials, sampler {info.spec.sampler}, "
                   f"hardware {info.spec.hardware}", highlight=False, soft_wrap=True)
-    console.print(f"start workers: autotune worker --api {api} --study {info.name}\n"
+    gpus = info.spec.gpus_per_trial
+    per_trial = f" --gpus-per-trial {gpus}" if gpus > 1 else ""
+    console.print(f"start workers: autotune worker --api {api} --study {info.name}{per_trial}\n"
                   f"watch it:      autotune status {info.name} --api {api}", highlight=False, soft_wrap=True)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CHECKPOINT_MODES = ("none", "block", "attn", "mlp", "selective")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+PARALLEL_MODES = ("ddp", "fsdp2")
 
 
 class ConfigError(ValueError):
@@ -103,6 +104,21 @@ KNOBS: dict[str, Knob] = {
         Knob("compile", str, "none", "torch.compile mode (none = eager)", choices=COMPILE_MODES),
         Knob("bucket_cap_mb", float, 25.0, "DDP gradient bucket size in MiB (live only with world size > 1)",
              minimum=0.001, maximum=4096.0),
+        Knob("parallel", str, "ddp", "data parallelism over the trial's GPUs: ddp (DistributedDataParallel) | "
+             "fsdp2 (fully_shard); live only with world size > 1", choices=PARALLEL_MODES),
+        Knob("gradient_as_bucket_view", bool, False, "DDP: gradients are views into the all-reduce buckets "
+             "(saves a copy and memory; world size > 1, parallel=ddp)", choices=(False, True)),
+        Knob("static_graph", bool, False, "DDP static_graph=True: the used parameters never change between "
+             "iterations (world size > 1, parallel=ddp)", choices=(False, True)),
+        Knob("no_sync_accumulation", bool, True, "skip the gradient all-reduce on all but the last micro-batch "
+             "of an optimizer step (DDP no_sync / FSDP2 set_requires_gradient_sync; world size > 1)",
+             choices=(False, True)),
+        Knob("nccl_nsocks_perthread", int, None, "NCCL_NSOCKS_PERTHREAD for the launch (null: unset; NCCL's "
+             "socket transport, world size > 1)", minimum=1, maximum=64, nullable=True),
+        Knob("nccl_socket_nthreads", int, None, "NCCL_SOCKET_NTHREADS for the launch (null: unset; NCCL's "
+             "socket transport, world size > 1)", minimum=1, maximum=16, nullable=True),
+        Knob("nccl_min_nchannels", int, None, "NCCL_MIN_NCHANNELS for the launch (null: unset; world size > 1)",
+             minimum=1, maximum=32, nullable=True),
         Knob("fused_optimizer", bool, False, "AdamW implementation: true = fused kernel, false = foreach",
              choices=(False, True)),
         Knob("batch_size", int, None, "micro-batch size (default: the workload preset's)", minimum=1, maximum=65536,
@@ -137,6 +153,13 @@ class TrainConfig:
     checkpoint: str = "none"
     compile: str = "none"
     bucket_cap_mb: float = 25.0
+    parallel: str = "ddp"
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    no_sync_accumulation: bool = True
+    nccl_nsocks_perthread: int | None = None
+    nccl_socket_nthreads: int | None = None
+    nccl_min_nchannels: int | None = None
     fused_optimizer: bool = False
     batch_size: int | None = None
     accum_steps: int | None = None
@@ -167,6 +190,17 @@ class TrainConfig:
 
 
 assert set(KNOBS) == {f.name for f in dataclasses.fields(TrainConfig)}, "KNOBS and TrainConfig disagree"
+
+
+# The knobs that act only when a trial spans several processes (world size > 1: DDP or FSDP2
+# over the trial's GPUs). A single-process probe records them as inactive, and a search space
+# may declare them only for a study of gpus_per_trial > 1 (autotune.space.validate_for).
+DISTRIBUTED_KNOBS = ("bucket_cap_mb", "parallel", "gradient_as_bucket_view", "static_graph", "no_sync_accumulation",
+                     "nccl_nsocks_perthread", "nccl_socket_nthreads", "nccl_min_nchannels")
+
+# NCCL environment knobs → the variable set on the launch (unset when the knob is null).
+NCCL_ENV_KNOBS = {"nccl_nsocks_perthread": "NCCL_NSOCKS_PERTHREAD", "nccl_socket_nthreads": "NCCL_SOCKET_NTHREADS",
+                  "nccl_min_nchannels": "NCCL_MIN_NCHANNELS"}
 
 
 # The knobs `check_rules` reads: a search space is checked over every combination of these

@@ -1,9 +1,11 @@
 """The quality gate: which trials keep the model's quality.
 
-A study's baseline (the user's current config) runs with R seeds. With their NRMSE mean μ
-and sample standard deviation σ, a trial is *feasible* iff it completed and
+A study's baseline (the user's current config) runs with R seeds. With the mean μ and sample
+standard deviation σ of their quality metric q (the workload's: NRMSE for `ups`, validation
+loss for `gpt`), a trial is *feasible* iff it completed and
 
-    NRMSE ≤ μ + max(abs_tol, k · σ)
+    q ≤ μ + max(abs_tol, k · σ)      for a metric to minimize (the default)
+    q ≥ μ − max(abs_tol, k · σ)      for a metric to maximize (an accuracy)
 
 abs_tol = 0.01 follows the source research's gate (validation NRMSE ≤ baseline + 0.01);
 the k · σ term widens it where the baseline's own seed-to-seed spread is larger, so the
@@ -21,12 +23,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-FAILED_CONSTRAINT = 1.0e3  # constraint value of a trial that produced no NRMSE (OOM, crash, …)
+FAILED_CONSTRAINT = 1.0e3  # constraint value of a trial that produced no quality value (OOM, crash, …)
+DIRECTIONS = ("minimize", "maximize")
 
 
 @dataclass(frozen=True)
 class BaselineStats:
-    """NRMSE of the baseline over its seeds."""
+    """The quality metric of the baseline over its seeds."""
 
     mean: float
     std: float  # sample standard deviation (0 with one seed)
@@ -36,7 +39,7 @@ class BaselineStats:
     def from_values(cls, values: Sequence[float]) -> BaselineStats:
         finite = [v for v in values if v is not None and math.isfinite(v)]
         if not finite:
-            raise ValueError("the baseline has no finite NRMSE: the gate cannot be set")
+            raise ValueError("the baseline has no finite quality value: the gate cannot be set")
         std = statistics.stdev(finite) if len(finite) > 1 else 0.0
         return cls(mean=statistics.fmean(finite), std=std, n=len(finite))
 
@@ -46,27 +49,37 @@ class Gate:
     abs_tol: float = 0.01
     k: float = 2.0
 
-    def threshold(self, baseline: BaselineStats) -> float:
-        """The largest NRMSE a feasible trial may have."""
-        return baseline.mean + max(self.abs_tol, self.k * baseline.std)
+    def threshold(self, baseline: BaselineStats, direction: str = "minimize") -> float:
+        """The worst quality a feasible trial may have: the largest when minimizing, the smallest
+        when maximizing."""
+        _check_direction(direction)
+        sign = 1.0 if direction == "minimize" else -1.0
+        return baseline.mean + sign * max(self.abs_tol, self.k * baseline.std)
 
     def margin(self, baseline: BaselineStats) -> float:
         """How far above the baseline mean the gate lies (the larger of the two terms)."""
         return max(self.abs_tol, self.k * baseline.std)
 
 
-def constraint_value(nrmse: float | None, threshold: float) -> float:
-    """Optuna constraint: ≤ 0 feasible; the NRMSE excess otherwise; FAILED_CONSTRAINT without NRMSE."""
-    if nrmse is None or not math.isfinite(nrmse):
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"quality direction {direction!r} is not one of {', '.join(DIRECTIONS)}")
+
+
+def constraint_value(quality: float | None, threshold: float, direction: str = "minimize") -> float:
+    """Optuna constraint: ≤ 0 feasible; how far `quality` is on the wrong side of the threshold
+    otherwise; FAILED_CONSTRAINT without a quality value."""
+    _check_direction(direction)
+    if quality is None or not math.isfinite(quality):
         return FAILED_CONSTRAINT
-    return nrmse - threshold
+    return quality - threshold if direction == "minimize" else threshold - quality
 
 
-def is_feasible(nrmse: float | None, threshold: float | None) -> bool | None:
+def is_feasible(quality: float | None, threshold: float | None, direction: str = "minimize") -> bool | None:
     """True/False once the gate is known; None while the baseline has not finished."""
     if threshold is None:
         return None
-    return nrmse is not None and math.isfinite(nrmse) and nrmse <= threshold
+    return quality is not None and math.isfinite(quality) and constraint_value(quality, threshold, direction) <= 0
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,17 @@ The probe applies them in this order (each function checks its own preconditions
 2. ``apply_checkpointing``   activation-checkpoint granularity on the model's blocks
 3. model moved to the device
 4. ``apply_fp8``             torchao float8 training (precision=fp8 only; before compile)
-5. ``apply_compile``         torch.compile with the chosen mode (wraps the whole loss)
-6. ``apply_ddp``             DDP with bucket_cap_mb (inactive in a single-process probe)
+5. ``apply_ddp``             DDP (bucket_cap_mb, gradient_as_bucket_view, static_graph) or
+                             FSDP2 fully_shard over the ranks (inactive in a single-process probe)
+6. ``apply_compile``         torch.compile with the chosen mode (wraps the whole loss, and the
+                             DDP module: dynamo's DDPOptimizer splits graphs at bucket boundaries)
 7. ``build_optimizer``       AdamW, fused or foreach
 8. ``build_loader``          DataLoader workers / prefetch / pin_memory / persistent workers
-9. ``Trainer``               autocast + GradScaler, accumulation, inverse-loss frequency
+9. ``Trainer``               autocast + GradScaler, accumulation (no_sync on all but the last
+                             micro-batch with several ranks), inverse-loss frequency
+
+The NCCL knobs are environment variables, set on the launch (`autotune.distributed`) before
+any rank starts; `apply_ddp` records them.
 
 Every function returns what it built and records in ``notes`` what it did, or why it was
 inactive, so a ProbeResult says which knobs actually changed the run.
@@ -21,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +120,117 @@ def apply_fp8(model: nn.Module, config: TrainConfig, device: torch.device, notes
     return model
 
 
-# -- 5. compile ---------------------------------------------------------------------------
+# -- 5. DDP / FSDP2 -----------------------------------------------------------------------
+
+def world_size() -> int:
+    """Processes in this probe: the default process group's size, 1 when there is none."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def record_inactive_distributed(config: TrainConfig, notes: Notes, why: str) -> None:
+    """Note every distributed knob as inactive (`why`: e.g. 'world size 1')."""
+    from autotune.config import DISTRIBUTED_KNOBS
+
+    for name in DISTRIBUTED_KNOBS:
+        notes[name] = f"{_shown(getattr(config, name))} (inactive: {why})"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "unset" if value is None else str(value)
+
+
+def _record_nccl(config: TrainConfig, device: torch.device, notes: Notes) -> None:
+    """The NCCL knobs are environment variables set on the launch (autotune.distributed);
+    here they are only recorded, with whether NCCL is the backend at all."""
+    from autotune.config import NCCL_ENV_KNOBS
+
+    for name, variable in NCCL_ENV_KNOBS.items():
+        value = getattr(config, name)
+        if device.type != "cuda":
+            notes[name] = f"{_shown(value)} (inactive: gloo on cpu)"
+        else:
+            notes[name] = f"{variable}={value}" if value is not None else f"{variable} unset (NCCL's default)"
+
+
+def apply_ddp(model: nn.Module, config: TrainConfig, notes: Notes, device: torch.device | None = None) -> nn.Module:
+    """Wrap the model for data parallelism over the default process group.
+
+    World size 1 (no process group): the model is returned as it is and every distributed
+    knob is recorded as inactive. Otherwise, by ``parallel``:
+
+    * ``ddp``: `DistributedDataParallel` with ``bucket_cap_mb``, ``gradient_as_bucket_view``
+      and ``static_graph`` (one replica per process; ``device_ids`` = the process's GPU).
+      ``static_graph`` with no_sync accumulation (accum_steps > 1) is "unsupported": DDP's
+      static graph breaks under ``no_sync()`` (pytorch/pytorch#143580).
+    * ``fsdp2``: `fully_shard` on every transformer block (modules with a ``checkpoint``
+      attribute), then on the root; the DDP-only knobs are recorded inactive.
+
+    Applied before `apply_compile`: compiling the wrapped module lets dynamo's DDPOptimizer
+    split the graph at bucket boundaries, so all-reduces overlap the backward. The caller
+    passes the returned module to `Trainer(parallel=...)` (for no_sync).
+    """
+    world = world_size()
+    if world == 1:
+        record_inactive_distributed(config, notes, "world size 1")
+        return model
+    device = device or next(model.parameters()).device
+    backend = torch.distributed.get_backend()
+    _record_nccl(config, device, notes)
+    accum = config.accum_steps or 1
+    notes["no_sync_accumulation"] = (
+        "true: all-reduce on the last micro-batch of each step only" if config.no_sync_accumulation
+        else "false: all-reduce after every micro-batch") + ("" if accum > 1 else " (accum_steps 1: no effect)")
+    if config.parallel == "fsdp2":
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError as e:
+            raise ProbeError("unsupported", f"parallel=fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6; "
+                                            f"installed {torch.__version__}); use parallel=ddp") from e
+        blocks = [m for m in model.modules() if hasattr(m, "checkpoint") and not isinstance(m, nn.ModuleList)]
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        for name in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"):
+            notes[name] = f"{_shown(getattr(config, name))} (inactive: parallel=fsdp2)"
+        notes["parallel"] = f"fsdp2: fully_shard on {len(blocks)} blocks + root, {world} ranks ({backend})"
+        return model
+    if config.static_graph and config.no_sync_accumulation and accum > 1:
+        # DDP's static graph breaks under no_sync() (pytorch/pytorch#143580; torch 2.13 still): the
+        # first backward hits an internal assert, and past it gradients stop being all-reduced.
+        raise ProbeError("unsupported", "static_graph=true cannot be combined with no_sync_accumulation=true when "
+                                        "accum_steps > 1 (DDP's static graph breaks under no_sync(), pytorch/pytorch"
+                                        "#143580): set no_sync_accumulation=false or static_graph=false")
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=config.bucket_cap_mb,
+        gradient_as_bucket_view=config.gradient_as_bucket_view, static_graph=config.static_graph)
+    notes["parallel"] = f"ddp: {world} ranks ({backend})"
+    notes["bucket_cap_mb"] = f"{config.bucket_cap_mb:g}"
+    notes["gradient_as_bucket_view"] = _shown(config.gradient_as_bucket_view)
+    notes["static_graph"] = _shown(config.static_graph)
+    return ddp
+
+
+def gradient_sync(parallel: nn.Module | None, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Context for one micro-batch's forward+backward: with ``sync=False`` its gradients are
+    only accumulated locally (DDP ``no_sync()``; FSDP2 ``set_requires_gradient_sync(False)``,
+    which reduce-scatters nothing until a synchronising backward). A no-op without a
+    parallel wrapper."""
+    if parallel is None:
+        return contextlib.nullcontext()
+    if hasattr(parallel, "no_sync"):
+        return contextlib.nullcontext() if sync else parallel.no_sync()  # type: ignore[operator]
+    parallel.set_requires_gradient_sync(sync)  # type: ignore[operator]
+    return contextlib.nullcontext()
+
+
+# -- 6. compile ---------------------------------------------------------------------------
 
 def apply_compile(model: nn.Module, mode: str, notes: Notes, backend: str = "inductor") -> nn.Module:
     """torch.compile the model (its forward computes the losses, so the loss is compiled too).
@@ -128,17 +244,6 @@ def apply_compile(model: nn.Module, mode: str, notes: Notes, backend: str = "ind
     compiled = torch.compile(model, mode=None if mode == "default" else mode, backend=backend)
     notes["compile"] = f"{mode} ({backend})"
     return compiled  # type: ignore[return-value]
-
-
-# -- 6. DDP -------------------------------------------------------------------------------
-
-def apply_ddp(model: nn.Module, config: TrainConfig, notes: Notes) -> nn.Module:
-    """DDP is live only with world size > 1; a single-process probe records the knob as inactive."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if world == 1:
-        notes["bucket_cap_mb"] = f"{config.bucket_cap_mb:g} (inactive: world size 1)"
-        return model
-    raise ProbeError("unsupported", "multi-process probes are not available yet (world size > 1)")
 
 
 # -- 7. optimizer -------------------------------------------------------------------------
@@ -165,11 +270,19 @@ class StreamSampler(Sampler[int]):
     so every probe of a study trains on the same samples. Each ``iter()`` (one DataLoader
     epoch) continues the stream where the previous one stopped and yields a whole number of
     batches, so no sample is dropped or repeated at an epoch boundary.
+
+    With several ranks (`world` > 1), the stream is cut into global micro-batches of
+    ``batch_size × world`` samples and rank `rank` takes its slice of each: the ranks of one
+    micro-batch together train exactly the samples a single process with micro-batch
+    ``batch_size × world`` trains, in the same order.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> None:
         self.n = n
-        self.epoch_len = -(-n // batch_size) * batch_size
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world = world
+        self.epoch_len = -(-n // (batch_size * world)) * batch_size
         self.generator = torch.Generator().manual_seed(seed)
         self._buffer: list[int] = []
 
@@ -179,33 +292,54 @@ class StreamSampler(Sampler[int]):
         return self._buffer.pop()
 
     def __iter__(self) -> Iterator[int]:
-        for _ in range(self.epoch_len):
-            yield self._next()
+        if self.world == 1:
+            for _ in range(self.epoch_len):
+                yield self._next()
+            return
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for _ in range(self.epoch_len // self.batch_size):
+            global_batch = [self._next() for _ in range(self.batch_size * self.world)]
+            yield from global_batch[lo:hi]
 
     def __len__(self) -> int:
         return self.epoch_len
 
 
-def build_loader(dataset: Dataset, config: TrainConfig, device: torch.device, seed: int, notes: Notes) -> DataLoader:
-    """The training DataLoader for the data-pipeline knobs."""
+def build_loader(dataset: Dataset, config: TrainConfig, device: torch.device, seed: int, notes: Notes,
+                 rank: int = 0, world: int = 1) -> DataLoader:
+    """The training DataLoader for the data-pipeline knobs (rank `rank` of `world`: its slice
+    of every global micro-batch, see `StreamSampler`)."""
     assert config.batch_size is not None
-    kwargs: dict[str, Any] = {}
+    return DataLoader(
+        dataset,
+        batch_size=config.batch_size,
+        sampler=StreamSampler(len(dataset), config.batch_size, seed, rank, world),  # type: ignore[arg-type]
+        **loader_options(config, device, notes),
+    )
+
+
+def loader_options(config: TrainConfig, device: torch.device, notes: Notes) -> dict[str, Any]:
+    """The DataLoader keyword arguments of the data-pipeline knobs: num_workers, pin_memory
+    (CUDA only), and with workers prefetch_factor and persistent_workers."""
+    kwargs: dict[str, Any] = {"num_workers": config.num_workers}
     if config.num_workers > 0:
         kwargs["prefetch_factor"] = config.prefetch_factor  # None → torch's default (2)
         kwargs["persistent_workers"] = config.persistent_workers
-    pin = config.pin_memory and device.type == "cuda"
-    loader = DataLoader(
-        dataset,
-        batch_size=config.batch_size,
-        sampler=StreamSampler(len(dataset), config.batch_size, seed),  # type: ignore[arg-type]
-        num_workers=config.num_workers,
-        pin_memory=pin,
-        **kwargs,
-    )
+    kwargs["pin_memory"] = pin = config.pin_memory and device.type == "cuda"
     notes["num_workers"] = str(config.num_workers)
     notes["pin_memory"] = str(pin).lower() + ("" if device.type == "cuda" or not config.pin_memory
                                               else " (inactive on cpu)")
-    return loader
+    return kwargs
+
+
+def batch_length(batch: Any) -> int:
+    """Samples in a micro-batch: the first dimension of its first tensor (a dict, a tuple or
+    list, or a tensor)."""
+    if isinstance(batch, dict):
+        return batch_length(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)):
+        return batch_length(batch[0])
+    return len(batch)
 
 
 class EpochIterator:
@@ -263,13 +397,20 @@ class Schedule:
 class Trainer:
     """Forward/backward with autocast and GradScaler, gradient accumulation and
     inverse-loss frequency. ``step`` is one optimizer step over ``accum_steps`` micro-batches.
-    With a `schedule`, the learning rate follows `lr_factor` of the samples seen so far
-    (without one it stays constant).
+    With a `schedule`, the learning rate follows `lr_factor` of the samples seen so far by
+    all ranks (without one it stays constant).
+
+    Several ranks: `parallel` is the DDP/FSDP2 module `apply_ddp` returned (the one whose
+    ``no_sync`` matters, even when `model` is its compiled wrapper) and `world` the ranks;
+    with ``no_sync_accumulation`` only the last micro-batch of a step synchronises gradients.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
-                 device: torch.device, notes: Notes, schedule: Schedule | None = None) -> None:
+                 device: torch.device, notes: Notes, schedule: Schedule | None = None,
+                 parallel: nn.Module | None = None, world: int = 1) -> None:
         self.model = model
+        self.parallel = parallel
+        self.world = world
         self.schedule = schedule
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.samples_seen = 0
@@ -305,24 +446,36 @@ class Trainer:
     def with_inverse(self) -> bool:
         return self.step_index % self.config.inverse_loss_frequency == 0
 
+    # The loss of one micro-batch: ``loss_fn(model, batch, with_aux)`` when set (autotune.apply
+    # sets the user's), else a workload model's ``model(batch, with_aux)["total"]``.
+    loss_fn: Callable[[nn.Module, Any, bool], torch.Tensor] | None = None
+
+    def loss(self, batch: Any, with_aux: bool) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(self.model, batch, with_aux)
+        return self.model(batch, with_aux)["total"]  # type: ignore[no-any-return]
+
     def accumulate(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Forward + backward over the micro-batches; returns the step's mean loss (on device, detached)."""
         accum = len(micro_batches)
-        self.samples_seen += sum(len(next(iter(b.values()))) for b in micro_batches)
+        # every rank trains micro-batches of the same size: the global count is the local one × world
+        self.samples_seen += sum(batch_length(b) for b in micro_batches) * self.world
         with_inverse = self.with_inverse()
         total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        skip_sync = self.parallel is not None and self.config.no_sync_accumulation
+        for index, batch in enumerate(micro_batches):
             if self.cudagraphs:
                 # CUDA graphs reuse their output buffers: mark each new iteration so the previous
                 # replay's outputs are not overwritten while autograd still needs them.
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.autocast():
-                loss = self.model(batch, with_inverse)["total"]
-            scaled = loss / accum  # equal weight per sample, whatever the split into micro-batches
-            if self.scaler is not None:
-                self.scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
+            with gradient_sync(self.parallel, sync=not skip_sync or index == accum - 1):
+                with self.autocast():
+                    loss = self.loss(batch, with_inverse)
+                scaled = loss / accum  # equal weight per sample, whatever the split into micro-batches
+                if self.scaler is not None:
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
             total += scaled.detach().float()
         if with_inverse:
             self.inverse_steps += 1

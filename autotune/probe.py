@@ -15,11 +15,24 @@ validate  quality on the fixed held-out set, in fp32, with a fresh eager copy of
           into the number).
 
 Quality at equal cost: every probe of a study trains the same number of samples in the
-same order (seeded), so NRMSE is comparable across configurations. The sample budget is
+same order (seeded), so the quality metric (NRMSE for `ups`, validation loss for `gpt`: the
+workload's `quality_metric`, in `quality`) is comparable across configurations. The sample budget is
 rounded down to a whole number of optimizer steps; ``samples_trained`` records it.
 
 Failures (OOM, NaN/inf loss, timeout, unsupported combination, any other error) end as a
 ProbeResult with ``failure = {kind, message}``: never an unrecorded crash.
+
+Several ranks (a process group is initialised, see autotune/distributed.py): every rank runs
+`run_probe` on its own device with micro-batches of ``batch_size`` (its slice of each global
+micro-batch), so the effective batch is ``batch_size × accum_steps × world``, and the sample
+budget and the LR schedule count the samples of all ranks. Windows are aligned: the ranks
+meet at a barrier before each window starts, and a window's time is the slowest rank's
+(an all-reduce MAX), so throughput = global samples / that time (the sum of the ranks'
+throughputs when they keep pace, which DDP's per-step all-reduce forces). Window losses are
+averaged over ranks, the stop decision (rank 0's `on_report`) is broadcast, the quality
+metric is computed once, on rank 0, after training (DDP keeps the replicas identical; FSDP2's
+shards are gathered into a full state dict first), and peak memory is the maximum over ranks.
+``data_wait_fraction`` and ``warmup_s`` are rank 0's.
 """
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ from autotune.knobs import (
     apply_fp8,
     build_loader,
     build_optimizer,
+    world_size,
 )
 from autotune.workloads import Workload, get_workload
 
@@ -90,8 +104,10 @@ class ProbeResult:
     throughput_samples_per_s: float | None = None
     throughput_spread: float | None = None
     window_throughputs: list[float] = field(default_factory=list)
-    val_nrmse: float | None = None
+    val_nrmse: float | None = None  # set only for a workload whose quality metric is val_nrmse
     quality_metric: str = "val_nrmse"
+    quality: float | None = None  # the workload's quality metric (whatever its name) on the validation set
+    quality_direction: str = "minimize"  # "minimize" | "maximize"
     warmup_s: float | None = None
     setup_s: float | None = None
     setup_phases: dict[str, float] = field(default_factory=dict)  # host seconds per setup phase
@@ -106,6 +122,7 @@ class ProbeResult:
     warmup_steps: int = 0
     window_steps: int = 0
     inverse_steps: int = 0
+    world_size: int = 1  # processes (GPUs) the probe ran on; throughput counts the samples of all
     knobs: dict[str, str] = field(default_factory=dict)
     stopped_early: bool = False
     failure: dict[str, str] | None = None
@@ -203,6 +220,50 @@ def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: i
     return total, warm, n_windows, per
 
 
+class _RankSync:
+    """The collectives a probe of several ranks needs at window boundaries (no-ops for one
+    rank). Each returns a host value, so each is a CPU–GPU sync point on a GPU (NCCL reduces
+    device tensors, gloo host ones): they run between windows, never inside one."""
+
+    def __init__(self, device: torch.device, world: int) -> None:
+        self.world = world
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+
+    def _reduce(self, value: float, op: Any) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(tensor, op=op)
+        return float(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # sync: this rank's previous work is done
+            self._reduce(0.0, torch.distributed.ReduceOp.SUM)
+
+    def max(self, value: float) -> float:
+        return value if self.world == 1 else self._reduce(value, torch.distributed.ReduceOp.MAX)
+
+    def mean(self, value: float) -> float:
+        return value if self.world == 1 else self._reduce(value, torch.distributed.ReduceOp.SUM) / self.world
+
+    def from_rank0(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        tensor = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
+        torch.distributed.broadcast(tensor, src=0)
+        return bool(tensor.item())
+
+
+def full_state_dict(model: torch.nn.Module, config: TrainConfig) -> dict[str, Any]:
+    """The model's full (unsharded) state dict on every rank: a collective under FSDP2 (every
+    rank must call it); DDP replicas hold the full weights already."""
+    if config.parallel != "fsdp2":
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
 def _peak_memory(device: torch.device) -> tuple[int | None, int | None]:
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
@@ -238,12 +299,15 @@ def run_probe(
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     samples = settings.samples or d.samples
-    total, warm, n_windows, per = plan_steps(samples, cfg.effective_batch, settings.warmup_steps, settings.windows,
+    world = world_size()
+    global_batch = cfg.effective_batch * world  # every rank trains batch_size × accum_steps per step
+    total, warm, n_windows, per = plan_steps(samples, global_batch, settings.warmup_steps, settings.windows,
                                              cfg.inverse_loss_frequency)
     result = ProbeResult(
-        workload=wl.name, preset=wl.preset, config={**cfg.to_dict(), "effective_batch": cfg.effective_batch},
+        workload=wl.name, preset=wl.preset, config={**cfg.to_dict(), "effective_batch": global_batch},
         device=device_name(dev), torch_version=torch.__version__, quality_metric=wl.quality_metric,
-        process_start_s=process_start_s, warmup_steps=warm, window_steps=per,
+        quality_direction=getattr(wl, "quality_direction", "minimize"),
+        process_start_s=process_start_s, warmup_steps=warm, window_steps=per, world_size=world,
     )
     notes: Notes = {}
     try:
@@ -254,8 +318,9 @@ def run_probe(
         result.failure = {"kind": kind, "message": message}
     finally:
         result.knobs = notes
-        result.samples_trained = result.steps * cfg.effective_batch
-        result.peak_mem_reserved_bytes, result.peak_mem_allocated_bytes = _peak_memory(dev)
+        result.samples_trained = result.steps * global_batch
+        if result.peak_mem_reserved_bytes is None:  # else reduced over the ranks already (end of _run)
+            result.peak_mem_reserved_bytes, result.peak_mem_allocated_bytes = _peak_memory(dev)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return result
@@ -306,16 +371,22 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     model.train()
     model = apply_fp8(model, cfg, dev, notes)
     phase("model")
-    plain_model = model  # the uncompiled module: its state_dict has clean keys
-    model = apply_compile(model, cfg.compile, notes, backend=settings.compile_backend)
+    plain_model = model  # the unwrapped module: its state_dict has clean keys
+    world = world_size()
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    parallel = apply_ddp(model, cfg, notes, dev)  # before compile: dynamo then sees DDP's buckets
+    phase("parallel")  # DDP/FSDP2 wrapping: the initial broadcast of the weights, the reducer
+    model = apply_compile(parallel, cfg.compile, notes, backend=settings.compile_backend)
     phase("compile_wrap")  # torch.compile is lazy: this is import and wrapper cost, not compilation
-    model = apply_ddp(model, cfg, notes)
     optimizer = build_optimizer(plain_model, cfg, wl.defaults.weight_decay, notes)
-    loader = build_loader(train_set, cfg, dev, settings.seed, notes)
+    loader = build_loader(train_set, cfg, dev, settings.seed, notes, rank, world)
     data = EpochIterator(loader, dev)
     d = wl.defaults
-    schedule = Schedule(total * cfg.effective_batch, d.warmup_fraction, d.final_lr_fraction)
-    trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule)
+    eff = cfg.effective_batch * world  # global samples per optimizer step
+    schedule = Schedule(total * eff, d.warmup_fraction, d.final_lr_fraction)
+    trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule,
+                      parallel=parallel if world > 1 else None, world=world)
+    sync = _RankSync(dev, world)
     notes["lr"] = (f"{cfg.lr:g}, warm-up {d.warmup_fraction:.0%} of samples, cosine to "
                    f"{d.final_lr_fraction:g}×")
     phase("optimizer_data_loader")
@@ -324,7 +395,6 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
 
     accum = cfg.accum_steps
     assert accum is not None
-    eff = cfg.effective_batch
     clock = _Clock(dev)
     data_wait = 0.0
 
@@ -353,7 +423,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             torch.cuda.synchronize(dev)  # sync: warm-up ends when its kernels have finished
         result.warmup_s = time.perf_counter() - t0
         check_finite(stacked, warm)
-        result.loss_curve.append((warm * eff, float(stacked[-1])))
+        result.loss_curve.append((warm * eff, sync.mean(float(stacked[-1]))))
 
         # --- timed windows ---
         # Move every object alive now (torch's modules, the dataset, the model) out of the
@@ -364,6 +434,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         host_window_time = 0.0
         step = warm
         for w in range(n_windows):
+            sync.barrier()  # several ranks: a window starts when every rank is ready
             h0 = time.perf_counter()
             started = clock.start()
             losses = []
@@ -371,7 +442,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 losses.append(trainer.step(next_micro_batches()))
                 result.steps = trainer.step_index
                 check_deadline(f"window {w + 1}/{n_windows}")  # host clock only: no sync
-            elapsed = clock.stop(started)
+            elapsed = sync.max(clock.stop(started))  # several ranks: the slowest rank's window time
             host_window_time += time.perf_counter() - h0
             step += per
             result.steps = step
@@ -379,11 +450,12 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             check_finite(window_losses, step)
             throughput = per * eff / elapsed
             result.window_throughputs.append(throughput)
-            mean_loss = float(window_losses.mean())
+            mean_loss = sync.mean(float(window_losses.mean()))  # over the ranks
             result.loss_curve.append((step * eff, mean_loss))
             check_deadline(f"window {w + 1}/{n_windows}")
-            if on_report is not None and on_report(step, {"samples": step * eff, "loss": mean_loss,
-                                                          "throughput": throughput, "window": w}):
+            stop = on_report is not None and on_report(step, {"samples": step * eff, "loss": mean_loss,
+                                                              "throughput": throughput, "window": w})
+            if sync.from_rank0(stop):  # rank 0 alone reports: its decision stops every rank at once
                 result.stopped_early = True
                 break
         result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
@@ -412,12 +484,20 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
 
     # --- validation in fp32 on a fresh eager model holding the trained weights ---
     check_deadline("validation")
-    with dev:
-        reference = wl.build_model()
-    state = {k: v.float() if v.is_floating_point() else v for k, v in plain_model.state_dict().items()}
-    reference.load_state_dict(state)
-    with torch.autocast(dev.type, enabled=False):
-        value = wl.evaluate(reference, val_set, dev)
-    if not math.isfinite(value):
-        raise ProbeError("nan", f"validation {wl.quality_metric} is not finite")
-    result.val_nrmse = value
+    trained = full_state_dict(plain_model, cfg) if world > 1 else plain_model.state_dict()
+    if rank == 0:  # once: every rank holds the same weights
+        with dev:
+            reference = wl.build_model()
+        state = {k: v.float() if v.is_floating_point() else v for k, v in trained.items()}
+        reference.load_state_dict(state)
+        with torch.autocast(dev.type, enabled=False):
+            value = wl.evaluate(reference, val_set, dev)
+        if not math.isfinite(value):
+            raise ProbeError("nan", f"validation {wl.quality_metric} is not finite")
+        result.quality = value
+        if wl.quality_metric == "val_nrmse":
+            result.val_nrmse = value
+    if world > 1:  # peak memory: the maximum over the ranks (every rank gets here; rank 0 last)
+        reserved, allocated = _peak_memory(dev)
+        result.peak_mem_reserved_bytes = int(sync.max(float(reserved or 0)))
+        result.peak_mem_allocated_bytes = None if allocated is None else int(sync.max(float(allocated)))

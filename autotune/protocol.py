@@ -59,17 +59,22 @@ def _no_control_characters(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_no_control_characters), Field(json_schema_extra={"pattern": TEXT_PATTERN})]
 SAMPLERS = ("tpe", "nsga2", "random", "grid", "gp")
+# objective → (the measurement it reads, its direction). "quality" is the workload's quality
+# metric (val_nrmse for ups, val_loss for gpt); its direction is the study's
+# (`StudySpec.quality_direction`), "minimize" here is the default. "val_nrmse" is accepted as
+# an alias of "quality" (studies written before quality was generalised).
 OBJECTIVES = {
     "throughput": ("throughput_samples_per_s", "maximize"),
-    "val_nrmse": ("val_nrmse", "minimize"),
+    "quality": ("quality", "minimize"),
 }
+OBJECTIVE_ALIASES = {"val_nrmse": "quality"}
 
 
 # The source research's data pipeline (its starting point ran 8 workers with prefetch 4).
 RESEARCH_GPU_DATA_PIPELINE: dict[str, Any] = {"num_workers": 8, "prefetch_factor": 4}
 
-Objective = Literal["throughput", "val_nrmse"]
-DEFAULT_OBJECTIVES: tuple[Objective, ...] = ("throughput", "val_nrmse")
+Objective = Literal["throughput", "quality"]
+DEFAULT_OBJECTIVES: tuple[Objective, ...] = ("throughput", "quality")
 
 
 class Strict(BaseModel):
@@ -87,8 +92,10 @@ class ProbeSpec(Strict):
 
 
 class GateSpec(Strict):
-    """Quality gate (autotune.gate): feasible iff NRMSE <= μ + max(abs_tol, k·σ), with μ, σ the
-    mean and sample standard deviation of the baseline's NRMSE over its seeds."""
+    """Quality gate (autotune.gate) on the study's quality metric q: feasible iff
+    q <= μ + max(abs_tol, k·σ) (a metric to minimize; q >= μ − max(abs_tol, k·σ) for one to
+    maximize), with μ, σ the mean and sample standard deviation of the baseline's q over its
+    seeds."""
 
     abs_tol: float = Field(0.01, ge=0, le=10)
     k: float = Field(2.0, ge=0, le=100, description="widen the gate to k × the baseline's seed spread")
@@ -113,6 +120,17 @@ class RemeasureSpec(Strict):
     seed_offset: int = Field(1000, ge=0, le=2**30, description="probe seed + this offset")
 
 
+class QualitySpec(Strict):
+    """The study's quality metric: its name (as the workload's ProbeResult.quality_metric names
+    it) and direction. Default: the workload's own, for a built-in workload (the registry
+    knows it without importing); for a plugin workload the direction is "minimize" unless
+    given here, and the name is taken from the first result a worker reports. A result
+    naming another metric or direction fails its trial (kind "error") with the fix."""
+
+    metric: str | None = Field(None, pattern=NAME_PATTERN, description="e.g. val_nrmse, val_loss, val_accuracy")
+    direction: Literal["minimize", "maximize"] = "minimize"
+
+
 class StudySpec(Strict):
     """What a user submits to start a study."""
 
@@ -120,7 +138,10 @@ class StudySpec(Strict):
     workload: str = Field("ups", pattern=NAME_PATTERN)
     preset: str = Field("tiny", pattern=NAME_PATTERN)
     space: str | dict[str, Any] = Field("cpu", description="a name from search_spaces/ or an inline space")
-    objectives: list[Objective] = Field(default_factory=lambda: list(DEFAULT_OBJECTIVES))
+    objectives: list[Objective] = Field(default_factory=lambda: list(DEFAULT_OBJECTIVES),
+                                        description="throughput and/or quality (val_nrmse: an alias of quality)")
+    quality: QualitySpec | None = Field(None, description="the quality metric and its direction (default: the "
+                                                          "workload's; see QualitySpec)")
     probe: ProbeSpec = Field(default_factory=lambda: ProbeSpec())
     n_trials: int = Field(20, ge=1, le=100_000, description="baseline seeds + search trials (at least the "
                                                               "baseline seeds run); re-measurements come on top")
@@ -141,7 +162,18 @@ class StudySpec(Strict):
                                                           "grace period) is re-run as a new trial, same config and "
                                                           "probe, up to this many times; then it stays failed")
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="sampler seed (0 to 2^32 - 1)")
+    gpus_per_trial: int = Field(1, ge=1, le=64, description="GPUs (world size) of every probe of the study, "
+                                                            "baselines included: > 1 runs DDP/FSDP2 under torchrun "
+                                                            "on one host; only workers started with the same "
+                                                            "--gpus-per-trial get its trials (cpu: gloo processes)")
     _workload_checked: bool = PrivateAttr(False)
+
+    @field_validator("objectives", mode="before")
+    @classmethod
+    def _objective_aliases(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [OBJECTIVE_ALIASES.get(o, o) if isinstance(o, str) else o for o in v]
+        return v
 
     @field_validator("objectives")
     @classmethod
@@ -164,7 +196,7 @@ class StudySpec(Strict):
     def _space(self) -> StudySpec:
         try:
             space = self.resolved_space()
-            validate_for(space, self.hardware)
+            validate_for(space, self.hardware, self.gpus_per_trial)
         except SpaceError as e:
             raise ValueError(f"space.{e}") from None
         if self.baseline is not None:
@@ -183,11 +215,34 @@ class StudySpec(Strict):
         stored = isinstance(info.context, dict) and info.context.get("stored")
         if not (self._workload_checked or stored):
             try:
-                check_workload(self.workload, self.preset)
+                entry = check_workload(self.workload, self.preset)
             except UnknownWorkloadError as e:
                 raise ValueError(f"{e.field}: {e}") from None
+            if self.quality is None:  # the workload's own metric (a plugin's: named by its first result)
+                self.quality = QualitySpec(metric=entry.quality_metric,
+                                           direction=entry.quality_direction or "minimize")  # type: ignore[arg-type]
         self._workload_checked = True
         return self
+
+    @property
+    def quality_metric(self) -> str | None:
+        """The quality metric's name; None for a plugin workload until its first result names it.
+        A stored spec from before quality was generalised (no `quality`) is the ups NRMSE."""
+        return "val_nrmse" if self.quality is None else self.quality.metric
+
+    @property
+    def quality_direction(self) -> Literal["minimize", "maximize"]:
+        return "minimize" if self.quality is None else self.quality.direction
+
+    def objective_directions(self) -> list[str]:
+        """"maximize" / "minimize" per objective, in order (quality: the study's direction)."""
+        return [self.quality_direction if o == "quality" else OBJECTIVES[o][1] for o in self.objectives]
+
+    def objective_metric_names(self, quality_metric: str | None = None) -> list[str]:
+        """Names of the objectives for Optuna (its dashboard): the quality objective is named by
+        the metric (`quality_metric` when the spec does not know it yet, else "quality")."""
+        name = self.quality_metric or quality_metric or "quality"
+        return [name if o == "quality" else OBJECTIVES[o][0] for o in self.objectives]
 
     def baseline_config(self) -> dict[str, Any]:
         """The baseline's knobs: `baseline` when given, else the source research's starting
@@ -231,6 +286,9 @@ class LeaseRequest(Strict):
     workloads: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
         None, max_length=100, description="the workloads this worker runs (its --allow-workload list): studies of "
                                           "other workloads are not offered to it (None: any)")
+    gpus_per_trial: int = Field(1, ge=1, le=64, description="the GPUs this worker runs each trial on (its "
+                                                            "--gpus-per-trial): only studies of that gpus_per_trial "
+                                                            "are offered to it")
 
 
 class TrialLease(BaseModel):
@@ -279,7 +337,9 @@ class TrialInfo(BaseModel):
     config: dict[str, Any] | None = None
     values: list[float] | None = None
     throughput_samples_per_s: float | None = None
-    val_nrmse: float | None = None
+    val_nrmse: float | None = Field(None, description="the quality metric when it is val_nrmse (else None)")
+    quality: float | None = Field(None, description="the study's quality metric (see quality_metric)")
+    quality_metric: str | None = None
     feasible: bool | None = None
     failure: dict[str, str] | None = None
     worker_id: str | None = None
@@ -303,11 +363,17 @@ class Recommendation(BaseModel):
     config: dict[str, Any]
     trial_number: int
     throughput_samples_per_s: float
-    val_nrmse: float
+    val_nrmse: float | None = Field(None, description="quality when the metric is val_nrmse (ups); else None")
     baseline_throughput_samples_per_s: float | None
-    baseline_val_nrmse: float | None
+    baseline_val_nrmse: float | None = None
     speedup: float | None
-    gate_nrmse: float | None
+    gate_nrmse: float | None = None
+    quality_metric: str = Field("val_nrmse", description="the name of the study's quality metric")
+    quality_direction: Literal["minimize", "maximize"] = "minimize"
+    quality: float | None = Field(None, description="the recommended config's quality metric")
+    baseline_quality: float | None = Field(None, description="the mean of the baseline seeds' quality metric")
+    baseline_quality_std: float | None = None
+    gate_quality: float | None = Field(None, description="the gate: the worst quality a feasible trial may have")
     peak_mem_reserved_bytes: int | None = None
     throughput_ci_low: float | None = Field(None, description="95 % confidence interval of the throughput")
     throughput_ci_high: float | None = None

@@ -2,12 +2,13 @@
 
 Figures (matplotlib, written next to report.html):
 
-pareto.png        throughput vs validation NRMSE of every completed trial; feasible
+pareto.png        throughput vs the study's quality metric (validation NRMSE for ups,
+                  validation loss for gpt, ...) of every completed trial; feasible
                   (passes the quality gate) and infeasible marked apart, the baseline
                   starred, the gate drawn, the Pareto front connected
 progress.png      best feasible speedup over the baseline so far, by trial number
 importances.png   parameter importances (optuna.importance, fANOVA by default) for
-                  throughput and for NRMSE, over the completed trials
+                  throughput and for the quality metric, over the completed trials
 failures.png      trials by final state and failed trials by failure kind
 
 The report works from the REST API's answers only (study, trials, recommendation), so it
@@ -45,20 +46,33 @@ def _pyplot() -> Any:
     return plt
 
 
+def quality_of(t: TrialInfo) -> float | None:
+    """The trial's quality metric (`quality`; `val_nrmse` from a service older than the field)."""
+    return t.quality if t.quality is not None else t.val_nrmse
+
+
+def quality_label(study: StudyInfo, trials: list[TrialInfo]) -> str:
+    """The study's quality metric as users read it: "NRMSE" for val_nrmse, else its own name."""
+    name = study.spec.quality_metric or next((t.quality_metric for t in trials if t.quality_metric), None)
+    return "NRMSE" if name in (None, "val_nrmse") else str(name)
+
+
 def _completed(trials: list[TrialInfo]) -> list[TrialInfo]:
-    return [t for t in trials if t.state == "COMPLETE" and t.throughput_samples_per_s and t.val_nrmse is not None]
+    return [t for t in trials if t.state == "COMPLETE" and t.throughput_samples_per_s and quality_of(t) is not None]
 
 
-def pareto_front(trials: list[TrialInfo]) -> list[TrialInfo]:
-    """Completed trials not dominated in (max throughput, min NRMSE), by throughput."""
+def pareto_front(trials: list[TrialInfo], direction: str = "minimize") -> list[TrialInfo]:
+    """Completed trials not dominated in (max throughput, best quality in `direction`), by throughput."""
     done = _completed(trials)
+    sign = 1.0 if direction == "minimize" else -1.0
     front = []
     for t in done:
-        assert t.throughput_samples_per_s is not None and t.val_nrmse is not None
+        q = sign * (quality_of(t) or 0.0)
+        assert t.throughput_samples_per_s is not None
         dominated = any(
-            o.throughput_samples_per_s is not None and o.val_nrmse is not None
-            and o.throughput_samples_per_s >= t.throughput_samples_per_s and o.val_nrmse <= t.val_nrmse
-            and (o.throughput_samples_per_s > t.throughput_samples_per_s or o.val_nrmse < t.val_nrmse)
+            o.throughput_samples_per_s is not None
+            and o.throughput_samples_per_s >= t.throughput_samples_per_s and sign * (quality_of(o) or 0.0) <= q
+            and (o.throughput_samples_per_s > t.throughput_samples_per_s or sign * (quality_of(o) or 0.0) < q)
             for o in done)
         if not dominated:
             front.append(t)
@@ -106,12 +120,13 @@ def importances(study: StudyInfo, trials: list[TrialInfo]) -> dict[str, dict[str
     if not names:
         return {}
     out: dict[str, dict[str, float]] = {}
-    for objective, attr in (("throughput", "throughput_samples_per_s"), ("val_nrmse", "val_nrmse")):
-        st = optuna.create_study(direction="maximize" if objective == "throughput" else "minimize")
+    for objective, value_of in (("throughput", lambda t: t.throughput_samples_per_s), ("quality", quality_of)):
+        st = optuna.create_study(direction="maximize" if objective == "throughput" else
+                                 study.spec.quality_direction)
         for t in rows:
             params = {k: v for k, v in t.params.items() if k in names}
             st.add_trial(optuna.trial.create_trial(params=params, distributions={k: dists[k] for k in params},
-                                                   value=float(getattr(t, attr))))
+                                                   value=float(value_of(t) or 0.0)))
         try:
             out[objective] = dict(optuna.importance.get_param_importances(st))
         except (RuntimeError, ValueError) as e:  # e.g. every trial has the same params
@@ -123,24 +138,29 @@ def _plot_pareto(study: StudyInfo, trials: list[TrialInfo], gate: float | None, 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     done = _completed(trials)
+    label_q = quality_label(study, trials)
+    direction = study.spec.quality_direction
     for feasible, style, label in ((True, dict(c="#2a9d8f", marker="o"), "feasible"),
                                    (False, dict(c="#e76f51", marker="x"), "infeasible"),
                                    (None, dict(c="#999999", marker="."), "not judged yet")):
         pts = [t for t in done if t.feasible is feasible and not t.is_baseline]
         if pts:
-            ax.scatter([t.throughput_samples_per_s for t in pts], [t.val_nrmse for t in pts], label=label, **style)
+            ax.scatter([t.throughput_samples_per_s for t in pts], [quality_of(t) for t in pts], label=label, **style)
     for t in done:
         if t.is_baseline:
-            ax.scatter([t.throughput_samples_per_s], [t.val_nrmse], marker="*", s=250, c="#264653",
+            ax.scatter([t.throughput_samples_per_s], [quality_of(t)], marker="*", s=250, c="#264653",
                        label="baseline", zorder=5)
-    front = pareto_front(trials)
+    front = pareto_front(trials, direction)
     if len(front) > 1:
-        ax.plot([t.throughput_samples_per_s for t in front], [t.val_nrmse for t in front], "k--", lw=0.8,
+        ax.plot([t.throughput_samples_per_s for t in front], [quality_of(t) for t in front], "k--", lw=0.8,
                 label="Pareto front")
+    side = "≤" if direction == "minimize" else "≥"
     if gate is not None:
-        ax.axhline(gate, color="#e9c46a", lw=1.2, label=f"quality gate (NRMSE ≤ {gate:.4f})")
+        ax.axhline(gate, color="#e9c46a", lw=1.2, label=f"quality gate ({label_q} {side} {gate:.4f})")
     ax.set_xlabel("throughput (samples/s, higher is better)")
-    ax.set_ylabel("validation NRMSE (lower is better)")
+    ax.set_ylabel(f"validation {label_q} ({'lower' if direction == 'minimize' else 'higher'} is better)"
+                  if label_q == "NRMSE" else f"{label_q} ({'lower' if direction == 'minimize' else 'higher'} "
+                  "is better)")
     ax.set_title(f"{study.name}: speed vs quality")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -167,17 +187,18 @@ def _plot_progress(study: StudyInfo, trials: list[TrialInfo], path: Path) -> Non
     plt.close(fig)
 
 
-def _plot_importances(study: StudyInfo, imp: dict[str, dict[str, float]], path: Path) -> None:
+def _plot_importances(study: StudyInfo, imp: dict[str, dict[str, float]], path: Path, label: str = "NRMSE"
+                      ) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    for ax, objective in zip(axes, ("throughput", "val_nrmse"), strict=True):
+    for ax, (objective, title) in zip(axes, (("throughput", "throughput"), ("quality", label)), strict=True):
         values = imp.get(objective, {})
         if values:
             names = list(values)[::-1]
             ax.barh(names, [values[n] for n in names], color="#2a9d8f")
         else:
             ax.text(0.5, 0.5, "too few trials", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"importance for {objective}")
+        ax.set_title(f"importance for {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -208,11 +229,14 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
                  out: Path) -> ReportFiles:
     """Write report.html and the PNGs into `out` (created if missing)."""
     out.mkdir(parents=True, exist_ok=True)
-    gate = recommendation.gate_nrmse if recommendation else None
+    gate = (recommendation.gate_quality if recommendation.gate_quality is not None
+            else recommendation.gate_nrmse) if recommendation else None
+    label = quality_label(study, trials)
+    side = "≤" if study.spec.quality_direction == "minimize" else "≥"
     figures = {name: out / f"{name}.png" for name in ("pareto", "progress", "importances", "failures")}
     _plot_pareto(study, trials, gate, figures["pareto"])
     _plot_progress(study, trials, figures["progress"])
-    _plot_importances(study, importances(study, trials), figures["importances"])
+    _plot_importances(study, importances(study, trials), figures["importances"], label)
     _plot_failures(study, trials, figures["failures"])
 
     esc = html.escape
@@ -222,14 +246,16 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
         failure = f"{t.failure.get('kind')}: {t.failure.get('message', '')}" if t.failure else ""
         rows.append(
             f"<tr><td>{t.number}{' (baseline)' if t.is_baseline else ''}</td><td>{esc(t.state)}</td>"
-            f"<td>{_fmt(t.throughput_samples_per_s, ',.1f')}</td><td>{_fmt(t.val_nrmse, '.4f')}</td>"
+            f"<td>{_fmt(t.throughput_samples_per_s, ',.1f')}</td><td>{_fmt(quality_of(t), '.4f')}</td>"
             f"<td>{feasible}</td><td>{esc(failure[:200])}</td><td><code>{esc(json.dumps(t.params))}</code></td></tr>")
     if recommendation:
         r = recommendation
+        quality = r.quality if r.quality is not None else r.val_nrmse
+        baseline_quality = r.baseline_quality if r.baseline_quality is not None else r.baseline_val_nrmse
         rec = (f"<p>Trial {r.trial_number}: <b>{r.throughput_samples_per_s:,.1f} samples/s</b>"
                f" ({_fmt(r.speedup, '.2f')}× the baseline's {_fmt(r.baseline_throughput_samples_per_s, ',.1f')}),"
-               f" NRMSE {r.val_nrmse:.4f} (baseline {_fmt(r.baseline_val_nrmse, '.4f')},"
-               f" gate ≤ {_fmt(r.gate_nrmse, '.4f')}).</p>"
+               f" {esc(label)} {_fmt(quality, '.4f')} (baseline {_fmt(baseline_quality, '.4f')},"
+               f" gate {side} {_fmt(gate, '.4f')}).</p>"
                f"<pre>{esc(json.dumps(r.config, indent=2))}</pre>")
     else:
         rec = "<p>No recommendation yet: no completed trial passes the quality gate.</p>"
@@ -249,7 +275,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;font-size:13px}}img{{max-width:100%
 <h2>Best so far</h2><img src="progress.png" alt="best feasible speedup by trial">
 <h2>Parameter importances</h2><img src="importances.png" alt="parameter importances">
 <h2>Failures</h2><img src="failures.png" alt="trials by state and failure kind">
-<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>samples/s</th><th>NRMSE</th><th>feasible</th>
+<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>samples/s</th><th>{esc(label)}</th><th>feasible</th>
 <th>failure</th><th>params</th></tr>{''.join(rows)}</table>
 </body></html>
 """

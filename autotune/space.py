@@ -18,7 +18,8 @@ knob keeps its default, which is how "prefetch only with workers > 0" is express
 `parse_space` rejects a space that can draw a configuration breaking a cross-knob rule
 (prefetch_factor or persistent_workers with num_workers 0) and names the parameter to
 guard. `validate_for(space, hardware, world_size)` adds the hardware rules (fp8 needs a
-GPU of compute capability >= 8.9, bucket_cap_mb only with world size > 1).
+GPU of compute capability >= 8.9; bucket_cap_mb and the other distributed knobs only with
+world size > 1).
 
 A named space is a file ``SPACES_DIR/<name>.yaml``; `load_space` takes names only, never
 paths (a study spec comes over the network).
@@ -39,7 +40,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from autotune.config import KNOBS, RULE_KNOBS, ConfigError, check_hardware, check_rules, parse_config
+from autotune.config import DISTRIBUTED_KNOBS, KNOBS, RULE_KNOBS, ConfigError, check_hardware, check_rules, parse_config
 
 # The named spaces: $AUTOTUNE_SPACES_DIR, else the repository's search_spaces/ (editable
 # installs and checkouts; the Docker image sets the variable).
@@ -352,7 +353,13 @@ def _rule_violation(space: Space, drawn: dict[str, Any], error: ConfigError) -> 
 
 
 def validate_for(space: Space, hardware: str, world_size: int = 1) -> None:
-    """Hardware rules: raise SpaceError when the space cannot run on `hardware`."""
+    """Hardware rules: raise SpaceError when the space cannot run on `hardware` with trials of
+    `world_size` processes (a study's gpus_per_trial). The distributed knobs
+    (`autotune.config.DISTRIBUTED_KNOBS`: bucket_cap_mb, parallel, gradient_as_bucket_view,
+    static_graph, no_sync_accumulation, the NCCL variables) may be searched only when
+    world_size > 1: at world size 1 they would change nothing but the sampler's data. A fixed
+    value is accepted at any world size (a single-process probe records it as inactive), so
+    one space file can pin them for the multi-GPU studies that share it."""
     if "precision" in space.params:
         for value in space.params["precision"].choices or ():
             try:
@@ -363,9 +370,12 @@ def validate_for(space: Space, hardware: str, world_size: int = 1) -> None:
         check_hardware(space.fixed, hardware)
     except ConfigError as e:
         raise SpaceError(f"fixed.{e.knob}", e.message) from None
-    if world_size <= 1 and "bucket_cap_mb" in space.params:
-        raise SpaceError("params.bucket_cap_mb", "DDP bucket size only matters with world size > 1; "
-                                                  "remove it or run trials on several GPUs")
+    if world_size <= 1:
+        for knob in DISTRIBUTED_KNOBS:
+            if knob in space.params:
+                raise SpaceError(f"params.{knob}", f"{knob} only matters with world size > 1 (a trial on "
+                                                   "several GPUs); remove it, or run the study's trials on "
+                                                   "several GPUs (gpus_per_trial >= 2)")
 
 
 def load_space(name: str) -> Space:

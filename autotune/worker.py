@@ -1,6 +1,13 @@
 """The worker: lease a trial, run its probe in a child process, report, complete; repeat.
 
-One worker serves one device. The loop (`Worker.run`):
+One worker serves one device, or several *GPU groups* (`plan_groups`): with
+``--gpus-per-trial N`` every trial runs on N GPUs at once (torchrun, `autotune.distributed`),
+and ``--device cuda:0,1,2,3 --gpus-per-trial 2`` makes two groups (GPUs 0,1 and 2,3), each
+with its own lease loop (a thread; worker id suffixed with the group) and its own trials.
+``--device cpu --gpus-per-trial 2`` runs 2 gloo processes per trial (tests, smoke runs). The
+worker leases only studies whose ``gpus_per_trial`` equals its own (the lease request says
+it; pinned with --study to another world size, the service answers 422 naming the fix).
+The loop of one group (`Worker.run`):
 
 lease     POST /v1/trials/lease with the worker's hardware class, its allow-list (the service
           offers it only studies of those workloads; a --study of another workload is a 422
@@ -11,10 +18,17 @@ refuse    the allow-list is the worker's own boundary, whatever the service send
           default: the built-in workloads) or not installed here is completed at once as failed,
           kind "refused", with a message naming the workload and how to allow it. Nothing the
           lease names is imported: the check reads the registry's names (autotune.workloads),
-          and only a probe child of an allowed, installed workload imports its module.
+          and only a probe child of an allowed, installed workload imports its module. An
+          ``--allow-workload NAME=module:attr`` entry allows NAME and defines it for this
+          worker's children (exported in AUTOTUNE_WORKLOADS, see autotune.workloads): the
+          operator's import path, never the service's.
 probe     `python -m autotune.probe_child` in its own process group (see probe_child.py for
           the stdin/stdout protocol), with a hard limit of the study's probe.timeout_s plus a
           small grace, torch threads and a per-host TorchInductor cache set in its environment.
+          A group of N > 1 GPUs runs `python -m autotune.distributed` instead (torchrun, N
+          ranks, CUDA_VISIBLE_DEVICES = the group's GPUs), the job in a job directory: prune
+          = its stop file; a kill ends the launcher's group and every rank's group; a rank's
+          failure record (kind, message naming the rank) becomes the trial's result.
 monitor   the child's report lines go to POST /report (reply prune → SIGTERM the child: it
           stops at the next window and its result says stopped_early, or SIGKILL after a
           grace and a partial result is built from the reports); a heartbeat every
@@ -27,7 +41,8 @@ Resilience: lease and complete retry connection errors and 5xx forever (backoff 
 10 s), so a worker outlives a service restart; reports and heartbeats retry briefly and are
 skipped if the service stays away (the probe keeps running). A 409 means the trial is no
 longer this worker's: it is dropped. SIGINT/SIGTERM: the running child is killed, its trial
-completed as failed ("worker interrupted by SIGTERM"), and the worker exits 128 + signal.
+completed as failed, kind "interrupted" ("worker interrupted by SIGTERM"; the service re-runs
+it on another worker: a preemption says nothing about the config), and the worker exits 128 + signal.
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import statistics
@@ -64,10 +80,17 @@ from autotune.client import (
     ServiceUnavailable,
     Unauthorized,
 )
+from autotune.distributed import JOB_DIR_ENV, collect_failure, kill_ranks, launch_argv, prepare_job_dir, request_stop
 from autotune.hardware import Hardware
 from autotune.probe_child import ChildJob
 from autotune.protocol import LeaseRequest, TrialInfo, TrialLease
-from autotune.workloads import ENTRY_POINT_GROUP, builtin_workload_names, registered_workloads
+from autotune.workloads import (
+    ENTRY_POINT_GROUP,
+    builtin_workload_names,
+    export_workload_paths,
+    registered_workloads,
+    workload_paths,
+)
 
 ReplyT = TypeVar("ReplyT")
 
@@ -114,6 +137,73 @@ def default_worker_id(device: str) -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{device}"
 
 
+@dataclass(frozen=True)
+class DeviceGroup:
+    """The devices one lease loop runs its trials on.
+
+    `devices` are torch device strings as the worker sees them (``cuda:2``, ``cpu``); a
+    CPU group of N processes repeats ``cpu`` N times. `name` goes into the worker id."""
+
+    devices: tuple[str, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.devices[0].startswith("cuda")
+
+    @property
+    def name(self) -> str:
+        if not self.is_cuda:
+            return "cpu" if self.world_size == 1 else f"cpu-x{self.world_size}"
+        if self.world_size == 1:
+            return self.devices[0]
+        return "cuda:" + ",".join(d.partition(":")[2] for d in self.devices)
+
+    def visible_devices(self, environ: Mapping[str, str] | None = None) -> str:
+        """CUDA_VISIBLE_DEVICES for this group's ranks: its GPUs in the numbering of the
+        worker's own CUDA_VISIBLE_DEVICES, when the worker has one."""
+        env = os.environ if environ is None else environ
+        outer = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        indices = [int(d.partition(":")[2]) for d in self.devices]
+        return ",".join(outer[i] if i < len(outer) else str(i) for i in indices) if outer else \
+            ",".join(map(str, indices))
+
+
+def plan_groups(device: str, gpus_per_trial: int, cuda_count: Callable[[], int] | None = None) -> list[DeviceGroup]:
+    """Split `device` (``cpu``, ``cuda``, ``cuda:N`` or ``cuda:0,1,...``) into groups of
+    `gpus_per_trial` devices. ``cpu`` is one group of `gpus_per_trial` gloo processes;
+    ``cuda`` means the current GPU for one GPU per trial, every visible GPU otherwise
+    (`cuda_count` counts them). Raises ValueError naming the fix."""
+    if gpus_per_trial < 1:
+        raise ValueError(f"--gpus-per-trial {gpus_per_trial}: must be >= 1")
+    if device == "cpu":
+        return [DeviceGroup(("cpu",) * gpus_per_trial)]
+    if device == "cuda" and gpus_per_trial == 1:
+        return [DeviceGroup(("cuda",))]
+    if device == "cuda":
+        count = cuda_count() if cuda_count is not None else visible_cuda_count()
+        if count == 0:
+            raise ValueError("--device cuda: CUDA is not available on this host (no GPU visible); use --device cpu")
+        indices = list(range(count))
+    elif device.startswith("cuda:"):
+        try:
+            indices = [int(part) for part in device[5:].split(",")]
+        except ValueError:
+            raise ValueError(f"--device {device}: expected cuda:N or cuda:N,M,... (GPU indices)") from None
+        if len(set(indices)) != len(indices) or min(indices) < 0:
+            raise ValueError(f"--device {device}: each GPU index once, none negative")
+    else:
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda, cuda:N or cuda:N,M,...")
+    if not indices or len(indices) % gpus_per_trial:
+        raise ValueError(f"--device {device} holds {len(indices)} GPU(s), not a multiple of --gpus-per-trial "
+                         f"{gpus_per_trial}: list a multiple of {gpus_per_trial} GPUs (e.g. cuda:0,1 for 2)")
+    return [DeviceGroup(tuple(f"cuda:{i}" for i in indices[k:k + gpus_per_trial]))
+            for k in range(0, len(indices), gpus_per_trial)]
+
+
 def describe_exit(returncode: int) -> str:
     """Why a child ended without a result, in words."""
     if returncode < 0:
@@ -143,10 +233,21 @@ class WorkerOptions:
     heartbeat_s: float = 5.0
     threads: int | None = None  # torch threads in the child (default: torch's)
     allow_workloads: tuple[str, ...] | None = None  # workloads it runs (default: the built-in ones)
+    gpus_per_trial: int = 1  # GPUs (cpu: gloo processes) per trial; the device is split into groups of this many
     child_argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", CHILD_MODULE])
+    launch_argv: list[str] = field(default_factory=launch_argv)  # the distributed launcher (gpus_per_trial > 1)
 
     def allowed_workloads(self) -> tuple[str, ...]:
-        return self.allow_workloads if self.allow_workloads is not None else tuple(builtin_workload_names())
+        """The allowed workload names (an ``NAME=module:attr`` entry allows NAME)."""
+        if self.allow_workloads is None:
+            return tuple(builtin_workload_names())
+        return tuple(dict.fromkeys(entry.partition("=")[0].strip() for entry in self.allow_workloads))
+
+    def workload_paths(self) -> dict[str, str]:
+        """NAME → module:attr of the ``--allow-workload NAME=module:attr`` entries (the operator's
+        import paths, exported to the probe children by `export_workload_paths`); ValueError
+        with the fix for a malformed entry."""
+        return workload_paths(self.allow_workloads or ())
 
 
 def refusal(workload: str, allowed: tuple[str, ...]) -> str | None:
@@ -160,7 +261,8 @@ def refusal(workload: str, allowed: tuple[str, ...]) -> str | None:
     if workload not in installed:
         return (f"workload {workload!r} is allowed but not installed on this worker (installed: "
                 f"{', '.join(sorted(installed))}); install the package that registers it under the entry-point "
-                f"group {ENTRY_POINT_GROUP!r} on this host")
+                f"group {ENTRY_POINT_GROUP!r} on this host, or name its code: --allow-workload "
+                f"{workload}=module.path:attr")
     return None
 
 
@@ -170,19 +272,27 @@ def refusal(workload: str, allowed: tuple[str, ...]) -> str | None:
 class ProbeProcess:
     """One running probe child: its stdout protocol lines arrive on `events`, its stderr
     is kept as a tail. The child leads its own process group; `kill` ends the whole group
-    (DataLoader workers, compile workers), so no orphans remain."""
+    (DataLoader workers, compile workers), so no orphans remain.
 
-    def __init__(self, argv: list[str], job: ChildJob, env: Mapping[str, str]) -> None:
+    With a `job_dir` the child is a distributed launcher (`autotune.distributed`): the job
+    is in the directory (not on stdin), a stop request is its stop file, and a kill also ends
+    the process group of every rank (each rank leads its own session)."""
+
+    def __init__(self, argv: list[str], job: ChildJob, env: Mapping[str, str], job_dir: Path | None = None) -> None:
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=dict(env), start_new_session=True)
-        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
-        try:
-            self.proc.stdin.write(job.to_json().encode())  # small: fits the pipe buffer, never blocks
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass  # the child died at once; its exit status tells why
+        self.job_dir = job_dir
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if job_dir is None else subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env),
+                                     start_new_session=True)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        if job_dir is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(job.to_json().encode())  # small: fits the pipe buffer, never blocks
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the child died at once; its exit status tells why
         self._out = threading.Thread(target=self._read_stdout, args=(self.proc.stdout,), daemon=True,
                                      name=f"probe-{self.proc.pid}-stdout")
         self._err = threading.Thread(target=self._read_stderr, args=(self.proc.stderr,), daemon=True,
@@ -234,10 +344,21 @@ class ProbeProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signum)
 
+    def request_stop(self) -> None:
+        """Ask the probe to stop at its next window boundary (prune): SIGTERM to a single
+        child; the stop file of a distributed one (torchrun would take SIGTERM as "kill")."""
+        if self.job_dir is not None:
+            request_stop(self.job_dir)
+        else:
+            self.signal_child(signal.SIGTERM)
+
     def kill_group(self) -> None:
-        """SIGKILL the child's whole process group (harmless when it is already gone)."""
+        """SIGKILL the child's whole process group, and every rank's of a distributed probe
+        (harmless when they are already gone)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.job_dir is not None:
+            kill_ranks(self.job_dir)
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM the child, give it `grace_s` to exit, then SIGKILL its group; reap it."""
@@ -250,6 +371,8 @@ class ProbeProcess:
         """Kill what is left of the group, reap the child, let the readers drain; its exit status."""
         self.kill_group()
         returncode = self.proc.wait()
+        if self.job_dir is not None:
+            kill_ranks(self.job_dir)  # a rank whose pid file appeared while the launcher died
         self._out.join(timeout=5.0)
         self._err.join(timeout=5.0)
         return returncode
@@ -272,6 +395,7 @@ class TrialRun:
     interrupted_by: str | None = None  # SIGINT / SIGTERM name
     timed_out: bool = False
     dropped: str | None = None  # why the trial is no longer ours (no complete)
+    rank_failure: dict[str, Any] | None = None  # a distributed probe's earliest rank failure record
 
     @property
     def elapsed_s(self) -> float:
@@ -310,7 +434,7 @@ def final_result(run: TrialRun, hardware: Hardware, stderr_tail: str) -> dict[st
     """The result to complete `run`'s trial with. The child's own result wins when it gave
     one (marked stopped_early if the trial was pruned); otherwise, by precedence: the worker
     was interrupted, the service said stop, the hard timeout, pruned (a partial result from
-    the reports), the child died."""
+    the reports), a rank of a distributed probe failed (its record), the child died."""
 
     def failed(kind: str, message: str) -> dict[str, Any]:
         return minimal_result(run.lease, hardware, {"kind": kind, "message": message})
@@ -320,7 +444,7 @@ def final_result(run: TrialRun, hardware: Hardware, stderr_tail: str) -> dict[st
             return {**run.result, "stopped_early": True}
         return run.result
     if run.interrupted_by:
-        return failed("error", f"worker interrupted by {run.interrupted_by}")
+        return failed("interrupted", f"worker interrupted by {run.interrupted_by}")
     if run.stop_reason:
         return failed("error", f"stopped by the service: {run.stop_reason}")
     if run.timed_out:
@@ -329,6 +453,8 @@ def final_result(run: TrialRun, hardware: Hardware, stderr_tail: str) -> dict[st
                                  f"(+{hard_timeout_grace_s(timeout):g} s grace) and was killed")
     if run.prune_reason is not None:
         return partial_result(run, hardware)
+    if run.rank_failure is not None:  # a rank failed: torchrun ended the others; its record says why
+        return run.rank_failure
     why = describe_exit(run.returncode if run.returncode is not None else -1)
     return failed("error", f"{why}; stderr tail:\n{stderr_tail}" if stderr_tail else why)
 
@@ -353,8 +479,9 @@ def summarize_result(result: Mapping[str, Any]) -> str:
     thr_text = f"{thr:,.1f} samples/s" if isinstance(thr, (int, float)) else "- samples/s"
     if result.get("stopped_early"):
         return f"[yellow]PRUNED[/] ({thr_text} before it stopped)"
-    nrmse = result.get("val_nrmse")
-    nrmse_text = f"NRMSE {nrmse:.4f}" if isinstance(nrmse, (int, float)) else "NRMSE -"
+    nrmse = result.get("quality", result.get("val_nrmse"))
+    label = "NRMSE" if result.get("quality_metric", "val_nrmse") == "val_nrmse" else str(result["quality_metric"])
+    nrmse_text = f"{escape(label)} {nrmse:.4f}" if isinstance(nrmse, (int, float)) else f"{escape(label)} -"
     warm = result.get("warmup_s")
     warm_text = f" · warm-up {warm:.2f} s" if isinstance(warm, (int, float)) else ""
     return f"[green]{thr_text}[/] · {nrmse_text}{warm_text}"
@@ -367,16 +494,22 @@ class Worker:
     """The lease → probe → complete loop of one device (see the module docstring)."""
 
     def __init__(self, options: WorkerOptions, hardware: Hardware, client: Client | None = None,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, group: DeviceGroup | None = None,
+                 worker_id_suffix: str | None = None) -> None:
         self.options = options
         self.hardware = hardware
-        self.worker_id = options.worker_id or default_worker_id(hardware.device)
+        self.group = group or DeviceGroup((hardware.device,) * options.gpus_per_trial)
+        base = options.worker_id or default_worker_id(hardware.device if self.group.world_size == 1
+                                                      else self.group.name)
+        self.worker_id = f"{base}-{worker_id_suffix}" if worker_id_suffix else base
+        self.show_status = True  # a live status line (off when several groups share the console)
         self.stop_event = threading.Event()
         self.client = client or Client(options.api, options.token, retry_for_s=None, cancel=self.stop_event)
         self.console = console or Console(soft_wrap=True, highlight=False)
         self.signal_name: str | None = None
         self.signal_number: int | None = None
         self.allowed = options.allowed_workloads()
+        export_workload_paths(options.workload_paths())  # the children resolve NAME=module:attr entries
         self.trials_done = 0
         self.current: ProbeProcess | None = None
 
@@ -402,6 +535,9 @@ class Worker:
             device = f"GPU {hw.device_name}{mem} ({hw.device})"
         else:
             device = hw.device_name
+        if self.group.world_size > 1:
+            kind = "GPUs" if self.group.is_cuda else "gloo processes on the cpu"
+            device = f"{device} · {self.group.world_size} {kind} per trial ({self.group.name}, torchrun)"
         self.console.print(f"[bold]autotune worker[/] {self.worker_id}")
         self.console.print(f"  device   {device}")
         self.console.print(f"  hardware class [bold]{hw.hardware_class}[/] · torch {hw.torch_version} · "
@@ -421,7 +557,8 @@ class Worker:
         delay = IDLE_BACKOFF_START_S
         waiting_shown = False
         request = LeaseRequest(worker_id=self.worker_id, hardware=self.hardware.hardware_class,
-                               study=self.options.study, workloads=list(self.allowed))
+                               study=self.options.study, workloads=list(self.allowed),
+                               gpus_per_trial=self.group.world_size)
         try:
             while not self.stop_event.is_set():
                 if self.options.max_trials is not None and self.trials_done >= self.options.max_trials:
@@ -479,14 +616,24 @@ class Worker:
         if refused is not None:  # _complete prints the refusal
             self._complete(run, minimal_result(lease, self.hardware, {"kind": "refused", "message": refused}))
             return run
+        world = self.group.world_size
         job = ChildJob(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
-                       device=self.hardware.device, probe=lease.probe.model_dump(mode="json"),
-                       threads=self.options.threads)
+                       device=self.hardware.device if world == 1 else ("cuda" if self.group.is_cuda else "cpu"),
+                       probe=lease.probe.model_dump(mode="json"), threads=self.options.threads, world_size=world)
+        job_dir: Path | None = None
         if self.signal_name is None:
-            child = ProbeProcess(self.options.child_argv, job, child_environment(self.options.threads))
+            env = child_environment(self.options.threads)
+            argv = self.options.child_argv
+            if world > 1:
+                job_dir = prepare_job_dir(job.to_json())
+                env[JOB_DIR_ENV] = str(job_dir)
+                if self.group.is_cuda:
+                    env["CUDA_VISIBLE_DEVICES"] = self.group.visible_devices()
+                argv = self.options.launch_argv
+            child = ProbeProcess(argv, job, env, job_dir=job_dir)
             self.current = child
             try:
-                if self.console.is_terminal:
+                if self.console.is_terminal and self.show_status:
                     with self.console.status("") as status:
                         self._monitor(run, child, lambda text: status.update(text))
                 else:
@@ -494,6 +641,9 @@ class Worker:
             finally:
                 run.returncode = child.finish()
                 self.current = None
+                if job_dir is not None:
+                    run.rank_failure = collect_failure(job_dir)
+                    shutil.rmtree(job_dir, ignore_errors=True)
             tail = child.stderr_tail()
         else:  # interrupted between lease and start
             run.interrupted_by = self.signal_name
@@ -594,9 +744,9 @@ class Worker:
         if reply.prune:
             run.prune_reason = reply.reason or "pruned"
             self.console.print(f"  trial {run.lease.number}: pruned at step {report['step']} ({run.prune_reason})")
-            # SIGTERM: the child stops at its next window boundary and prints a stopped_early
-            # result; a separate thread escalates to SIGKILL after the grace period.
-            child.signal_child(signal.SIGTERM)
+            # The child stops at its next window boundary and prints a stopped_early result;
+            # a separate thread escalates to SIGKILL after the grace period.
+            child.request_stop()
             threading.Thread(target=_kill_after, args=(child, PRUNE_GRACE_S), daemon=True).start()
         return True
 
@@ -654,12 +804,81 @@ def detect_hardware(device: str) -> Hardware:
     return Hardware(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
-    """Detect the hardware, install the signal handlers and serve trials (the `autotune worker` verb)."""
-    hardware = detect_hardware(options.device)
-    worker = Worker(options, hardware, console=console)
-    worker.install_signal_handlers()
+COUNT_SCRIPT = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+
+
+def visible_cuda_count() -> int:
+    """How many GPUs this host shows (in a short-lived child: the worker never touches CUDA)."""
+    proc = subprocess.run([sys.executable, "-c", COUNT_SCRIPT], capture_output=True, text=True, timeout=300,
+                          check=False)
     try:
-        return worker.run()
-    finally:
-        worker.client.close()
+        return int(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return 0
+
+
+def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
+    """Detect the hardware, install the signal handlers and serve trials (the `autotune worker` verb).
+
+    One lease loop per device group (`plan_groups`): with one group it runs on the main thread;
+    with several, each runs on its own thread (worker id suffixed with its group), the main
+    thread forwarding SIGINT/SIGTERM to all of them. Each loop counts its own --max-trials and
+    --idle-exit. Exit status: the first non-zero loop status, else 0. Raises ValueError when a
+    device cannot be used or the devices do not split into groups."""
+    groups = plan_groups(options.device, options.gpus_per_trial)
+    if len(groups) == 1:
+        group = groups[0]
+        hardware = detect_hardware(group.devices[0])
+        worker = Worker(options, hardware, console=console, group=group)
+        worker.install_signal_handlers()
+        try:
+            return worker.run()
+        finally:
+            worker.client.close()
+    console = console or Console(soft_wrap=True, highlight=False)
+    workers = []
+    for group in groups:
+        worker = Worker(options, detect_hardware(group.devices[0]), console=console, group=group,
+                        worker_id_suffix=group.name if options.worker_id else None)
+        worker.show_status = False
+        workers.append(worker)
+    return _run_loops(workers)
+
+
+def _run_loops(workers: list[Worker]) -> int:
+    """Run several lease loops on threads until they all return; signals reach every loop.
+    The probe children are started from the loops' threads, which live until their loop
+    ends (a child's PR_SET_PDEATHSIG fires when the thread that started it exits)."""
+    codes: dict[int, int] = {}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        second = any(w.signal_name is not None for w in workers)
+        for w in workers:
+            with contextlib.suppress(KeyboardInterrupt):  # Worker's own "second signal" reaction
+                w._on_signal(signum, frame)
+        if second:
+            raise KeyboardInterrupt  # the main thread kills every running probe (below)
+
+    def serve(index: int, worker: Worker) -> None:
+        try:
+            codes[index] = worker.run()
+        finally:
+            worker.client.close()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    threads = [threading.Thread(target=serve, args=(i, w), name=f"worker-{w.group.name}", daemon=True)
+               for i, w in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(timeout=0.5)  # short joins: the main thread keeps handling signals
+    except KeyboardInterrupt:  # a second signal: stop waiting, kill every running probe
+        for w in workers:
+            if w.current is not None:
+                w.current.finish()
+        return 128 + (workers[0].signal_number or signal.SIGINT)
+    nonzero = [codes.get(i, 1) for i in range(len(workers)) if codes.get(i, 1) != 0]
+    return nonzero[0] if nonzero else 0

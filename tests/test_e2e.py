@@ -143,7 +143,8 @@ def test_sigterm_to_a_worker_mid_probe_fails_its_trial_as_interrupted(service: L
     assert not is_alive(child)
     trial = trial_by_number(service, "term", 0)
     assert trial["state"] == "FAIL"
-    assert trial["failure"] == {"kind": "error", "message": "worker interrupted by SIGTERM"}
+    # a preemption says nothing about the config: kind "interrupted", re-run by the next worker
+    assert trial["failure"] == {"kind": "interrupted", "message": "worker interrupted by SIGTERM"}
 
 
 def test_a_worker_waits_for_the_service_and_survives_its_restart(processes: Processes, tmp_path: Path,

@@ -29,8 +29,22 @@ def test_gate_widens_to_the_baselines_seed_spread() -> None:
 
 def test_gate_ignores_non_finite_seeds_and_needs_one() -> None:
     assert BaselineStats.from_values([0.5, math.nan]).n == 1
-    with pytest.raises(ValueError, match="no finite NRMSE"):
+    with pytest.raises(ValueError, match="no finite quality value"):
         BaselineStats.from_values([math.nan])
+
+
+def test_a_metric_to_maximize_gates_from_below() -> None:
+    """quality_direction "maximize" (an accuracy): feasible iff q >= μ − max(abs_tol, k·σ)."""
+    stats = BaselineStats.from_values([0.88, 0.90, 0.92])  # sample std 0.02
+    gate = Gate(abs_tol=0.01, k=2)
+    assert gate.threshold(stats, "maximize") == pytest.approx(0.86)
+    assert constraint_value(0.87, 0.86, "maximize") == pytest.approx(-0.01)  # above the floor: feasible
+    assert constraint_value(0.85, 0.86, "maximize") == pytest.approx(0.01)
+    assert is_feasible(0.87, 0.86, "maximize") is True and is_feasible(0.85, 0.86, "maximize") is False
+    assert is_feasible(0.85, 0.86) is True  # the same numbers, minimized
+    assert constraint_value(None, 0.86, "maximize") == FAILED_CONSTRAINT
+    with pytest.raises(ValueError, match="not one of minimize, maximize"):
+        gate.threshold(stats, "bigger")
 
 
 def test_constraint_value_and_feasibility() -> None:
@@ -174,3 +188,52 @@ def test_default_baseline_is_the_research_starting_point() -> None:
     assert (cfg.precision, cfg.compile, cfg.checkpoint, cfg.inverse_loss_frequency) == ("fp32", "none", "none", 1)
     assert StudySpec(name="c").baseline_config() == {}  # CPU: the loader stays in-process
     assert StudySpec(name="u", baseline={"batch_size": 8}).baseline_config() == {"batch_size": 8}
+
+
+# --- the quality metric of a study (autotune.protocol.StudySpec.quality, api/outcome.py) ----------
+
+
+def _result(**overrides: object) -> dict[str, object]:
+    return {"throughput_samples_per_s": 100.0, "quality": 1.5, "quality_metric": "val_loss",
+            "quality_direction": "minimize", "failure": None, "stopped_early": False, **overrides}
+
+
+def test_a_study_gates_on_its_workloads_metric() -> None:
+    from autotune.protocol import StudySpec
+
+    ups = StudySpec(name="a", objectives=["throughput", "val_nrmse"])  # the old objective name still works
+    assert ups.objectives == ["throughput", "quality"] and ups.quality_metric == "val_nrmse"
+    assert ups.objective_metric_names() == ["throughput_samples_per_s", "val_nrmse"]
+    gpt = StudySpec(name="b", workload="gpt")
+    assert (gpt.quality_metric, gpt.quality_direction) == ("val_loss", "minimize")
+    assert gpt.objective_metric_names() == ["throughput_samples_per_s", "val_loss"]
+    acc = StudySpec(name="c", quality={"metric": "val_accuracy", "direction": "maximize"})
+    assert acc.objective_directions() == ["maximize", "maximize"]
+    # a spec stored before quality existed reads back as the ups NRMSE
+    old = StudySpec.model_validate({"name": "d", "objectives": ["throughput", "val_nrmse"]}, context={"stored": True})
+    assert old.quality is None and old.quality_metric == "val_nrmse" and old.quality_direction == "minimize"
+
+
+def test_the_outcome_reads_the_generic_quality_and_refuses_another_metric() -> None:
+    from api.outcome import WORST_NRMSE, WORST_QUALITY, probe_outcome, worst_values
+    from autotune.protocol import StudySpec
+
+    gpt = StudySpec(name="b", workload="gpt")
+    outcome = probe_outcome(_result(), gpt, "w", gate=1.6)
+    assert outcome.state == "COMPLETE" and outcome.values == [100.0, 1.5]
+    assert outcome.attrs["quality"] == 1.5 and outcome.attrs["quality_metric"] == "val_loss"
+    assert outcome.attrs[CONSTRAINT_ATTR] == pytest.approx(-0.1)
+    wrong = probe_outcome(_result(quality_metric="val_nrmse"), gpt, "w", gate=1.6)
+    assert wrong.attrs["failure_kind"] == "error" and "quality: {metric: val_nrmse}" in wrong.attrs["failure_message"]
+    flipped = probe_outcome(_result(quality_direction="maximize"), gpt, "w", gate=1.6)
+    assert flipped.attrs["failure_kind"] == "error" and "direction: maximize" in flipped.attrs["failure_message"]
+    # an older worker sends val_nrmse only: it still counts for an NRMSE study
+    ups = StudySpec(name="a")
+    legacy = probe_outcome({"throughput_samples_per_s": 5.0, "val_nrmse": 0.2, "failure": None}, ups, "w")
+    assert legacy.values == [5.0, 0.2] and legacy.attrs["quality_metric"] == "val_nrmse"
+    acc = StudySpec(name="c", quality={"metric": "val_accuracy", "direction": "maximize"})
+    assert worst_values(ups) == [0.0, WORST_NRMSE] and worst_values(gpt) == [0.0, WORST_QUALITY]
+    assert worst_values(acc) == [0.0, -WORST_QUALITY]
+    above = probe_outcome(_result(quality=0.9, quality_metric="val_accuracy", quality_direction="maximize"), acc,
+                          "w", gate=0.86)
+    assert above.attrs[CONSTRAINT_ATTR] == pytest.approx(-0.04)  # above the floor: feasible

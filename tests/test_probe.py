@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from autotune.config import ConfigError
+from autotune.config import DISTRIBUTED_KNOBS, ConfigError
 from autotune.knobs import ProbeError
 from autotune.probe import FAILURE_KINDS, ProbeResult, ProbeSettings, classify_exception, plan_steps, run_probe
 from autotune.workloads import UnknownWorkloadError, Workload
@@ -66,6 +66,9 @@ def test_knob_notes_cover_every_applied_knob(default_result: ProbeResult) -> Non
                 "num_workers", "pin_memory", "accum_steps", "inverse_loss_frequency"}
     assert expected <= set(default_result.knobs)
     assert default_result.knobs["compile"] == "none (eager)"
+    # a single-process probe: every distributed knob is recorded, as inactive
+    assert default_result.world_size == 1
+    assert all(default_result.knobs[k].endswith("(inactive: world size 1)") for k in DISTRIBUTED_KNOBS)
     assert default_result.knobs["checkpoint"] == "none"
 
 
@@ -202,7 +205,7 @@ def test_plan_steps_splits_the_budget(samples: int, eff: int, warmup: int, windo
 
 
 def test_unknown_workload_and_preset(tiny: Workload) -> None:
-    with pytest.raises(UnknownWorkloadError, match="installed: ups"):
+    with pytest.raises(UnknownWorkloadError, match=r"unknown workload .nope.; installed: (.*, )?ups"):
         run_probe("nope", {})
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         run_probe("ups", {}, preset="huge")

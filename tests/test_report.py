@@ -55,7 +55,7 @@ def test_best_so_far_tracks_feasible_speedup(trials: list[TrialInfo]) -> None:
 
 def test_importances_name_searched_params(study: StudyInfo, trials: list[TrialInfo]) -> None:
     imp = importances(study, trials)
-    assert set(imp) == {"throughput", "val_nrmse"}
+    assert set(imp) == {"throughput", "quality"}
     assert set(imp["throughput"]) == {"batch_size", "precision"}
     assert sum(imp["throughput"].values()) == pytest.approx(1.0)
 
@@ -76,3 +76,25 @@ def test_report_without_recommendation_or_trials(study: StudyInfo, tmp_path: Pat
     files = write_report(study, [], None, tmp_path)
     assert "No recommendation yet" in files.html.read_text()
     assert all(p.stat().st_size > 0 for p in files.figures.values())
+
+
+def test_a_report_names_the_studys_own_metric_and_its_direction(tmp_path: Path) -> None:
+    """An accuracy study (maximize): the page and the front use val_accuracy, never NRMSE."""
+    spec = StudySpec(name="acc", space="cpu", quality={"metric": "val_accuracy", "direction": "maximize"})
+    study = StudyInfo(name="acc", state="finished", spec=spec, counts={"COMPLETE": 3})
+
+    def acc_trial(number: int, tp: float, accuracy: float, feasible: bool, **params: object) -> TrialInfo:
+        return TrialInfo(trial_id=number, number=number, state="COMPLETE", params=dict(params),
+                         throughput_samples_per_s=tp, quality=accuracy, quality_metric="val_accuracy",
+                         feasible=feasible, is_baseline=number == 0)
+
+    trials = [acc_trial(0, 100.0, 0.90, True), acc_trial(1, 200.0, 0.80, False, batch_size=8),
+              acc_trial(2, 150.0, 0.95, True, batch_size=4), acc_trial(3, 120.0, 0.85, True, batch_size=16)]
+    assert [t.number for t in pareto_front(trials, "maximize")] == [2, 1]  # higher accuracy is better
+    assert [t.number for t in pareto_front(trials)] == [1]  # the same points, minimized: the fastest wins
+    rec = Recommendation(study="acc", config={"batch_size": 4}, trial_number=2, throughput_samples_per_s=150.0,
+                         baseline_throughput_samples_per_s=100.0, speedup=1.5, quality_metric="val_accuracy",
+                         quality_direction="maximize", quality=0.95, baseline_quality=0.90, gate_quality=0.89)
+    page = write_report(study, trials, rec, tmp_path).html.read_text()
+    assert "val_accuracy 0.9500 (baseline 0.9000, gate ≥ 0.8900)" in page
+    assert "<th>val_accuracy</th>" in page and "NRMSE" not in page

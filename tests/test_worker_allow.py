@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,11 +29,14 @@ from autotune.worker import WorkerOptions, refusal
 from autotune.workloads import (
     BUILTIN,
     ENTRY_POINT_GROUP,
+    ENV_VAR,
     UnknownWorkloadError,
     check_workload,
+    export_workload_paths,
     get_workload,
     registered_workloads,
     workload_names,
+    workload_paths,
 )
 
 PLUGIN = "fakewl"
@@ -40,6 +44,7 @@ PLUGIN_MODULE = "fakewl_module"
 # Importing the plugin's module leaves a marker file: the proof of who imported it, and when.
 PLUGIN_SOURCE = '''
 import os
+import re
 import pathlib
 
 pathlib.Path(os.environ["FAKEWL_MARKER"]).write_text(f"imported by pid {os.getpid()}")
@@ -73,18 +78,23 @@ def write_plugin(directory: Path) -> Path:
 
 
 def test_the_builtin_presets_are_the_workloads_own() -> None:
-    from autotune.workloads.ups import PRESETS
+    from autotune.workloads import gpt, ups
 
-    assert BUILTIN["ups"].presets == tuple(PRESETS)
-    assert workload_names() == ["ups"]
-    for preset in PRESETS:
-        assert get_workload("ups", preset).preset == preset
+    assert BUILTIN["ups"].presets == tuple(ups.PRESETS) and BUILTIN["gpt"].presets == tuple(gpt.PRESETS)
+    assert workload_names() == ["gpt", "ups"]
+    for name, module in (("ups", ups), ("gpt", gpt)):
+        for preset in module.PRESETS:
+            workload = get_workload(name, preset)
+            assert workload.preset == preset
+            # the registry's name-level metadata is the workload's own (the service reads it without importing)
+            assert (BUILTIN[name].quality_metric, BUILTIN[name].quality_direction) == (
+                workload.quality_metric, workload.quality_direction)
 
 
 def test_unknown_workloads_and_presets_name_the_field_and_the_known_ones() -> None:
     with pytest.raises(UnknownWorkloadError) as info:
         check_workload("nope", "tiny")
-    assert info.value.field == "workload" and "installed: ups" in str(info.value)
+    assert info.value.field == "workload" and "installed: ups, gpt" in str(info.value)
     with pytest.raises(UnknownWorkloadError) as info:
         check_workload("ups", "huge")
     assert info.value.field == "preset" and "known: tiny, full" in str(info.value)
@@ -133,11 +143,62 @@ def test_a_stored_spec_is_read_back_whatever_is_installed_now() -> None:
     assert StudyInfo(name="s", state="running", spec=spec).spec.workload == "gone"  # not checked again
 
 
+def test_import_path_workloads_are_the_operators_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--allow-workload NAME=module:attr: the worker allows NAME and exports the path to its probe
+    children through AUTOTUNE_WORKLOADS; nothing is imported until a probe loads it."""
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("FAKEWL_MARKER", str(marker))
+    monkeypatch.syspath_prepend(str(write_module(tmp_path / "site")))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    options = WorkerOptions(allow_workloads=("ups", f"mine={PLUGIN_MODULE}:FakeWorkload"))
+    assert options.allowed_workloads() == ("ups", "mine")
+    assert options.workload_paths() == {"mine": f"{PLUGIN_MODULE}:FakeWorkload"}
+    try:
+        export_workload_paths(options.workload_paths())
+        assert os.environ[ENV_VAR] == f"mine={PLUGIN_MODULE}:FakeWorkload"
+        entry = check_workload("mine", "p")
+        assert entry.source == "environment" and entry.presets is None and refusal("mine", ("mine",)) is None
+        assert not marker.exists()
+        workload: Any = get_workload("mine", "p")  # what the probe child does
+        assert workload.preset == "p" and marker.exists()
+    finally:
+        monkeypatch.delenv(ENV_VAR, raising=False)
+        registered_workloads.cache_clear()
+        sys.modules.pop(PLUGIN_MODULE, None)
+
+
+def test_malformed_import_path_options_say_how_to_write_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=re.escape("--allow-workload NAME=my_pkg.mod:Cls")):
+        workload_paths(["my_pkg.mod:Cls"])  # a study names a slug: the operator names the workload
+    with pytest.raises(ValueError, match="not an import path"):
+        workload_paths(["mine=not a path"])
+    with pytest.raises(ValueError, match="not a slug"):
+        workload_paths(["../x=pkg:attr"])
+    # a bare name in AUTOTUNE_WORKLOADS makes the name known (the service) but cannot be loaded
+    monkeypatch.setenv(ENV_VAR, "named-only")
+    registered_workloads.cache_clear()
+    try:
+        assert check_workload("named-only", "any").target == ""
+        with pytest.raises(UnknownWorkloadError, match="only a name here"):
+            get_workload("named-only", "any")
+    finally:
+        monkeypatch.delenv(ENV_VAR)
+        registered_workloads.cache_clear()
+
+
+def test_the_worker_cli_refuses_a_bare_import_path() -> None:
+    done = subprocess.run([sys.executable, "-m", "autotune.cli", "worker", "--api", "http://127.0.0.1:9",
+                           "--allow-workload", "my_pkg.mod:Cls", "--max-trials", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "NAME=my_pkg.mod:Cls" in " ".join((done.stdout + done.stderr).split())
+
+
 # --- the allow-list ------------------------------------------------------------------------------
 
 
 def test_the_default_allow_list_is_the_builtin_workloads() -> None:
-    assert WorkerOptions().allowed_workloads() == ("ups",)
+    assert WorkerOptions().allowed_workloads() == ("gpt", "ups")
     assert WorkerOptions(allow_workloads=("a", "b")).allowed_workloads() == ("a", "b")
     assert WorkerOptions(allow_workloads=()).allowed_workloads() == ()
 
@@ -206,7 +267,7 @@ def test_workers_get_only_workloads_they_allow_and_refuse_what_they_lack(process
     not_allowed_builtin = worker("ups-study", PLUGIN)  # allows only the plugin
     not_allowed_plugin = worker("plugin-a", pythonpath=plugin_site)  # has it, default allow-list
     for proc, study, workload, allowed in ((not_allowed_builtin, "ups-study", "ups", PLUGIN),
-                                           (not_allowed_plugin, "plugin-a", PLUGIN, "ups")):
+                                           (not_allowed_plugin, "plugin-a", PLUGIN, "gpt, ups")):
         assert proc.wait(timeout=120) == 2, log_text(proc)[-3000:]
         text = " ".join(log_text(proc).split())  # rich wraps long lines
         assert f"runs workload '{workload}', which this worker does not run (it runs: {allowed})" in text, text

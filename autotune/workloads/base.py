@@ -3,9 +3,34 @@
 A workload supplies a model whose ``forward(batch, with_aux)`` returns a dict of scalar
 losses with the key ``"total"`` (``with_aux`` turns the workload's expensive auxiliary
 losses on, which the ``inverse_loss_frequency`` knob thins out), training and validation
-datasets of dict items, and a quality metric computed in fp32 on the validation set
-(lower is better). Presets give the default batch size, accumulation, learning rate and
-sample budget.
+datasets of dict items, and a quality metric computed in fp32 on the validation set.
+Presets give the default batch size, accumulation, learning rate and sample budget.
+
+The quality metric is named by ``quality_metric`` (``"val_nrmse"`` for field regression,
+``"val_loss"`` for a language model, ...) and has a ``quality_direction``: ``"minimize"``
+(the default: lower is better) or ``"maximize"`` (an accuracy). The study's quality gate
+compares every trial's metric with the baseline's in that direction (autotune/gate.py).
+``aux_loss_name`` names the expensive optional loss term that ``forward(batch,
+with_aux=True)`` adds and the ``inverse_loss_frequency`` knob thins out (None: the model has
+none, and the knob changes nothing).
+
+Minimal example (see examples/my_workload for an installable one)::
+
+    class MyWorkload(Workload):
+        name = "my-wl"                      # the name studies use
+        quality_metric = "val_loss"
+        presets = ("tiny",)
+
+        def __init__(self, preset: str) -> None:
+            self.preset = preset
+
+        @property
+        def defaults(self) -> TrainingDefaults:
+            return TrainingDefaults(batch_size=16, accum_steps=1, lr=1e-3, samples=2048)
+
+        def build_model(self) -> nn.Module: ...          # forward(batch, with_aux) -> {"total": ...}
+        def datasets(self, seed): ...                     # (train, val) of dict items
+        def evaluate(self, model, val, device) -> float:  # the quality metric, fp32
 
 This module does not import torch at run time (only for type checking): the registry in
 `autotune.workloads` imports it, and the service and the worker read the registry without
@@ -22,6 +47,9 @@ if TYPE_CHECKING:  # the registry (autotune.workloads) is read by the service an
     import torch
     from torch import nn
     from torch.utils.data import Dataset
+
+
+QUALITY_DIRECTIONS = ("minimize", "maximize")
 
 
 @dataclass(frozen=True)
@@ -41,6 +69,8 @@ class Workload(ABC):
     name: str
     preset: str
     quality_metric: str = "val_nrmse"
+    quality_direction: str = "minimize"  # "minimize" | "maximize"
+    aux_loss_name: str | None = None  # the optional expensive loss term thinned by inverse_loss_frequency
 
     @property
     @abstractmethod
@@ -56,4 +86,5 @@ class Workload(ABC):
 
     @abstractmethod
     def evaluate(self, model: nn.Module, val: Dataset, device: torch.device) -> float:
-        """The quality metric on the validation set, in fp32 (lower is better)."""
+        """The quality metric (`quality_metric`) on the validation set, in fp32; better is lower
+        or higher as `quality_direction` says."""

@@ -292,13 +292,16 @@ def test_a_worker_is_offered_only_the_workloads_it_runs(client: TestClient) -> N
     assert r.status_code == 200 and r.json()["workload"] == "ups"
 
 
-def test_a_refused_trial_is_not_taught_to_the_sampler_and_is_rerun(client: TestClient, app: FastAPI) -> None:
+@pytest.mark.parametrize("failure", [
+    {"kind": "refused", "message": "workload 'ups' is allowed but not installed on this worker"},
+    {"kind": "interrupted", "message": "worker interrupted by SIGTERM"}])
+def test_a_refused_or_interrupted_trial_is_not_taught_to_the_sampler_and_is_rerun(
+        client: TestClient, app: FastAPI, failure: dict[str, str]) -> None:
     assert client.post("/v1/studies", json={"name": "s", "baseline_seeds": 1}).status_code == 201
     first = lease(client, "old-worker")
     assert first is not None
-    failure = {"kind": "refused", "message": "workload 'ups' is allowed but not installed on this worker"}
     view = complete(client, first, "old-worker", failure=failure, throughput=None, nrmse=None)
-    assert view["state"] == "FAIL" and view["failure"]["kind"] == "refused"
+    assert view["state"] == "FAIL" and view["failure"]["kind"] == failure["kind"]
     assert _optuna_state(app, first["trial_id"]) == "FAIL"  # not COMPLETE with worst-case values
     again = lease(client, "good-worker")
     assert again is not None and again["role"] == "baseline" and again["config"] == first["config"]

@@ -50,6 +50,8 @@ PRESETS: dict[str, Preset] = {
 class UPSWorkload(Workload):
     name = "ups"
     quality_metric = "val_nrmse"
+    quality_direction = "minimize"
+    aux_loss_name = "inverse"  # decode(encode(u)) ≈ u and encode(decode(z)) ≈ z
 
     def __init__(self, preset: str) -> None:
         if preset not in PRESETS:

@@ -1,0 +1,247 @@
+"""Multi-GPU probes: one trial over N local processes, launched with torchrun.
+
+A study with ``gpus_per_trial`` N > 1 runs every probe (baselines, trials, re-measurements)
+on N processes of one host: one per GPU with NCCL, or N CPU processes with gloo (tests). The
+worker starts ``python -m autotune.distributed`` (the *launcher*) in its own process group;
+the launcher runs ``torch.distributed.run`` (torchrun, ``--standalone``) in-process, which
+starts the N *ranks* (``python -m autotune.distributed rank``), each in its own session.
+
+The job directory (``$AUTOTUNE_JOB_DIR``, made by the worker with `prepare_job_dir`) carries
+everything torchrun does not (it does not forward stdin to the ranks):
+
+``job.json``        the `ChildJob` (workload, preset, config, probe settings, world_size)
+``stop``            created by the worker to prune: rank 0 sees it at the next window end
+                    and every rank stops there (rank 0's decision is broadcast)
+``rank-R.pid``      each rank's pid, so the worker can kill every rank's process group
+``rank-R.json``     a rank's failure record: ``{rank, time, result}`` (a ProbeResult dict
+                    whose failure names the rank)
+
+Output: rank 0 alone writes the protocol of `autotune.probe_child` on stdout (report lines
+after every window with the global throughput and the mean loss over ranks, then the
+result); every rank points its own fd 1 at stderr. A rank whose probe fails writes its
+record and exits 1 at once: torchrun then kills the other ranks (they may be blocked in a
+collective) and exits non-zero, and the worker completes the trial with the earliest record
+(`collect_failure`: the first failure is the cause, later ones are its echo, e.g. a peer's
+"connection closed").
+
+No orphans: the launcher dies with the worker (`watch_parent`: PR_SET_PDEATHSIG + watchdog);
+each rank watches the launcher the same way ($AUTOTUNE_PARENT_PID is the launcher's pid in
+the ranks' environment) and takes its process group (DataLoader workers) with it; the
+worker's kill of the launcher's group is followed by a kill of every rank's group
+(`kill_ranks`, from the pid files). A prune or a kill therefore leaves no process behind.
+
+The NCCL knobs (``nccl_nsocks_perthread`` …) become environment variables of the launch
+(`nccl_environment`), set by the launcher before torchrun starts the ranks. Each rank gets
+OMP_NUM_THREADS = the worker's --threads, else cores // N (torchrun's own default is 1, which
+would starve a rank's host side next to a single-GPU probe that has every core). torchrun's
+logs go into the job directory.
+
+This module imports torch only inside `launch_main` and `rank_main`: the worker imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from autotune.config import NCCL_ENV_KNOBS
+
+JOB_DIR_ENV = "AUTOTUNE_JOB_DIR"
+JOB_FILE = "job.json"
+STOP_FILE = "stop"
+STOP_POLL_S = 0.1
+MAX_WORLD_SIZE = 64
+
+
+def prepare_job_dir(job_json: str, parent: str | None = None) -> Path:
+    """A fresh job directory holding ``job.json`` (the caller removes it when the trial ends)."""
+    path = Path(tempfile.mkdtemp(prefix="autotune-job-", dir=parent))
+    (path / JOB_FILE).write_text(job_json)
+    return path
+
+
+def launch_argv(python: str = sys.executable) -> list[str]:
+    """The command that runs one distributed probe (its job directory comes by environment)."""
+    return [python, "-m", "autotune.distributed"]
+
+
+def request_stop(job_dir: Path) -> None:
+    """Ask the ranks to stop at the next window boundary (the worker's prune)."""
+    with contextlib.suppress(OSError):
+        (job_dir / STOP_FILE).touch()
+
+
+def nccl_environment(config: Mapping[str, Any]) -> dict[str, str]:
+    """The NCCL variables the config's knobs set (null knobs set nothing)."""
+    return {variable: str(config[name]) for name, variable in NCCL_ENV_KNOBS.items()
+            if config.get(name) is not None}
+
+
+def collect_failure(job_dir: Path) -> dict[str, Any] | None:
+    """The ProbeResult dict of the earliest rank failure record in `job_dir`, or None."""
+    records = []
+    for path in job_dir.glob("rank-*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # written while the rank was killed: ignore a torn record
+        if isinstance(record, dict) and isinstance(record.get("result"), dict):
+            records.append((float(record.get("time", 0.0)), int(record.get("rank", 0)), record["result"]))
+    if not records:
+        return None
+    return min(records, key=lambda r: (r[0], r[1]))[2]
+
+
+def rank_pids(job_dir: Path) -> list[int]:
+    pids = []
+    for path in job_dir.glob("rank-*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.append(int(path.read_text().strip()))
+    return sorted(pids)
+
+
+def _runs_job(pid: int, job_dir: Path) -> bool:
+    """Whether process `pid` still belongs to this job (its environment names the job
+    directory), so a recycled pid is never killed."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{JOB_DIR_ENV}={job_dir}".encode() in environ.split(b"\0")
+
+
+def kill_ranks(job_dir: Path) -> None:
+    """SIGKILL the process group of every rank of this job that is still alive (each rank
+    leads its own session: torchrun starts it so)."""
+    for pid in rank_pids(job_dir):
+        if _runs_job(pid, job_dir):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+# --- the launcher ---------------------------------------------------------------------------
+
+
+def _job_dir() -> Path:
+    value = os.environ.get(JOB_DIR_ENV)
+    if not value or not (Path(value) / JOB_FILE).is_file():
+        raise SystemExit(f"autotune.distributed: ${JOB_DIR_ENV} must name a directory holding {JOB_FILE}")
+    return Path(value)
+
+
+def launch_main() -> int:
+    """The launcher: die with the worker, export the NCCL knobs, run torchrun with N ranks."""
+    from autotune.probe_child import ChildJob, watch_parent
+
+    watch_parent()
+    job_dir = _job_dir()
+    job = ChildJob.from_json((job_dir / JOB_FILE).read_text())
+    if not 2 <= job.world_size <= MAX_WORLD_SIZE:
+        print(f"autotune.distributed: world_size {job.world_size} is not in [2, {MAX_WORLD_SIZE}]", file=sys.stderr)
+        return 2
+    os.environ.update(nccl_environment(job.config))
+    os.environ["AUTOTUNE_PARENT_PID"] = str(os.getpid())  # the ranks die with this launcher
+    # torchrun would give each rank 1 intra-op thread; a single-GPU probe has them all, so share them
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+    from torch.distributed.run import main as torchrun
+
+    # torchrun's own logs go into the job directory (removed with it), not into a new /tmp dir per probe
+    args = ["--standalone", f"--nproc-per-node={job.world_size}", "--max-restarts=0",
+            f"--log-dir={job_dir / 'torchrun'}", "--module", "autotune.distributed", "rank"]
+    try:
+        torchrun(args)
+    except Exception as e:  # ChildFailedError (a rank failed: its record says why), SignalException
+        print(f"autotune.distributed: {type(e).__name__}: {str(e).strip()[:2000]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- one rank -------------------------------------------------------------------------------
+
+
+def _write_record(job_dir: Path, rank: int, world: int, result: dict[str, Any]) -> None:
+    """This rank's failure record (written to a temporary name, then renamed: never torn)."""
+    failure = dict(result.get("failure") or {})
+    failure["message"] = f"rank {rank} of {world}: {failure.get('message', '')}"
+    failure["rank"] = str(rank)
+    result = {**result, "failure": failure}
+    tmp = job_dir / f".rank-{rank}.json.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "result": result}, allow_nan=True))
+    tmp.replace(job_dir / f"rank-{rank}.json")
+
+
+def _watch_stop_file(job_dir: Path, stop: threading.Event) -> None:
+    def poll() -> None:
+        while not stop.is_set():
+            if (job_dir / STOP_FILE).exists():
+                stop.set()
+            time.sleep(STOP_POLL_S)
+
+    threading.Thread(target=poll, name="stop-file", daemon=True).start()
+
+
+def rank_main() -> int:
+    """One rank: join the process group, run the probe on this rank's device, then either
+    write the result (rank 0) or, on failure, the rank's record (and exit 1 at once)."""
+    from autotune.probe_child import ChildJob, ProtocolWriter, claim_stdout, run_job, watch_parent
+
+    watch_parent()
+    out = claim_stdout()
+    job_dir = _job_dir()
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    (job_dir / f"rank-{rank}.pid").write_text(str(os.getpid()))
+    job = ChildJob.from_json((job_dir / JOB_FILE).read_text())
+    import torch
+
+    cuda = job.device.startswith("cuda")
+    device = f"cuda:{local_rank}" if cuda else "cpu"  # CUDA_VISIBLE_DEVICES holds this trial's GPUs
+    stop = threading.Event()
+    if rank == 0:
+        _watch_stop_file(job_dir, stop)
+    try:
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        torch.distributed.init_process_group(backend="nccl" if cuda else "gloo")
+    except Exception as e:
+        from autotune.probe import ProbeResult
+
+        failed = ProbeResult(workload=job.workload, preset=job.preset, config=job.config, device=device,
+                             torch_version=torch.__version__, world_size=world,
+                             failure={"kind": "error", "message": f"joining the process group failed: {e}"})
+        _write_record(job_dir, rank, world, failed.to_dict())
+        os._exit(1)
+    job.device = device
+    silent = ProtocolWriter(open(os.devnull, "w"))  # noqa: SIM115 (ranks other than 0 report nothing)
+    result = run_job(job, out if rank == 0 else silent, stop)
+    if result.get("failure"):
+        _write_record(job_dir, rank, world, result)
+        sys.stderr.flush()
+        os._exit(1)  # now: the peers may be blocked in a collective; torchrun ends them
+    if rank == 0:  # stopped_early is the probe's own: set when every rank stopped at rank 0's word
+        out.write({"type": "result", "result": result})
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rank"]:
+        return rank_main()
+    if argv:
+        print("usage: python -m autotune.distributed [rank]  (the job directory comes in $AUTOTUNE_JOB_DIR)",
+              file=sys.stderr)
+        return 2
+    return launch_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Benchmark: how good is the tuner? Strategies side by side at the same GPU budget.
+
+Every strategy is a real study on the real service (SQLite) with one real worker on the GPU,
+on the ``ups`` full preset, with the same probe and the same 3 baseline seeds (so the same
+quality gate applies to every pick):
+
+autotune   the default: constrained multi-objective TPE, quality gate, pruning, space h100
+random     random search over the same space, no pruning
+research   the hand-picked config the source research recommends (its tiers 1-3):
+           compile reduce-overhead, block checkpointing, batch 24 × accum 2, 12 workers /
+           prefetch 2, persistent workers, bf16, inverse losses every 4th step
+deepspeed  what DeepSpeed's autotuner searches: the micro-batch size only (grid), every
+           other knob at its default (fp32, eager)
+oracle     an (almost) exhaustive grid over the main knobs (compile × precision × batch ×
+           inverse-loss frequency, fused AdamW, the research's data pipeline)
+
+A strategy gets ``--total-gpu-s`` of GPU time (default 20 min), run in chunks of at most
+``--budget-s`` (one ≤ 10-minute GPU command each). Between chunks the study's database and
+``state.json`` travel as files: the next chunk starts a new service on the same database and
+a new worker, and the study goes on where it stopped (a trial cut off by the end of a chunk
+is re-run first: the worker's interruption does not count against its config).
+
+    python bench/tuning.py chunk   --strategy autotune --dir runs/autotune --budget-s 500
+    python bench/tuning.py chunk   --strategy autotune --dir runs/autotune --budget-s 500   # resumes
+    python bench/tuning.py analyze --dir runs --out results/tuning_h100.json --png results/tuning_h100.png
+
+``analyze`` reads every strategy's database: the anytime curve (best feasible throughput
+against GPU time), the final speedup over the baseline, the fraction of the oracle's best,
+GPU minutes to reach 90 % of the oracle, failed and pruned trial counts and the NRMSE of
+the pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CLI = [sys.executable, "-m", "autotune.cli"]
+DATA = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
+RESEARCH_PICK = {"compile": "reduce-overhead", "checkpoint": "block", "batch_size": 24, "accum_steps": 2,
+                 "num_workers": 12, "prefetch_factor": 2, "persistent_workers": True, "pin_memory": True,
+                 "precision": "bf16", "inverse_loss_frequency": 4}
+STRATEGIES = ("autotune", "random", "research", "deepspeed", "oracle")
+
+
+def strategy_spec(strategy: str, hardware: str, samples: int | None, seed: int, preset: str = "full",
+                  space_name: str = "h100") -> dict[str, Any]:
+    """The study a strategy runs (every one: the same preset, probe and baseline seeds)."""
+    probe: dict[str, Any] = {"timeout_s": 420}
+    if samples:
+        probe["samples"] = samples
+    base = {"name": f"tuning-{strategy}", "workload": "ups", "preset": preset, "hardware": hardware,
+            "probe": probe, "baseline_seeds": 3, "seed": seed, "remeasure": {"top_k": 0}, "max_retries": 3}
+    if strategy == "autotune":
+        return {**base, "space": space_name, "sampler": "tpe", "n_trials": 500}
+    if strategy == "random":
+        return {**base, "space": space_name, "sampler": "random", "n_trials": 500, "pruning": {"enabled": False}}
+    if strategy == "research":
+        fixed = {k: v for k, v in RESEARCH_PICK.items() if k != "batch_size"}
+        space = {"name": "research-pick", "params": {"batch_size": {"choices": [RESEARCH_PICK["batch_size"]]}},
+                 "fixed": fixed}
+        return {**base, "space": space, "sampler": "grid", "n_trials": 4, "pruning": {"enabled": False}}
+    if strategy == "deepspeed":
+        space = {"name": "micro-batch", "params": {"batch_size": {"choices": [12, 24, 48, 96, 192]}},
+                 "fixed": {"accum_steps": 1, **DATA}}
+        return {**base, "space": space, "sampler": "grid", "n_trials": 3 + 5, "pruning": {"enabled": False}}
+    if strategy == "oracle":
+        space = {"name": "oracle", "params": {
+            "compile": {"choices": ["none", "default", "reduce-overhead"]},
+            "precision": {"choices": ["fp32", "tf32", "bf16"]},
+            "batch_size": {"choices": [24, 48, 96, 192]},
+            "inverse_loss_frequency": {"choices": [1, 4]}},
+            "fixed": {"accum_steps": 1, "fused_optimizer": True, **DATA}}
+        return {**base, "space": space, "sampler": "grid", "n_trials": 3 + 72, "pruning": {"enabled": False}}
+    raise SystemExit(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _hardware(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(torch.device(device)))
+
+
+def _wait_healthy(http: httpx.Client, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the service exited with {proc.returncode}; see service.log")
+        try:
+            if http.get("/v1/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the service did not become healthy")
+
+
+def chunk(args: argparse.Namespace) -> None:
+    """One chunk of a strategy's study: at most --budget-s of worker time, then stop cleanly."""
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "state.json"
+    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {
+        "strategy": args.strategy, "total_gpu_s": args.total_gpu_s, "chunks": []}
+    used = sum(c["end"] - c["start"] for c in state["chunks"])
+    budget = min(args.budget_s, state["total_gpu_s"] - used)
+    if budget <= 5:
+        print(f"{args.strategy}: its {state['total_gpu_s']:.0f} GPU-s are spent")
+        return
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}"
+    # the benchmark's own loopback service: no tokens; a short grace re-runs a cut-off trial soon
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "AUTOTUNE_AUTH": "false", "AUTOTUNE_LEASE_GRACE_S": "20",
+           "AUTOTUNE_REAPER_INTERVAL_S": "2"}
+    n = len(state["chunks"])
+    service = subprocess.Popen([*CLI, "serve", "--db", f"sqlite:///{out / 'study.db'}", "--port", str(port)],
+                               stdout=(out / f"service-{n}.log").open("wb"), stderr=subprocess.STDOUT, env=env)
+    worker: subprocess.Popen[bytes] | None = None
+    http = httpx.Client(base_url=api, timeout=30)
+    try:
+        _wait_healthy(http, service)
+        spec = strategy_spec(args.strategy, _hardware(args.device), args.samples, args.seed, args.preset, args.space)
+        if http.get(f"/v1/studies/{spec['name']}").status_code == 404:
+            created = http.post("/v1/studies", json=spec)
+            if created.status_code != 201:
+                raise SystemExit(f"study refused: {created.text}")
+        start = time.time()
+        worker = subprocess.Popen([*CLI, "worker", "--api", api, "--device", args.device, "--study", spec["name"],
+                                   "--idle-exit", "30"],
+                                  stdout=(out / f"worker-{n}.log").open("wb"), stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+        while time.time() - start < budget and worker.poll() is None:
+            time.sleep(2)
+            info = http.get(f"/v1/studies/{spec['name']}").json()
+            if info["state"] == "finished":
+                break
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)  # it ends its probe and reports the trial as interrupted
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+        end = time.time()
+        info = http.get(f"/v1/studies/{spec['name']}").json()
+        state["chunks"].append({"start": start, "end": end, "host": platform.node(), "counts": info["counts"]})
+        state["environment"] = _environment(args.device)
+        state["spec"] = spec
+        state_path.write_text(json.dumps(state, indent=1))
+        print(f"{args.strategy} chunk {n}: {end - start:.0f} s; {info['state']} {info['counts']} "
+              f"failures {info['failures']}; GPU-s used {used + end - start:.0f} of {state['total_gpu_s']:.0f}")
+    finally:
+        if worker is not None and worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        service.terminate()
+        try:
+            service.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            service.kill()
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+            "gpu": _hardware(device), "date": time.strftime("%Y-%m-%d")}
+
+
+# --- analysis ----------------------------------------------------------------------------------
+
+
+def _gpu_time(moment: float, chunks: list[dict[str, Any]]) -> float:
+    """GPU seconds the strategy had used at wall-clock `moment` (chunks are contiguous GPU time)."""
+    spent = 0.0
+    for c in chunks:
+        if moment >= c["end"]:
+            spent += c["end"] - c["start"]
+        elif moment > c["start"]:
+            spent += moment - c["start"]
+    return spent
+
+
+def strategy_result(path: Path) -> dict[str, Any]:
+    """One strategy's study, from its database and state.json."""
+    import optuna
+
+    from autotune.gate import BaselineStats, Gate
+
+    state = json.loads((path / "state.json").read_text())
+    spec = state["spec"]
+    study = optuna.load_study(study_name=spec["name"], storage=f"sqlite:///{path / 'study.db'}")
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        attrs = t.user_attrs
+        done = t.datetime_complete.timestamp() if isinstance(t.datetime_complete, datetime) else None
+        rows.append({"number": t.number, "state": t.state.name, "baseline": bool(attrs.get("is_baseline")),
+                     "failure_kind": attrs.get("failure_kind"), "pruned": t.state.name == "PRUNED",
+                     "throughput": attrs.get("throughput_samples_per_s"), "val_nrmse": attrs.get("val_nrmse"),
+                     "config": attrs.get("config"), "retried": attrs.get("retry_of") is not None,
+                     "gpu_s": _gpu_time(done, state["chunks"]) if done is not None else None})
+    ok = [r for r in rows if r["state"] == "COMPLETE" and not r["failure_kind"] and r["throughput"]]
+    baseline = [r for r in ok if r["baseline"]]
+    stats = BaselineStats.from_values([r["val_nrmse"] for r in baseline])
+    gate = Gate(**spec.get("gate", {})).threshold(stats) if baseline else None
+    base_tp = statistics.median(r["throughput"] for r in baseline) if baseline else None
+    feasible = sorted((r for r in ok if not r["baseline"] and gate is not None and r["val_nrmse"] <= gate),
+                      key=lambda r: r["gpu_s"])
+    curve, best = [], 0.0
+    for r in feasible:
+        if r["throughput"] > best:
+            best = r["throughput"]
+            curve.append([r["gpu_s"], best])
+    pick = max(feasible, key=lambda r: r["throughput"], default=None)
+    return {"strategy": state["strategy"], "spec": spec, "environment": state.get("environment"),
+            "gpu_s_used": sum(c["end"] - c["start"] for c in state["chunks"]), "chunks": len(state["chunks"]),
+            "baseline_throughput": base_tp, "baseline_nrmse": [r["val_nrmse"] for r in baseline], "gate": gate,
+            "trials": len(rows), "completed": len(ok), "feasible": len(feasible),
+            "failed": sum(1 for r in rows if r["failure_kind"] or r["state"] == "FAIL"),
+            "failed_by_kind": _count(r["failure_kind"] or "error" for r in rows
+                                     if r["failure_kind"] or r["state"] == "FAIL"),
+            "pruned": sum(1 for r in rows if r["pruned"]), "anytime": curve,
+            "pick": pick and {k: pick[k] for k in ("number", "throughput", "val_nrmse", "config", "gpu_s")},
+            "speedup": pick["throughput"] / base_tp if pick and base_tp else None, "rows": rows}
+
+
+def _count(kinds: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in kinds:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def analyze(args: argparse.Namespace) -> None:
+    root = Path(args.dir)
+    results = {p.name: strategy_result(p) for p in sorted(root.iterdir()) if (p / "state.json").exists()}
+    oracle = results.get("oracle")
+    best_oracle = oracle["pick"]["throughput"] if oracle and oracle["pick"] else None
+    for r in results.values():
+        if best_oracle and r["pick"]:
+            r["fraction_of_oracle"] = r["pick"]["throughput"] / best_oracle
+            reach = [g for g, tp in r["anytime"] if tp >= 0.9 * best_oracle]
+            r["gpu_min_to_90pct_oracle"] = reach[0] / 60 if reach else None
+    summary = {name: {k: r.get(k) for k in ("gpu_s_used", "trials", "completed", "feasible", "failed",
+                                            "failed_by_kind", "pruned", "speedup", "fraction_of_oracle",
+                                            "gpu_min_to_90pct_oracle", "gate")}
+               | {"pick_nrmse": r["pick"] and r["pick"]["val_nrmse"],
+                  "pick_throughput": r["pick"] and r["pick"]["throughput"]}
+               for name, r in results.items()}
+    Path(args.out).write_text(json.dumps({"summary": summary, "strategies": results}, indent=1))
+    print(json.dumps(summary, indent=1))
+    if args.png:
+        _plot(results, Path(args.png))
+
+
+def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        if r["anytime"] and r["baseline_throughput"]:
+            xs = [g / 60 for g, _ in r["anytime"]] + [r["gpu_s_used"] / 60]
+            ys = [tp / r["baseline_throughput"] for _, tp in r["anytime"]]
+            ax.step(xs, [*ys, ys[-1]], where="post", label=name)
+    ax.set_xlabel("GPU minutes")
+    ax.set_ylabel("best feasible speedup over the baseline (×)")
+    ax.set_title("Anytime performance at equal GPU budget")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="step", required=True)
+    c = sub.add_parser("chunk", help="run one chunk of a strategy's study (resumes from --dir)")
+    c.add_argument("--strategy", choices=STRATEGIES, required=True)
+    c.add_argument("--dir", required=True)
+    c.add_argument("--budget-s", type=float, default=500, help="worker time of this chunk")
+    c.add_argument("--total-gpu-s", type=float, default=1200, help="the strategy's whole budget")
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--samples", type=int, help="probe samples (default: the preset's)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--preset", default="full", help="ups preset (tiny: a CPU smoke test)")
+    c.add_argument("--space", default="h100", help="the space of the autotune and random strategies")
+    a = sub.add_parser("analyze")
+    a.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
+    a.add_argument("--out", required=True)
+    a.add_argument("--png")
+    args = parser.parse_args()
+    {"chunk": chunk, "analyze": analyze}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""autotune.apply: a tuned config on the user's own model, optimizer, DataLoader and loss.
+
+Each test shows that an applied knob changed what runs (not only what is recorded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+import autotune
+from autotune.apply import ApplyError, Prepared, apply, load_config
+from autotune.config import ConfigError
+from autotune.workloads.gpt.model import GPTModel, GPTSpec
+
+
+def user_objects(n: int = 48, batch_size: int = 4) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    data = TensorDataset(torch.randn(n, 8), torch.randn(n, 1))
+    loader = DataLoader(data, batch_size=batch_size, shuffle=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95)), loader
+
+
+def mse(model: nn.Module, batch: Any, with_aux: bool) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def test_autotune_apply_is_callable_and_lazy() -> None:
+    model, opt, loader = user_objects()
+    prepared = autotune.apply({}, model, optimizer=opt, train_loader=loader, loss_fn=mse)
+    assert isinstance(prepared, Prepared) and prepared.config.batch_size == 4 and prepared.config.accum_steps == 1
+    assert prepared.config.lr == 0.01  # the user's optimizer's lr
+
+
+def test_load_config_reads_the_best_yaml_with_its_comment_header(tmp_path: Path) -> None:
+    path = tmp_path / "best.yaml"
+    path.write_text("# autotune recommendation for study s: trial 3\n# throughput: 10 samples/s\n"
+                    "batch_size: 16\naccum_steps: 2\nprecision: bf16\n")
+    cfg = load_config(path)
+    assert (cfg.batch_size, cfg.accum_steps, cfg.precision) == (16, 2, "bf16")
+    with pytest.raises(ValueError, match="autotune best STUDY --format yaml"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="unknown knob"):
+        load_config({"batchsize": 3})
+
+
+def test_the_loader_is_rebuilt_with_the_data_pipeline_knobs() -> None:
+    model, opt, loader = user_objects()
+    prepared = apply({"batch_size": 8, "num_workers": 2, "prefetch_factor": 4, "persistent_workers": True,
+                      "pin_memory": True}, model, optimizer=opt, train_loader=loader, loss_fn=mse)
+    new = prepared.train_loader
+    assert new is not None and new is not loader
+    assert (new.batch_size, new.num_workers, new.prefetch_factor, new.persistent_workers) == (8, 2, 4, True)
+    assert new.pin_memory is False and "inactive on cpu" in prepared.notes["pin_memory"]
+    assert isinstance(new.sampler, RandomSampler) and new.dataset is loader.dataset  # shuffling kept
+    first = next(iter(new))
+    assert first[0].shape == (8, 8)
+
+
+def test_the_optimizer_is_rebuilt_fused_keeping_its_hyper_parameters() -> None:
+    model, opt, loader = user_objects()
+    prepared = apply({"fused_optimizer": True}, model, optimizer=opt, loss_fn=mse, train_loader=loader)
+    new = prepared.optimizer
+    assert type(new) is torch.optim.AdamW and new.defaults["fused"] is True
+    assert new.defaults["betas"] == (0.8, 0.95) and new.param_groups[0]["lr"] == 0.01
+    assert new.param_groups[0]["params"] == list(model.parameters())
+    plain = apply({}, user_objects()[0], lr=1e-3)  # no optimizer: AdamW foreach from the knobs
+    assert plain.optimizer.defaults["foreach"] is True and plain.optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_an_optimizer_with_state_is_refused() -> None:
+    model, opt, loader = user_objects()
+    mse(model, next(iter(loader)), False).backward()
+    opt.step()
+    with pytest.raises(ApplyError, match="apply the config before training"):
+        apply({"fused_optimizer": True}, model, optimizer=opt)
+
+
+def test_compile_wraps_the_model_and_keeps_the_plain_module() -> None:
+    model, opt, _ = user_objects()
+    prepared = apply({"compile": "default"}, model, optimizer=opt, loss_fn=mse)
+    assert isinstance(prepared.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert prepared.module is model and prepared.model._orig_mod is model  # type: ignore[attr-defined]
+
+
+def test_checkpointing_is_set_on_the_blocks_and_refused_without_them() -> None:
+    model = GPTModel(GPTSpec(vocab=32, context=8, dim=16, depth=2, heads=2))
+    apply({"checkpoint": "block"}, model, lr=1e-3)
+    assert [b.checkpoint for b in model.blocks] == ["block", "block"]  # type: ignore[union-attr]
+    with pytest.raises(ApplyError, match="no checkpointable blocks") as info:
+        apply({"checkpoint": "block"}, user_objects()[0], lr=1e-3)
+    assert info.value.knob == "checkpoint" and isinstance(info.value, ConfigError)  # one error hierarchy
+
+
+def test_autocast_dtype_is_what_the_forward_sees() -> None:
+    model, opt, loader = user_objects()
+    seen: list[torch.dtype] = []
+
+    def loss_fn(m: nn.Module, batch: Any, with_aux: bool) -> torch.Tensor:
+        out = m(batch[0])
+        seen.append(out.dtype)
+        return nn.functional.mse_loss(out.float(), batch[1])
+
+    prepared = apply({"precision": "bf16"}, model, optimizer=opt, train_loader=loader, loss_fn=loss_fn)
+    prepared.step(next(iter(prepared.train_loader or [])))
+    assert seen == [torch.bfloat16]
+    fp32 = apply({}, user_objects()[0], lr=1e-3, loss_fn=loss_fn)
+    fp32.step(next(iter(loader)))
+    assert seen[-1] == torch.float32
+
+
+def test_accumulation_and_inverse_loss_frequency_count_steps() -> None:
+    model, opt, loader = user_objects(n=96)
+    aux_flags: list[bool] = []
+
+    def loss_fn(m: nn.Module, batch: Any, with_aux: bool) -> torch.Tensor:
+        aux_flags.append(with_aux)
+        return mse(m, batch, with_aux)
+
+    prepared = apply({"accum_steps": 3, "inverse_loss_frequency": 2}, model, optimizer=opt, train_loader=loader,
+                     loss_fn=loss_fn)
+    before = [p.detach().clone() for p in model.parameters()]
+    results = []
+    for batch in prepared.train_loader or []:
+        results.append(prepared.step(batch))
+        if len(results) == 2:  # two micro-batches in: nothing has run yet, weights unchanged
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert [r is not None for r in results] == [False, False, True] * 8
+    assert prepared.optimizer_steps == 8
+    # the auxiliary term runs on optimizer steps 0, 2, 4, 6: every micro-batch of those steps
+    assert aux_flags == ([True] * 3 + [False] * 3) * 4
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_workload_model_trains_with_the_default_loss() -> None:
+    torch.manual_seed(0)
+    model = GPTModel(GPTSpec(vocab=32, context=8, dim=16, depth=1, heads=2))
+    prepared = apply({"batch_size": 4, "accum_steps": 1}, model, lr=1e-2)
+    batch = {"x": torch.randint(0, 32, (4, 8)), "y": torch.randint(0, 32, (4, 8))}
+    losses = [float(prepared.step(batch)) for _ in range(20)]  # type: ignore[arg-type]
+    assert losses[-1] < losses[0]
