@@ -1,0 +1,27 @@
+"""The Optuna study the service creates carries the quality metric's own name and direction
+(what the dashboard labels its axes with, and what the sampler optimises)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from fastapi.testclient import TestClient
+from optuna.study import StudyDirection
+
+
+@pytest.mark.parametrize(("spec", "names", "directions"), [
+    ({"name": "u", "workload": "ups"}, ["throughput_samples_per_s", "val_nrmse"], ["MAXIMIZE", "MINIMIZE"]),
+    ({"name": "g", "workload": "gpt"}, ["throughput_samples_per_s", "val_loss"], ["MAXIMIZE", "MINIMIZE"]),
+    ({"name": "a", "workload": "toyacc", "preset": "p", "quality": {"metric": "val_accuracy", "direction": "maximize"}},
+     ["throughput_samples_per_s", "val_accuracy"], ["MAXIMIZE", "MAXIMIZE"]),
+])
+def test_the_optuna_study_is_named_and_directed_by_the_quality_metric(
+        client: TestClient, sqlite_url: str, monkeypatch: pytest.MonkeyPatch,
+        spec: dict[str, object], names: list[str], directions: list[str]) -> None:
+    monkeypatch.setenv("AUTOTUNE_WORKLOADS", "toyacc")  # a workload only the workers have (by module:attr)
+    r = client.post("/v1/studies", json=spec)
+    assert r.status_code == 201, r.text
+    study = optuna.load_study(study_name=str(spec["name"]), storage=sqlite_url)
+    assert study.metric_names == names
+    assert [d.name for d in study.directions] == directions
+    assert all(isinstance(d, StudyDirection) for d in study.directions)
