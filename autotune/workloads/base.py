@@ -32,6 +32,9 @@ Minimal example (see examples/my_workload for an installable one)::
         def datasets(self, seed): ...                     # (train, val) of dict items
         def evaluate(self, model, val, device) -> float:  # the quality metric, fp32
 
+`PresetWorkload` is the shortcut for a workload whose presets are a table of specs (the
+built-in ones use it); a workload may subclass `Workload` directly.
+
 This module does not import torch at run time (only for type checking): the registry in
 `autotune.workloads` imports it, and the service and the worker read the registry without
 torch. A workload's own module imports torch.
@@ -40,8 +43,9 @@ torch. A workload's own module imports torch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # the registry (autotune.workloads) is read by the service and the worker: no torch there
     import torch
@@ -88,3 +92,23 @@ class Workload(ABC):
     def evaluate(self, model: nn.Module, val: Dataset, device: torch.device) -> float:
         """The quality metric (`quality_metric`) on the validation set, in fp32; better is lower
         or higher as `quality_direction` says."""
+
+
+class PresetWorkload(Workload):
+    """A workload whose presets are a table: name → a spec with a ``training`` field
+    (TrainingDefaults). Subclasses set `presets` and annotate `spec` with their spec type."""
+
+    presets: ClassVar[Mapping[str, Any]]
+    spec: Any
+
+    def __init__(self, preset: str) -> None:
+        if preset not in self.presets:
+            raise ValueError(f"unknown preset {preset!r} for workload {self.name!r}; "
+                             f"known: {', '.join(self.presets)}")
+        self.preset = preset
+        self.spec = self.presets[preset]
+
+    @property
+    def defaults(self) -> TrainingDefaults:
+        training: TrainingDefaults = self.spec.training
+        return training

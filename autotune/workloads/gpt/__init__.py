@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from autotune.workloads.base import TrainingDefaults, Workload
+from autotune.workloads.base import PresetWorkload, TrainingDefaults
 from autotune.workloads.gpt.data import VOCAB, TextSpec, TokenWindows, load_or_generate
 from autotune.workloads.gpt.model import GPTModel, GPTSpec
 
@@ -42,21 +42,14 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-class GPTWorkload(Workload):
+class GPTWorkload(PresetWorkload):
     name = "gpt"
     quality_metric = "val_loss"
     quality_direction = "minimize"
     aux_loss_name = "mtp"
 
-    def __init__(self, preset: str) -> None:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r} for workload 'gpt'; known: {', '.join(PRESETS)}")
-        self.preset = preset
-        self.spec = PRESETS[preset]
-
-    @property
-    def defaults(self) -> TrainingDefaults:
-        return self.spec.training
+    presets = PRESETS
+    spec: Preset
 
     def build_model(self) -> nn.Module:
         return GPTModel(self.spec.model)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from autotune.metrics import nrmse_per_sample
-from autotune.workloads.base import TrainingDefaults, Workload
+from autotune.workloads.base import PresetWorkload, TrainingDefaults
 from autotune.workloads.ups.data import DataSpec, PairDataset, load_or_generate, split_indices
 from autotune.workloads.ups.model import ModelSpec, UPSModel
 
@@ -47,21 +47,14 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-class UPSWorkload(Workload):
+class UPSWorkload(PresetWorkload):
     name = "ups"
     quality_metric = "val_nrmse"
     quality_direction = "minimize"
     aux_loss_name = "inverse"  # decode(encode(u)) ≈ u and encode(decode(z)) ≈ z
 
-    def __init__(self, preset: str) -> None:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r} for workload 'ups'; known: {', '.join(PRESETS)}")
-        self.preset = preset
-        self.spec = PRESETS[preset]
-
-    @property
-    def defaults(self) -> TrainingDefaults:
-        return self.spec.training
+    presets = PRESETS
+    spec: Preset
 
     def build_model(self) -> nn.Module:
         return UPSModel(self.spec.model)
