@@ -3,10 +3,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import optuna
 import pytest
 from fastapi.testclient import TestClient
 from optuna.study import StudyDirection
+
+from autotune.workloads import registered_workloads
+
+
+@pytest.fixture
+def toyacc_known(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The service knows the name of a workload only the workers have (by module:attr)."""
+    monkeypatch.setenv("AUTOTUNE_WORKLOADS", "toyacc")
+    registered_workloads.cache_clear()  # the registry reads the environment once
+    yield
+    monkeypatch.undo()
+    registered_workloads.cache_clear()
 
 
 @pytest.mark.parametrize(("spec", "names", "directions"), [
@@ -16,9 +30,8 @@ from optuna.study import StudyDirection
      ["throughput_samples_per_s", "val_accuracy"], ["MAXIMIZE", "MAXIMIZE"]),
 ])
 def test_the_optuna_study_is_named_and_directed_by_the_quality_metric(
-        client: TestClient, sqlite_url: str, monkeypatch: pytest.MonkeyPatch,
+        client: TestClient, sqlite_url: str, toyacc_known: None,
         spec: dict[str, object], names: list[str], directions: list[str]) -> None:
-    monkeypatch.setenv("AUTOTUNE_WORKLOADS", "toyacc")  # a workload only the workers have (by module:attr)
     r = client.post("/v1/studies", json=spec)
     assert r.status_code == 201, r.text
     study = optuna.load_study(study_name=str(spec["name"]), storage=sqlite_url)
