@@ -225,6 +225,26 @@ def fake_result(lease: dict[str, Any], rng: random.Random) -> dict[str, Any]:
             "val_nrmse": rng.uniform(0.05, 0.2), "failure": None, "stopped_early": False}
 
 
+async def timed_post(client: Any, stats: Level | Chaos, call: str, path: str,
+                     body: dict[str, Any]) -> Any:
+    """POST `body`, recording its latency (ms) under `call` and any error by kind in `stats`;
+    None when the request itself failed (connection, timeout)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    try:
+        response = await client.post(path, json=body)
+    except httpx.HTTPError as e:
+        stats.errors[f"{call}:{type(e).__name__}"] += 1
+        return None
+    # a 204 (nothing left to lease) does no sampling: kept apart so it does not flatter lease latency
+    stats.latencies["lease_204" if call == "lease" and response.status_code == 204 else call].append(
+        (time.perf_counter() - t0) * 1e3)
+    if response.status_code >= 400:
+        stats.errors[f"{call}:{response.status_code}"] += 1
+    return response
+
+
 async def run_worker(index: int, base_url: str, level: Level, rng: random.Random, probe_s: float,
                      max_errors: int = 50, headers: dict[str, str] | None = None) -> None:
     import httpx
@@ -232,19 +252,9 @@ async def run_worker(index: int, base_url: str, level: Level, rng: random.Random
     worker_id = f"bench-w{index:03d}"
 
     async def post(client: httpx.AsyncClient, call: str, path: str, body: dict[str, Any]) -> httpx.Response | None:
-        t0 = time.perf_counter()
-        try:
-            response = await client.post(path, json=body)
-        except httpx.HTTPError as e:
-            level.errors[f"{call}:{type(e).__name__}"] += 1
-            return None
-        # a 204 (nothing left to lease) does no sampling: kept apart so it does not flatter lease latency
-        level.latencies["lease_204" if call == "lease" and response.status_code == 204 else call].append(
-            (time.perf_counter() - t0) * 1e3)
-        if response.status_code >= 400:
-            level.errors[f"{call}:{response.status_code}"] += 1
-            if LOCKED in response.text:
-                level.locked_in_responses += 1
+        response = await timed_post(client, level, call, path, body)
+        if response is not None and response.status_code >= 400 and LOCKED in response.text:
+            level.locked_in_responses += 1
         return response
 
     consecutive = 0
@@ -452,17 +462,7 @@ async def chaos_worker(slot: int, generation: int, base_url: str, headers: dict[
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
     async def post(client: httpx.AsyncClient, call: str, path: str, body: dict[str, Any]) -> httpx.Response | None:
-        t0 = time.perf_counter()
-        try:
-            response = await client.post(path, json=body)
-        except httpx.HTTPError as e:
-            chaos.errors[f"{call}:{type(e).__name__}"] += 1
-            return None
-        chaos.latencies["lease_204" if call == "lease" and response.status_code == 204 else call].append(
-            (time.perf_counter() - t0) * 1e3)
-        if response.status_code >= 400:
-            chaos.errors[f"{call}:{response.status_code}"] += 1
-        return response
+        return await timed_post(client, chaos, call, path, body)
 
     lo, hi = args.probe_range
     async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits, verify=False,
