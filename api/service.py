@@ -95,6 +95,7 @@ from autotune.protocol import (
     TrialInfo,
     TrialLease,
 )
+from autotune.pruning import Decision
 from autotune.space import SpaceError, parse_space
 
 log = logging.getLogger(__name__)
@@ -541,19 +542,22 @@ class TuningService:
     def heartbeat(self, trial_id: int, request: HeartbeatRequest) -> HeartbeatReply:
         """Record that the worker still runs the trial; say stop when it should not go on."""
         now = utcnow()
+        # Optuna's storage is read only after the write transaction has ended (see `report`)
         with self.db.transaction() as session:
             study_name = crud.touch_active_lease(session, trial_id, request.worker_id, now)
-            if study_name is None:
+            if study_name is not None:
+                crud.see_worker(session, request.worker_id, now)
+                record = crud.get_study(session, study_name)
+        if study_name is None:
+            with self.db.read() as session:
                 why = _not_ours(self._lease_of(session, trial_id), request.worker_id)
-                return HeartbeatReply(action="stop", reason=f"trial {trial_id}: {why or 'its lease changed meanwhile'}")
-            crud.see_worker(session, request.worker_id, now)
-            record = crud.get_study(session, study_name)
-            if record is not None and record.state == "stopped":
-                return HeartbeatReply(action="stop", reason=f"study {study_name!r} was stopped")
-            trial = self.bridge.get_trial(trial_id)
-            if trial is not None and trial.finished:
-                return HeartbeatReply(action="stop", reason=f"trial {trial_id} already finished ({trial.state})")
-            return HeartbeatReply(action="continue")
+            return HeartbeatReply(action="stop", reason=f"trial {trial_id}: {why or 'its lease changed meanwhile'}")
+        if record is not None and record.state == "stopped":
+            return HeartbeatReply(action="stop", reason=f"study {study_name!r} was stopped")
+        trial = self.bridge.get_trial(trial_id)
+        if trial is not None and trial.finished:
+            return HeartbeatReply(action="stop", reason=f"trial {trial_id} already finished ({trial.state})")
+        return HeartbeatReply(action="continue")
 
     def _active_lease(self, session: Session, trial_id: int, worker_id: str, verb: str) -> crud.LeaseRecord:
         lease = self._lease_of(session, trial_id)
@@ -564,21 +568,28 @@ class TuningService:
         return lease
 
     def report(self, trial_id: int, request: ReportRequest) -> ReportReply:
-        """Store an intermediate report and say whether the trial should stop (prune)."""
+        """Store an intermediate report and say whether the trial should stop (prune).
+
+        Two short transactions on the service tables, and the decision between them: nothing
+        reaches Optuna's storage while a write transaction is open. (On SQLite a write holds the
+        file's one write lock; reading Optuna's cached storage meanwhile waits for its lock, which
+        a lease in another thread holds while it writes a trial: a cycle only SQLite's busy
+        timeout would break, after 30 s.)"""
         now = utcnow()
         with self.db.transaction() as session:
             # check and refresh the lease in one conditional UPDATE (a report is as good as a heartbeat)
             study_name = crud.touch_active_lease(session, trial_id, request.worker_id, now)
-            if study_name is None:
+            if study_name is not None:
+                crud.see_worker(session, request.worker_id, now)
+                record = crud.get_study(session, study_name)
+        if study_name is None:
+            with self.db.read() as session:
                 self._active_lease(session, trial_id, request.worker_id, "report on")  # raises the right 404/409
-                raise Conflict(f"cannot report on trial {trial_id}: its lease changed meanwhile; lease a new trial")
-            crud.see_worker(session, request.worker_id, now)
-            record = crud.get_study(session, study_name)
-            if record is not None and record.state == "stopped":
-                reason = f"study {study_name!r} was stopped"
-                crud.add_report(session, trial_id, study_name, request.step, request.metrics, now, True, reason)
-                return ReportReply(prune=True, reason=reason)
-            assert record is not None
+            raise Conflict(f"cannot report on trial {trial_id}: its lease changed meanwhile; lease a new trial")
+        assert record is not None
+        if record.state == "stopped":
+            decision = Decision(True, f"study {study_name!r} was stopped", "stopped")
+        else:
             # the trial's own reports come from a per-trial cache; the study's side from the per-study
             # summary kept at complete time: no report of the study is read
             ctx = self._ctx(record)
@@ -586,11 +597,12 @@ class TuningService:
             reports.add(request.step, request.metrics)
             reference = self._summary(ctx).reference() if self._role_of(trial_id) == "search" else None
             decision = decide(reports, reference, ctx.spec)
-            crud.add_report(session, trial_id, study_name, request.step, request.metrics, now, decision.prune,
-                            decision.reason)
             if decision.prune:
                 log.info("trial %d of %s: prune (%s)", trial_id, study_name, decision.reason)
-            return ReportReply(prune=decision.prune, reason=decision.reason)
+        with self.db.transaction() as session:
+            crud.add_report(session, trial_id, study_name, request.step, request.metrics, now, decision.prune,
+                            decision.reason)
+        return ReportReply(prune=decision.prune, reason=decision.reason)
 
     def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
         """Finish the trial with the worker's ProbeResult (see api/outcome.py for the mapping).
