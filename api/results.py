@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 from api.optuna_bridge import TrialRecord
+from api.outcome import NOT_ABOUT_THE_CONFIG
 from autotune.config import KNOBS
 from autotune.gate import BaselineStats, Estimate, Gate
 from autotune.gate import is_feasible as gate_feasible
@@ -75,7 +76,7 @@ def completed(trial: TrialRecord) -> bool:
     return service_state(trial) == "COMPLETE"
 
 
-RETRIED_KINDS = ("lost", "refused", "interrupted")
+RETRIED_KINDS = ("lost", *NOT_ABOUT_THE_CONFIG)  # the reaper's, and the failures told as Optuna FAIL
 
 
 def is_lost(trial: TrialRecord) -> bool:

@@ -139,6 +139,21 @@ class _RetryBook:
     final: set[int] = field(default_factory=set)
 
 
+def _not_for(spec: StudySpec, request: LeaseRequest) -> tuple[str, str] | None:
+    """Why a study's trials are not for the leasing worker, as (request field, message with the
+    fix); None when they are. The worker would refuse a workload off its --allow-workload list,
+    and a probe must span the study's number of GPUs."""
+    if request.workloads is not None and spec.workload not in request.workloads:
+        return "workloads", (f"study {spec.name!r} runs workload {spec.workload!r}, which this worker does not run "
+                             f"(it runs: {', '.join(request.workloads) or 'none'}); start the worker with "
+                             f"--allow-workload {spec.workload}, or pick another study")
+    if spec.gpus_per_trial != request.gpus_per_trial:
+        return "gpus_per_trial", (f"study {spec.name!r} runs each trial on {spec.gpus_per_trial} GPU(s) "
+                                  f"(gpus_per_trial) and this worker on {request.gpus_per_trial}; start the worker "
+                                  f"with --gpus-per-trial {spec.gpus_per_trial}, or pick another study")
+    return None
+
+
 def _not_ours(lease: crud.LeaseRecord | None, worker_id: str) -> str | None:
     """Why `worker_id` may not act on this lease (None: it holds it, actively)."""
     if lease is None:
@@ -466,16 +481,9 @@ class TuningService:
                     pinned = crud.get_study(session, request.study)
                     if pinned is None:
                         raise NotFound(f"no study named {request.study!r}; GET /v1/studies lists them")
-                    workload = _spec(pinned).workload
-                    if request.workloads is not None and workload not in request.workloads:
-                        raise Invalid("workloads", f"study {request.study!r} runs workload {workload!r}, which "
-                                      f"this worker does not run (it runs: {', '.join(request.workloads) or 'none'}); "
-                                      f"start the worker with --allow-workload {workload}, or pick another study")
-                    world = _spec(pinned).gpus_per_trial
-                    if world != request.gpus_per_trial:
-                        raise Invalid("gpus_per_trial", f"study {request.study!r} runs each trial on {world} GPU(s) "
-                                      f"(gpus_per_trial) and this worker on {request.gpus_per_trial}; start the "
-                                      f"worker with --gpus-per-trial {world}, or pick another study")
+                    mismatch = _not_for(self._ctx(pinned).spec, request)
+                    if mismatch is not None:
+                        raise Invalid(*mismatch)
                 held = crud.active_lease_of_worker(session, request.worker_id)
                 if held is not None:
                     record = crud.get_study(session, held.study_name)
@@ -489,10 +497,8 @@ class TuningService:
                     return None
             for candidate in candidates:
                 ctx = self._ctx(candidate)
-                if request.workloads is not None and ctx.spec.workload not in request.workloads:
-                    continue  # not offered: the worker would refuse it (its --allow-workload list)
-                if ctx.spec.gpus_per_trial != request.gpus_per_trial:
-                    continue  # not offered: its probes span another number of GPUs than this worker's
+                if _not_for(ctx.spec, request) is not None:
+                    continue  # not offered: this worker does not run its workload, or not at its world size
                 with self._study_lock(ctx.name), self.db.transaction() as session:
                     # PostgreSQL: the study row stays locked until the lease is in, which serialises
                     # the trial count and the baseline choice across service processes
@@ -539,21 +545,29 @@ class TuningService:
             raise NotFound(f"no trial with id {trial_id}")
         return lease
 
+    def _refresh_lease(self, trial_id: int, worker_id: str, now: datetime) -> crud.StudyRecord | None:
+        """Check that `worker_id` holds the active lease of `trial_id` and refresh it, in one
+        conditional UPDATE (a report is as good as a heartbeat); the lease's study, or None when
+        the lease is not (or no longer) this worker's. One short write transaction: the callers
+        read Optuna's storage only after it has ended (see `report`)."""
+        with self.db.transaction() as session:
+            study_name = crud.touch_active_lease(session, trial_id, worker_id, now)
+            if study_name is None:
+                return None
+            crud.see_worker(session, worker_id, now)
+            record = crud.get_study(session, study_name)
+        assert record is not None, "a lease always names a study"
+        return record
+
     def heartbeat(self, trial_id: int, request: HeartbeatRequest) -> HeartbeatReply:
         """Record that the worker still runs the trial; say stop when it should not go on."""
-        now = utcnow()
-        # Optuna's storage is read only after the write transaction has ended (see `report`)
-        with self.db.transaction() as session:
-            study_name = crud.touch_active_lease(session, trial_id, request.worker_id, now)
-            if study_name is not None:
-                crud.see_worker(session, request.worker_id, now)
-                record = crud.get_study(session, study_name)
-        if study_name is None:
+        record = self._refresh_lease(trial_id, request.worker_id, utcnow())
+        if record is None:
             with self.db.read() as session:
                 why = _not_ours(self._lease_of(session, trial_id), request.worker_id)
             return HeartbeatReply(action="stop", reason=f"trial {trial_id}: {why or 'its lease changed meanwhile'}")
-        if record is not None and record.state == "stopped":
-            return HeartbeatReply(action="stop", reason=f"study {study_name!r} was stopped")
+        if record.state == "stopped":
+            return HeartbeatReply(action="stop", reason=f"study {record.name!r} was stopped")
         trial = self.bridge.get_trial(trial_id)
         if trial is not None and trial.finished:
             return HeartbeatReply(action="stop", reason=f"trial {trial_id} already finished ({trial.state})")
@@ -576,17 +590,12 @@ class TuningService:
         a lease in another thread holds while it writes a trial: a cycle only SQLite's busy
         timeout would break, after 30 s.)"""
         now = utcnow()
-        with self.db.transaction() as session:
-            # check and refresh the lease in one conditional UPDATE (a report is as good as a heartbeat)
-            study_name = crud.touch_active_lease(session, trial_id, request.worker_id, now)
-            if study_name is not None:
-                crud.see_worker(session, request.worker_id, now)
-                record = crud.get_study(session, study_name)
-        if study_name is None:
+        record = self._refresh_lease(trial_id, request.worker_id, now)
+        if record is None:
             with self.db.read() as session:
                 self._active_lease(session, trial_id, request.worker_id, "report on")  # raises the right 404/409
             raise Conflict(f"cannot report on trial {trial_id}: its lease changed meanwhile; lease a new trial")
-        assert record is not None
+        study_name = record.name
         if record.state == "stopped":
             decision = Decision(True, f"study {study_name!r} was stopped", "stopped")
         else:

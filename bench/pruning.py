@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,37 +33,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from studylib import environment, free_port, hardware_class, wait_healthy
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 STUDY = "pruning-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gpu_name(device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    import torch
-
-    return str(torch.cuda.get_device_name(torch.device(device)))
-
-
-def _environment(device: str) -> dict[str, Any]:
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "device": device,
-            "gpu": _gpu_name(device), "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def study(args: argparse.Namespace) -> None:
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
     db = out / "study.db"
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}"
     # a loopback service of the benchmark's own: no tokens needed
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "AUTOTUNE_AUTH": "false"}
@@ -76,20 +54,14 @@ def study(args: argparse.Namespace) -> None:
         procs.append(subprocess.Popen([*CLI, "serve", "--db", f"sqlite:///{db}", "--port", str(port)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env))
         http = httpx.Client(base_url=api, timeout=30)
-        for _ in range(300):
-            try:
-                if http.get("/v1/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(http, procs[0])
         space: Any = args.space
         if Path(args.space).suffix in (".yaml", ".yml"):
             import yaml
 
             space = yaml.safe_load(Path(args.space).read_text())
         spec = {"name": STUDY, "workload": "ups", "preset": args.preset, "space": space,
-                "hardware": _gpu_name(args.device), "n_trials": args.n_trials, "sampler": "tpe", "seed": args.seed,
+                "hardware": hardware_class(args.device), "n_trials": args.n_trials, "sampler": "tpe", "seed": args.seed,
                 "probe": {"samples": args.samples, "timeout_s": 300}, "baseline_seeds": 3,
                 "pruning": {"enabled": True}, "remeasure": {"top_k": 0}}
         created = http.post("/v1/studies", json=spec)
@@ -108,7 +80,7 @@ def study(args: argparse.Namespace) -> None:
         procs[-1].wait(timeout=120)
         trials = http.get(f"/v1/studies/{STUDY}/trials").json()["data"]
         info = http.get(f"/v1/studies/{STUDY}").json()
-        (out / "trials.json").write_text(json.dumps({"environment": _environment(args.device), "spec": spec,
+        (out / "trials.json").write_text(json.dumps({"environment": environment(args.device), "spec": spec,
                                                      "study": info, "wall_s": time.time() - started,
                                                      "trials": trials}, indent=1))
         print(f"{len(trials)} trials in {time.time() - started:.0f} s; {info['counts']}")

@@ -48,7 +48,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from studylib import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PG_ADMIN_URL = os.environ.get("AUTOTUNE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -73,13 +74,6 @@ CALLS = ("lease", "report", "complete", "round_trip")
 
 
 # --- the service under test ----------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
 
 def proc_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` (Linux /proc), None when unreadable."""

@@ -37,16 +37,17 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+from studylib import environment, free_port, hardware_class, wait_healthy
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 DATA = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
@@ -88,34 +89,6 @@ def strategy_spec(strategy: str, hardware: str, samples: int | None, seed: int, 
     raise SystemExit(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _hardware(device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    import torch
-
-    return str(torch.cuda.get_device_name(torch.device(device)))
-
-
-def _wait_healthy(http: httpx.Client, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the service exited with {proc.returncode}; see service.log")
-        try:
-            if http.get("/v1/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the service did not become healthy")
-
-
 def chunk(args: argparse.Namespace) -> None:
     """One chunk of a strategy's study: at most --budget-s of worker time, then stop cleanly."""
     out = Path(args.dir)
@@ -128,7 +101,7 @@ def chunk(args: argparse.Namespace) -> None:
     if budget <= 5:
         print(f"{args.strategy}: its {state['total_gpu_s']:.0f} GPU-s are spent")
         return
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}"
     # the benchmark's own loopback service: no tokens; a short grace re-runs a cut-off trial soon
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "AUTOTUNE_AUTH": "false", "AUTOTUNE_LEASE_GRACE_S": "20",
@@ -139,8 +112,9 @@ def chunk(args: argparse.Namespace) -> None:
     worker: subprocess.Popen[bytes] | None = None
     http = httpx.Client(base_url=api, timeout=30)
     try:
-        _wait_healthy(http, service)
-        spec = strategy_spec(args.strategy, _hardware(args.device), args.samples, args.seed, args.preset, args.space)
+        wait_healthy(http, service)
+        spec = strategy_spec(args.strategy, hardware_class(args.device), args.samples, args.seed, args.preset,
+                             args.space)
         if http.get(f"/v1/studies/{spec['name']}").status_code == 404:
             created = http.post("/v1/studies", json=spec)
             if created.status_code != 201:
@@ -164,7 +138,7 @@ def chunk(args: argparse.Namespace) -> None:
         end = time.time()
         info = http.get(f"/v1/studies/{spec['name']}").json()
         state["chunks"].append({"start": start, "end": end, "host": platform.node(), "counts": info["counts"]})
-        state["environment"] = _environment(args.device)
+        state["environment"] = environment(args.device)
         state["spec"] = spec
         state_path.write_text(json.dumps(state, indent=1))
         print(f"{args.strategy} chunk {n}: {end - start:.0f} s; {info['state']} {info['counts']} "
@@ -177,13 +151,6 @@ def chunk(args: argparse.Namespace) -> None:
             service.wait(timeout=30)
         except subprocess.TimeoutExpired:
             service.kill()
-
-
-def _environment(device: str) -> dict[str, Any]:
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "device": device,
-            "gpu": _hardware(device), "date": time.strftime("%Y-%m-%d")}
 
 
 # --- analysis ----------------------------------------------------------------------------------
@@ -236,18 +203,11 @@ def strategy_result(path: Path) -> dict[str, Any]:
             "baseline_throughput": base_tp, "baseline_nrmse": [r["val_nrmse"] for r in baseline], "gate": gate,
             "trials": len(rows), "completed": len(ok), "feasible": len(feasible),
             "failed": sum(1 for r in rows if r["failure_kind"] or r["state"] == "FAIL"),
-            "failed_by_kind": _count(r["failure_kind"] or "error" for r in rows
-                                     if r["failure_kind"] or r["state"] == "FAIL"),
+            "failed_by_kind": dict(Counter(r["failure_kind"] or "error" for r in rows
+                                           if r["failure_kind"] or r["state"] == "FAIL")),
             "pruned": sum(1 for r in rows if r["pruned"]), "anytime": curve,
             "pick": pick and {k: pick[k] for k in ("number", "throughput", "val_nrmse", "config", "gpu_s")},
             "speedup": pick["throughput"] / base_tp if pick and base_tp else None, "rows": rows}
-
-
-def _count(kinds: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in kinds:
-        out[k] = out.get(k, 0) + 1
-    return out
 
 
 def analyze(args: argparse.Namespace) -> None:
