@@ -16,8 +16,8 @@ oracle     a grid over the main knobs, 18 configs that fit its 20 GPU-minutes: c
            accum 1, fused AdamW, inverse losses every 4th step, the research's data pipeline.
            Left out as dominated or measured infeasible: fp32 (tf32 is never slower),
            batch 192 (NRMSE 0.30 against a gate of 0.09), batch 12 (half the launches'
-           work per step), accumulation (same effective batch, more launches). Ordered
-           likely-best first, so a budget cut would lose the slow end.
+           work per step), accumulation (same effective batch, more launches). The grid
+           runs in the service's shuffled grid order (seeded).
 
 A strategy gets ``--total-gpu-s`` of GPU time (default 20 min), run in chunks of at most
 ``--budget-s`` (one ≤ 10-minute GPU command each). Between chunks the study's database and
