@@ -97,6 +97,8 @@ from autotune.protocol import (
 )
 from autotune.pruning import Decision
 from autotune.space import SpaceError, parse_space
+from autotune.starting import MAX_POINTS
+from autotune.starting import resolve as resolve_starting_points
 
 log = logging.getLogger(__name__)
 STORED = {"stored": True}  # StudySpec validation context for specs read back from the database
@@ -183,6 +185,7 @@ class TuningService:
         self._contexts: dict[str, StudyContext] = {}  # a study's spec and space never change
         self._gates: dict[str, float | None] = {}  # the gate, once every baseline seed has finished
         self._remeasures_created: set[str] = set()  # studies whose re-measure trials all exist
+        self._starting: dict[str, list[dict[str, Any]]] = {}  # per study: its starting points (autotune.starting)
         self._summaries: dict[str, StudySummary] = {}  # per study: what pruning compares with
         self._reports: dict[int, TrialReports] = {}  # per running trial: its own reports
         self._roles: dict[int, str] = {}  # trial id -> role, for running trials leased by this process
@@ -402,7 +405,7 @@ class TuningService:
         """Re-run `lost`: same role, probe (seed included) and config; a search trial's params
         are enqueued again, so the sampler sees the same point."""
         attrs: dict[str, Any] = {"retry_of": lost.number, "attempt": attempt_of(lost) + 1}
-        for key in ("probe", "baseline_seed", "remeasure_of"):
+        for key in ("probe", "baseline_seed", "remeasure_of", "starting_point"):
             if key in lost.user_attrs:
                 attrs[key] = lost.user_attrs[key]
         trial_role = role(lost)
@@ -434,6 +437,10 @@ class TuningService:
         if self._gates[ctx.name] is None:
             return None  # every baseline failed: nothing can be judged (the study says so)
         if configs < self.bridge.max_trials(ctx):
+            index = configs - spec.baseline_seeds
+            points = self._starting_points(ctx) if index < MAX_POINTS else []
+            if index < len(points):
+                return Plan("search", None, {"starting_point": index}, configs, params=points[index])
             return Plan("search", None, {}, configs)
         if ctx.name in self._remeasures_created:
             return None
@@ -456,6 +463,21 @@ class TuningService:
         knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
         return Plan("remeasure", knobs, {  # the effective config, less derived fields (effective_batch)
             "probe": probe.model_dump(mode="json"), "remeasure_of": target.number}, configs)
+
+    def _starting_points(self, ctx: StudyContext) -> list[dict[str, Any]]:
+        """The study's starting points, derived once per process from its first finished
+        baseline's effective config (what the probe ran: the preset's batch included)."""
+        points = self._starting.get(ctx.name)
+        if points is None:
+            baseline = ctx.spec.baseline_config()
+            for trial in self.bridge.trials(ctx.name):
+                config = trial.user_attrs.get("config")
+                if role(trial) == "baseline" and completed(trial) and isinstance(config, dict):
+                    baseline = {k: v for k, v in config.items() if k in KNOBS}
+                    break
+            points = self._starting[ctx.name] = resolve_starting_points(
+                ctx.spec.starting_points, ctx.space, baseline, ctx.spec.hardware, ctx.spec.sampler)
+        return points
 
     def lease_trial(self, request: LeaseRequest) -> TrialLease | None:
         """The trial `request.worker_id` should run next, or None when there is nothing to do.

@@ -43,6 +43,7 @@ from pydantic import (
 
 from autotune.config import ConfigError, check_hardware, parse_config
 from autotune.space import Space, SpaceError, load_space, parse_space, validate_for
+from autotune.starting import check_points
 from autotune.workloads import UnknownWorkloadError, check_workload
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -153,6 +154,11 @@ class StudySpec(Strict):
                                                               "research's starting point, see baseline_config)")
     baseline_seeds: int = Field(3, ge=1, le=10, description="baseline runs (probe seeds seed, seed+1, …); the "
                                                             "search starts once they are done")
+    starting_points: Literal["auto", "none"] | list[dict[str, Any]] = Field(
+        "auto", description="the first search trials (autotune.starting): 'auto' (GPU studies with tpe, nsga2 or "
+                            "gp: the fast stack derived from the baseline: CUDA graphs, bf16, fused AdamW, "
+                            "accumulation folded into the micro-batch, …), 'none', or a list of partial "
+                            "configs of the space's parameters (the sampler draws the rest)")
     max_memory_gb: float | None = Field(None, gt=0, description="peak reserved memory limit (GiB): "
                                                                  "a trial above it is infeasible")
     gate: GateSpec = Field(default_factory=lambda: GateSpec())
@@ -204,6 +210,14 @@ class StudySpec(Strict):
                 check_hardware(self.baseline, self.hardware)
             except ConfigError as e:
                 raise ValueError(f"baseline.{e}") from None
+        if isinstance(self.starting_points, list):
+            if self.sampler == "grid":
+                raise ValueError("starting_points: the grid sampler runs every config of the space in its own "
+                                 'order; drop starting_points (or use "auto"/"none"), or pick another sampler')
+            try:
+                check_points(space, self.starting_points)
+            except SpaceError as e:
+                raise ValueError(str(e)) from None
         return self
 
     @model_validator(mode="after")

@@ -4,8 +4,9 @@ Every strategy is a real study on the real service (SQLite) with one real worker
 on the ``ups`` full preset, with the same probe and the same 3 baseline seeds (so the same
 quality gate applies to every pick):
 
-autotune   the default: constrained multi-objective TPE, quality gate, pruning, space h100
-random     random search over the same space, no pruning
+autotune   the default: the fast-stack starting points (autotune.starting), then constrained
+           multi-objective TPE, quality gate, pruning, space h100
+random     random search over the same space, no pruning, no starting points
 research   the hand-picked config the source research recommends (its tiers 1-3):
            compile reduce-overhead, block checkpointing, batch 24 × accum 2, 12 workers /
            prefetch 2, persistent workers, bf16, inverse losses every 4th step
@@ -73,7 +74,8 @@ def strategy_spec(strategy: str, hardware: str, samples: int | None, seed: int, 
     if strategy == "autotune":
         return {**base, "space": space_name, "sampler": "tpe", "n_trials": 500}
     if strategy == "random":
-        return {**base, "space": space_name, "sampler": "random", "n_trials": 500, "pruning": {"enabled": False}}
+        return {**base, "space": space_name, "sampler": "random", "n_trials": 500, "pruning": {"enabled": False},
+                "starting_points": "none"}
     if strategy == "research":
         fixed = {k: v for k, v in RESEARCH_PICK.items() if k != "batch_size"}
         space = {"name": "research-pick", "params": {"batch_size": {"choices": [RESEARCH_PICK["batch_size"]]}},

@@ -1,0 +1,151 @@
+"""Starting points: the first search trials of a study, before the sampler draws its own.
+
+A sampler starts blind: TPE's first trials are random draws, and in a space of half a million
+configurations a 20-GPU-minute study may never land on the handful that matter. The knobs'
+effects are not a mystery, though (`shared research`, DESIGN.md): on a GPU, CUDA graphs and
+the micro-batch dominate a launch-bound transformer step, bf16 autocast and fused AdamW help
+once the step is compiled, and activation checkpointing trades speed for memory. So a GPU
+study with a model-based sampler (tpe, nsga2, gp) starts from the *fast stack*, derived from
+the user's own baseline and the study's space:
+
+1. the baseline's config with compile reduce-overhead, precision bf16 (else tf32), fused
+   AdamW, cudnn benchmark, no activation checkpointing, gradient accumulation folded into
+   the micro-batch (batch × accum kept, so the optimizer sees the same effective batch: the
+   quality gate stays within reach) and the auxiliary (inverse) loss every 4th step (the
+   research's tier-3 setting);
+2. the same with the baseline's auxiliary-loss frequency, in case skipping it costs quality;
+3. the first with compile default, in case CUDA graphs break this model.
+
+Each point takes only values the space can draw (a knob outside the space, or a value it lacks,
+is left to the sampler), must pass the knob rules, and is dropped when it repeats an earlier
+point or the baseline. The sampler then searches with these measurements in hand: its trials
+are told like any other, the gate judges them, and they may well lose.
+
+`StudySpec.starting_points`: "auto" (the above; nothing on CPU studies or with the random and
+grid samplers, which are baselines by definition), "none", or a list of the user's own
+partial configs (`check_points` validates them against the space when the study is created).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autotune.config import ConfigError, parse_config
+from autotune.space import Space, SpaceError, _active, _can_take
+
+MAX_POINTS = 20
+MODEL_BASED_SAMPLERS = ("tpe", "nsga2", "gp")
+# knob → preferred values, first one the space can draw wins
+FAST_STACK: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("precision", ("bf16", "tf32")),
+    ("fused_optimizer", (True,)),
+    ("cudnn_benchmark", (True,)),
+    ("checkpoint", ("none",)),
+)
+AUX_EVERY = 4  # the research's tier-3 inverse-loss frequency
+
+
+def _drawable(space: Space, wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of `wanted` the space can draw, for the parameters active under them (in
+    declaration order: conditions refer to earlier parameters). The rest is the sampler's."""
+    values: dict[str, Any] = {}
+    for p in space.params.values():
+        if p.name in wanted and _active(p, values) and _can_take(p, wanted[p.name]):
+            values[p.name] = wanted[p.name]
+    return values
+
+
+def _prefer(space: Space, point: dict[str, Any], knob: str, preferred: Sequence[Any]) -> None:
+    param = space.params.get(knob)
+    if param is not None:
+        for value in preferred:
+            if _can_take(param, value):
+                point[knob] = value
+                return
+
+
+def _fold_accumulation(space: Space, point: dict[str, Any], baseline: Mapping[str, Any]) -> None:
+    """batch × accum → the largest micro-batch the space has with the same product."""
+    batch, accum = baseline.get("batch_size"), baseline.get("accum_steps", 1)
+    if not isinstance(batch, int) or not isinstance(accum, int) or "batch_size" not in space.params:
+        return
+    effective = batch * accum
+    accum_param = space.params.get("accum_steps")
+    candidates = sorted(accum_param.values()) if accum_param is not None and accum_param.choices is not None else [accum]
+    for a in candidates:
+        if effective % a == 0 and _can_take(space.params["batch_size"], effective // a):
+            point["batch_size"] = effective // a
+            if accum_param is not None:
+                point["accum_steps"] = a
+            return
+
+
+def auto_points(space: Space, baseline: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The fast stack (module docstring) for `baseline`, the baseline's effective config (as its
+    probe reported it: the preset's batch and accumulation included)."""
+    fast = dict(baseline)
+    for knob, preferred in FAST_STACK:
+        _prefer(space, fast, knob, preferred)
+    _fold_accumulation(space, fast, baseline)
+    graphs = {**fast, "compile": "reduce-overhead"}
+    aux = {**graphs, "inverse_loss_frequency": AUX_EVERY}
+    return _usable(space, [aux, graphs, {**aux, "compile": "default"}], baseline)
+
+
+def _usable(space: Space, candidates: Sequence[Mapping[str, Any]], baseline: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Drawable parts of `candidates` that pass the knob rules, without repeats of each other or
+    of the baseline."""
+    seen = [_drawable(space, baseline)]
+    points = []
+    for wanted in candidates:
+        point = _drawable(space, wanted)
+        if not point or point in seen:  # empty: nothing to start from, the sampler's own draw
+            continue
+        try:
+            parse_config({**space.fixed, **point})
+        except ConfigError:
+            continue
+        seen.append(point)
+        points.append(point)
+    return points
+
+
+def check_points(space: Space, points: Any) -> list[dict[str, Any]]:
+    """A user's starting points: a list of at most MAX_POINTS mappings of the space's parameters
+    to values it can draw. Raises SpaceError naming the entry and the fix."""
+    if not isinstance(points, list):
+        raise SpaceError("starting_points", 'expected "auto", "none" or a list of partial configs')
+    if len(points) > MAX_POINTS:
+        raise SpaceError("starting_points", f"{len(points)} points; at most {MAX_POINTS}")
+    for i, point in enumerate(points):
+        where = f"starting_points[{i}]"
+        if not isinstance(point, dict) or not point:
+            raise SpaceError(where, "expected a non-empty mapping knob -> value")
+        for knob, value in point.items():
+            param = space.params.get(knob)
+            if param is None:
+                known = ", ".join(space.params) or "none"
+                raise SpaceError(f"{where}.{knob}", f"not a parameter of the space {space.name!r} (its parameters: "
+                                                    f"{known}); a fixed knob is already in every trial")
+            if not _can_take(param, value):
+                allowed = (f"one of {list(param.choices)}" if param.choices is not None
+                           else f"a value in [{param.low:g}, {param.high:g}]")
+                raise SpaceError(f"{where}.{knob}", f"{value!r} cannot be drawn from this space: use {allowed}")
+        try:
+            parse_config({**space.fixed, **point})
+        except ConfigError as e:
+            raise SpaceError(f"{where}.{e.knob}", e.message) from None
+    return [dict(p) for p in points]
+
+
+def resolve(setting: str | list[dict[str, Any]], space: Space, baseline: Mapping[str, Any], hardware: str,
+            sampler: str) -> list[dict[str, Any]]:
+    """The study's starting points (see the module docstring) once its baseline has run."""
+    if setting == "none":
+        return []
+    if setting == "auto":
+        if hardware == "cpu" or sampler not in MODEL_BASED_SAMPLERS:
+            return []
+        return auto_points(space, baseline)
+    return check_points(space, setting)

@@ -1,0 +1,82 @@
+"""Starting points (autotune.starting): the fast stack derived from a baseline and a space,
+and the validation of a user's own points."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from autotune.config import parse_config
+from autotune.space import SpaceError, load_space, parse_space
+from autotune.starting import MAX_POINTS, auto_points, check_points, resolve
+
+# what the ups full preset's baseline probe reports as its effective config (the preset's 12 × 4)
+UPS_FULL_BASELINE: dict[str, Any] = {
+    "precision": "fp32", "cudnn_benchmark": False, "checkpoint": "none", "compile": "none",
+    "fused_optimizer": False, "batch_size": 12, "accum_steps": 4, "num_workers": 8, "prefetch_factor": 4,
+    "pin_memory": False, "persistent_workers": False, "inverse_loss_frequency": 1, "lr": 0.0005}
+FAST = {"precision": "bf16", "fused_optimizer": True, "cudnn_benchmark": True, "checkpoint": "none",
+        "batch_size": 48, "accum_steps": 1, "num_workers": 8, "prefetch_factor": 4, "persistent_workers": False}
+
+
+def test_fast_stack_for_the_h100_space() -> None:
+    points = auto_points(load_space("h100"), UPS_FULL_BASELINE)
+    assert points == [
+        {**FAST, "compile": "reduce-overhead", "inverse_loss_frequency": 4},
+        {**FAST, "compile": "reduce-overhead", "inverse_loss_frequency": 1},
+        {**FAST, "compile": "default", "inverse_loss_frequency": 4},
+    ]
+    for point in points:  # every point is a config the space could draw, passing the knob rules
+        parse_config({**load_space("h100").fixed, **point})
+
+
+@pytest.mark.parametrize(("batch", "accum", "want"), [
+    (12, 4, (48, 1)),  # folded into one micro-batch
+    (96, 4, (192, 2)),  # 384 > the largest micro-batch: the least accumulation that keeps the product
+    (24, 1, (24, 1)),  # nothing to fold
+])
+def test_accumulation_folds_into_the_micro_batch(batch: int, accum: int, want: tuple[int, int]) -> None:
+    points = auto_points(load_space("h100"), {**UPS_FULL_BASELINE, "batch_size": batch, "accum_steps": accum})
+    assert {(p["batch_size"], p["accum_steps"]) for p in points} == {want}
+
+
+def test_values_the_space_lacks_are_left_to_the_sampler() -> None:
+    space = parse_space({"name": "s", "params": {
+        "batch_size": {"choices": [16, 32]}, "compile": {"choices": ["none", "default"]},
+        "num_workers": {"choices": [0, 2]}, "prefetch_factor": {"choices": [2, 4], "when": {"num_workers": [2]}}}})
+    points = auto_points(space, {"batch_size": 12, "accum_steps": 4, "compile": "none", "num_workers": 8,
+                                 "prefetch_factor": 4})
+    # batch 48 and 8 workers are not in the space (nor is prefetch, whose condition then is open),
+    # reduce-overhead neither: the one point left is compile default; the rest is drawn
+    assert points == [{"compile": "default"}]
+
+
+def test_no_point_repeats_the_baseline() -> None:
+    space = parse_space({"name": "s", "params": {"precision": {"choices": ["fp32", "bf16"]}}})
+    assert auto_points(space, {"precision": "bf16"}) == []
+    assert auto_points(space, {"precision": "fp32"}) == [{"precision": "bf16"}]
+
+
+def test_auto_only_for_gpu_studies_with_a_model_based_sampler() -> None:
+    space = load_space("h100")
+    assert len(resolve("auto", space, UPS_FULL_BASELINE, "NVIDIA H100 80GB HBM3", "tpe")) == 3
+    assert resolve("auto", space, UPS_FULL_BASELINE, "NVIDIA H100 80GB HBM3", "random") == []
+    assert resolve("auto", space, UPS_FULL_BASELINE, "cpu", "tpe") == []
+    assert resolve("none", space, UPS_FULL_BASELINE, "NVIDIA H100 80GB HBM3", "tpe") == []
+    mine = [{"compile": "default", "batch_size": 96}]
+    assert resolve(mine, space, UPS_FULL_BASELINE, "cpu", "random") == mine
+
+
+@pytest.mark.parametrize(("points", "field", "fix"), [
+    ({"compile": "default"}, "starting_points", "a list"),
+    ([{"lr": 0.001}], "starting_points[0].lr", "not a parameter of the space"),
+    ([{"compile": "default"}, {"batch_size": 100}], "starting_points[1].batch_size", "use one of [12, 24"),
+    ([{}], "starting_points[0]", "non-empty mapping"),
+    ([{"persistent_workers": True}], "starting_points[0].persistent_workers", "num_workers"),
+    ([{"compile": "default"}] * (MAX_POINTS + 1), "starting_points", f"at most {MAX_POINTS}"),
+])
+def test_bad_points_are_named(points: Any, field: str, fix: str) -> None:
+    with pytest.raises(SpaceError) as e:
+        check_points(load_space("h100"), points)
+    assert e.value.field == field and fix in e.value.message
