@@ -258,6 +258,69 @@ def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# --- probe fidelity ------------------------------------------------------------------------------
+
+
+def _key(config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, v) for k, v in config.items() if k != "effective_batch"))
+
+
+def top_configs(root: Path, top: int) -> list[dict[str, Any]]:
+    """The `top` fastest distinct feasible configs over every strategy's study under `root`."""
+    rows = []
+    for path in sorted(root.iterdir()):
+        if (path / "state.json").exists():
+            r = strategy_result(path)
+            gate = r["gate"]
+            rows += [{"strategy": path.name, "number": row["number"], "throughput": row["throughput"],
+                      "val_nrmse": row["val_nrmse"], "config": row["config"],
+                      "samples": r["spec"]["probe"].get("samples")}
+                     for row in r["rows"] if row["state"] == "COMPLETE" and not row["baseline"]
+                     and not row["failure_kind"] and row["throughput"] and gate is not None
+                     and row["val_nrmse"] <= gate]
+    picked: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: -r["throughput"]):
+        picked.setdefault(_key(row["config"]), row)
+    return list(picked.values())[:top]
+
+
+def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str) -> dict[str, Any]:
+    knobs = {k: v for k, v in config.items() if k != "effective_batch"}
+    cmd = [*CLI, "probe", "--preset", preset, "--device", device, "--config", json.dumps(knobs), "--json"]
+    if samples:
+        cmd += ["--samples", str(samples)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if not proc.stdout.strip():
+        raise SystemExit(f"probe printed nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
+            "warmup_s", "train_s", "failure")
+    return {**{k: result.get(k) for k in keep}, "wall_s": time.time() - t0}
+
+
+def fidelity(args: argparse.Namespace) -> None:
+    """Short probe (the studies' own) against a --factor × longer run, for the top configs:
+    each config runs short then long, back to back in fresh processes on the same GPU."""
+    configs = top_configs(Path(args.dir), args.top)
+    out = Path(args.out)
+    doc: dict[str, Any] = {"environment": environment(args.device), "factor": args.factor, "configs": []}
+    from autotune.workloads import get_workload
+
+    preset_samples = get_workload("ups", args.preset).defaults.samples
+    for i, row in enumerate(configs):
+        samples = row["samples"] or preset_samples
+        short = _probe(row["config"], samples, args.device, args.preset)
+        long = _probe(row["config"], samples * args.factor, args.device, args.preset)
+        ratio = (short["throughput_samples_per_s"] / long["throughput_samples_per_s"]
+                 if short["throughput_samples_per_s"] and long["throughput_samples_per_s"] else None)
+        doc["configs"].append({**row, "short": short, "long": long, "short_over_long": ratio})
+        out.write_text(json.dumps(doc, indent=1))  # after every config: a cut-off run keeps what it measured
+        print(f"[{i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study {row['throughput']:.0f}, "
+              f"short {short['throughput_samples_per_s'] or 0:.0f}, long {long['throughput_samples_per_s'] or 0:.0f} "
+              f"samples/s (short/long {ratio or float('nan'):.3f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="step", required=True)
@@ -275,8 +338,15 @@ def main() -> None:
     a.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
     a.add_argument("--out", required=True)
     a.add_argument("--png")
+    f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
+    f.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
+    f.add_argument("--out", required=True)
+    f.add_argument("--top", type=int, default=5)
+    f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
+    f.add_argument("--device", default="cuda")
+    f.add_argument("--preset", default="full")
     args = parser.parse_args()
-    {"chunk": chunk, "analyze": analyze}[args.step](args)
+    {"chunk": chunk, "analyze": analyze, "fidelity": fidelity}[args.step](args)
 
 
 if __name__ == "__main__":
