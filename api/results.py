@@ -377,7 +377,7 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         raise NoRecommendation(f"study {study_name!r} has no feasible completed trial with a throughput yet")
     throughput, best, run = max(scored, key=lambda c: (c[0], -c[1].number))
     windows = _windows(run)
-    ci = Estimate.for_median(windows) if len(windows) >= 2 else None  # throughput is a median
+    ci = Estimate.for_rate(windows) if len(windows) >= 2 else None  # throughput: the windows' rate
     config = best.user_attrs.get("config") or {}
     peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
     base_thr = summary.throughput

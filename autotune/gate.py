@@ -92,27 +92,19 @@ class Estimate:
     n: int
 
     @classmethod
-    def for_median(cls, values: Sequence[float], confidence: float = 0.95) -> Estimate:
-        """The median with a distribution-free CI from order statistics (binomial, p = ½).
+    def for_rate(cls, rates: Sequence[float], confidence: float = 0.95) -> Estimate:
+        """The rate of equal-work windows with a CI that contains it.
 
-        Throughput is a median over timed windows, so its interval must contain it: the CI is
-        [x_(j), x_(n-j+1)] with the largest j whose coverage is still >= `confidence`
-        (n >= 6 reaches 95 %; with fewer values the interval is the full range).
+        A probe's throughput is its timed work over its timed seconds: the harmonic mean of the
+        windows' rates (autotune.probe). The interval is the Student-t interval of the mean time
+        per unit of work, inverted (when that interval reaches zero time, the upper bound is
+        the fastest window).
         """
-        if not values:
-            raise ValueError("no values")
-        xs = sorted(values)
-        n = len(xs)
-        median = statistics.median(xs)
-        j = 0  # 0-based index of the lower bound
-        for k in range(n // 2):
-            # coverage of [x_(k+1), x_(n-k)] = 1 − 2·P(Binomial(n, ½) <= k)
-            tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-            if 1 - 2 * tail >= confidence:
-                j = k + 1
-            else:
-                break
-        return cls(median, xs[j - 1] if j else xs[0], xs[n - j] if j else xs[-1], n)
+        if not rates or any(r <= 0 for r in rates):
+            raise ValueError("rates must be positive")
+        times = cls.from_values([1.0 / r for r in rates], confidence)
+        high = 1.0 / times.low if times.low > 0 else max(rates)
+        return cls(1.0 / times.mean, 1.0 / times.high, high, times.n)
 
     @classmethod
     def from_values(cls, values: Sequence[float], confidence: float = 0.95) -> Estimate:

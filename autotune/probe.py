@@ -8,8 +8,12 @@ warm-up   the first optimizer steps (compilation, CUDA-graph recording, cudnn au
           ``warmup_s``; never part of the throughput.
 timed     the remaining steps split into equal windows (>= 5). Each window is timed with
           CUDA events on a GPU, or with the host clock on a CPU (where every op is
-          synchronous). Throughput is the median over windows of samples/s; the spread is
-          (max − min) / median over windows.
+          synchronous). Throughput is the timed samples over the timed seconds (the
+          harmonic mean of the windows' samples/s: windows hold equal steps); the spread is
+          (max − min) / throughput over windows. Not the median: a stall that recurs less
+          often than once per window (non-persistent DataLoader workers restarting at each
+          epoch) lands in one window of a short probe, where the median would drop it, but
+          in every window of a long run (bench/README.md, probe fidelity: 3.7 % too fast).
 validate  quality on the fixed held-out set, in fp32, with a fresh eager copy of the model
           that holds the trained weights (so compile/checkpoint/fp8 wrappers cannot leak
           into the number).
@@ -460,7 +464,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 break
         result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
         windows = result.window_throughputs
-        result.throughput_samples_per_s = statistics.median(windows)
+        result.throughput_samples_per_s = statistics.harmonic_mean(windows)
         result.throughput_spread = (max(windows) - min(windows)) / result.throughput_samples_per_s
 
         if not result.stopped_early:

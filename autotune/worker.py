@@ -422,8 +422,8 @@ def partial_result(run: TrialRun, hardware: Hardware) -> dict[str, Any]:
              if "loss" in r["metrics"]]
     fields: dict[str, Any] = {"stopped_early": True, "window_throughputs": throughputs, "loss_curve": curve}
     if throughputs:
-        median = statistics.median(throughputs)
-        fields.update(throughput_samples_per_s=median, throughput_spread=(max(throughputs) - min(throughputs)) / median)
+        rate = statistics.harmonic_mean(throughputs)  # as the probe's own (autotune.probe)
+        fields.update(throughput_samples_per_s=rate, throughput_spread=(max(throughputs) - min(throughputs)) / rate)
     if run.reports:
         last = run.reports[-1]
         fields.update(steps=int(last["step"]), samples_trained=int(last["metrics"].get("samples", 0)))

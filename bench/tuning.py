@@ -185,10 +185,17 @@ def strategy_result(path: Path) -> dict[str, Any]:
     rows = []
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
+        windows = [w for w in attrs.get("window_throughputs") or [] if w and w > 0]
         done = t.datetime_complete.timestamp() if isinstance(t.datetime_complete, datetime) else None
         rows.append({"number": t.number, "state": t.state.name, "baseline": bool(attrs.get("is_baseline")),
                      "failure_kind": attrs.get("failure_kind"), "pruned": t.state.name == "PRUNED",
-                     "throughput": attrs.get("throughput_samples_per_s"), "val_nrmse": attrs.get("val_nrmse"),
+                     # every trial's throughput the probe's way now (timed samples over timed seconds),
+                     # from its stored windows: trials measured before the probe changed from the
+                     # windows' median are counted the same way as the later ones
+                     "throughput": statistics.harmonic_mean(windows) if windows
+                     else attrs.get("throughput_samples_per_s"),
+                     "throughput_median": statistics.median(windows) if windows else None,
+                     "val_nrmse": attrs.get("val_nrmse"),
                      "config": attrs.get("config"), "retried": attrs.get("retry_of") is not None,
                      "gpu_s": _gpu_time(done, state["chunks"]) if done is not None else None})
     ok = [r for r in rows if r["state"] == "COMPLETE" and not r["failure_kind"] and r["throughput"]]
@@ -301,8 +308,11 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
 
 def fidelity(args: argparse.Namespace) -> None:
     """Short probe (the studies' own) against a --factor × longer run, for the top configs:
-    each config runs short then long, back to back in fresh processes on the same GPU."""
+    each config runs short then long, back to back in fresh processes on the same GPU
+    (--only: some of them, by rank, e.g. a repeat)."""
     configs = top_configs(Path(args.dir), args.top)
+    if args.only:
+        configs = [configs[int(i) - 1] for i in args.only.split(",")]
     out = Path(args.out)
     doc: dict[str, Any] = {"environment": environment(args.device), "factor": args.factor, "configs": []}
     from autotune.workloads import get_workload
@@ -343,6 +353,7 @@ def main() -> None:
     f.add_argument("--out", required=True)
     f.add_argument("--top", type=int, default=5)
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
+    f.add_argument("--only", help="comma-separated ranks (1 = fastest) to run, in this order")
     f.add_argument("--device", default="cuda")
     f.add_argument("--preset", default="full")
     args = parser.parse_args()

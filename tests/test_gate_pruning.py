@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import optuna
 import pytest
@@ -168,14 +169,18 @@ def test_unknown_sampler_is_refused() -> None:
         make_sampler("cmaes")
 
 
-def test_median_ci_contains_the_median_and_comes_from_order_statistics() -> None:
-    values = [float(v) for v in (10, 12, 11, 30, 9, 10, 11, 12, 10, 11, 13, 10, 11, 12, 9, 10)]
-    e = Estimate.for_median(values)
-    assert e.mean == pytest.approx(11.0)  # the median of the 16 values
+def test_rate_ci_is_the_inverted_interval_of_the_time_per_sample() -> None:
+    rates = [7700.0, 7740.0, 7710.0, 7750.0, 6090.0, 7700.0, 7740.0, 7710.0]  # one epoch-boundary stall
+    e = Estimate.for_rate(rates)
+    assert e.mean == pytest.approx(statistics.harmonic_mean(rates))  # total work over total time
+    assert e.mean < statistics.median(rates)  # the stall counts, as it does in a long run
+    times = Estimate.from_values([1 / r for r in rates])
+    assert (e.low, e.high) == (pytest.approx(1 / times.high), pytest.approx(1 / times.low))
     assert e.low <= e.mean <= e.high
-    xs = sorted(values)
-    assert (e.low, e.high) == (xs[3], xs[12])  # n = 16 → the 4th and 13th order statistics (95 %)
-    assert Estimate.for_median([1.0, 2.0, 3.0]).low == 1.0  # too few for 95 %: the full range
+    wild = Estimate.for_rate([1.0, 1000.0])  # the time interval reaches 0: bounded by the fastest window
+    assert wild.high == 1000.0 and wild.low <= wild.mean
+    with pytest.raises(ValueError, match="positive"):
+        Estimate.for_rate([0.0, 1.0])
 
 
 def test_default_baseline_is_the_research_starting_point() -> None:
