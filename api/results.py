@@ -24,7 +24,7 @@ Failed probes are told to Optuna as COMPLETE with worst-case values (api/outcome
 view here reads `service_state`, which says FAIL for them.
 
 The recommendation is the fastest feasible config: among the re-measured configs (throughput
-= the re-measure run's median, CI over its windows) and the baseline when re-measurement
+= the re-measure run's throughput, CI over its windows) and the baseline when re-measurement
 happened, else among every feasible trial (CI over the trial's own windows).
 """
 

@@ -6,7 +6,9 @@ decides on every intermediate report with `decide`, a pure function of curves:
 1. **diverged**: a non-finite loss, or a loss that has grown to `divergence_factor` × its
    own best so far;
 2. **cannot reach the front**: its stable throughput (the median of its windows so far,
-   after `min_windows`) is below ρ × the best feasible throughput, *and* its loss at equal
+   after `min_windows`: robust to one slow window, which a decision on a few windows needs,
+   while the final throughput counts every window) is below ρ × the best feasible
+   throughput, *and* its loss at equal
    samples is no better than that best trial's — slower and not better, it is dominated;
 3. **predicts a gate failure**: after `min_fraction` of the sample budget, its loss at
    equal samples exceeds the baseline's by more than `loss_margin` (relative).

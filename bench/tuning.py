@@ -239,7 +239,15 @@ def analyze(args: argparse.Namespace) -> None:
                | {"pick_nrmse": r["pick"] and r["pick"]["val_nrmse"],
                   "pick_throughput": r["pick"] and r["pick"]["throughput"]}
                for name, r in results.items()}
-    Path(args.out).write_text(json.dumps({"summary": summary, "strategies": results}, indent=1))
+    doc: dict[str, Any] = {"summary": summary, "strategies": results}
+    if args.fidelity:
+        doc["fidelity"] = fidelity_summary([Path(p) for p in args.fidelity], results)
+        for p in doc["fidelity"]:
+            print(f"fidelity {p['strategy']} #{p['number']} ({p['run']}): short/long {p['short_over_long']:.3f} "
+                  f"(median {p['median_short_over_long']:.3f}; study/long {p['study_over_long']:.3f})")
+        if args.png:
+            _plot_fidelity(doc["fidelity"], Path(args.png).with_name(Path(args.png).stem + "_fidelity.png"))
+    Path(args.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps(summary, indent=1))
     if args.png:
         _plot(results, Path(args.png))
@@ -254,8 +262,9 @@ def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
         if r["anytime"] and r["baseline_throughput"]:
-            xs = [g / 60 for g, _ in r["anytime"]] + [r["gpu_s_used"] / 60]
-            ys = [tp / r["baseline_throughput"] for _, tp in r["anytime"]]
+            # 1× (the baseline) until the first feasible search trial; baselines' time included
+            xs = [0.0] + [g / 60 for g, _ in r["anytime"]] + [r["gpu_s_used"] / 60]
+            ys = [1.0] + [tp / r["baseline_throughput"] for _, tp in r["anytime"]]
             ax.step(xs, [*ys, ys[-1]], where="post", label=name)
     ax.set_xlabel("GPU minutes")
     ax.set_ylabel("best feasible speedup over the baseline (×)")
@@ -331,6 +340,53 @@ def fidelity(args: argparse.Namespace) -> None:
               f"samples/s (short/long {ratio or float('nan'):.3f})", flush=True)
 
 
+def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every short/long pair of the fidelity runs, with both statistics: the probe's rate (timed
+    samples over timed seconds) and the windows' median (what the probe reported before); and
+    the study's own measurement of the config (its rate, from `results`: strategy_result's)."""
+    pairs = []
+    for path in paths:
+        doc = json.loads(path.read_text())
+        for c in doc["configs"]:
+            short, long = c["short"]["window_throughputs"], c["long"]["window_throughputs"]
+            config = c["config"]
+            study = next(r["throughput"] for r in results[c["strategy"]]["rows"] if r["number"] == c["number"])
+            pairs.append({
+                "run": path.name, "strategy": c["strategy"], "number": c["number"],
+                "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
+                                                                  "checkpoint", "persistent_workers")),
+                "study": study, "short_warmup_s": c["short"]["warmup_s"],
+                "short": statistics.harmonic_mean(short), "long": statistics.harmonic_mean(long),
+                "short_over_long": statistics.harmonic_mean(short) / statistics.harmonic_mean(long),
+                "median_short_over_long": statistics.median(short) / statistics.median(long),
+                "study_over_long": study / statistics.harmonic_mean(long)})
+    return pairs
+
+
+def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = [f"{p['strategy']} #{p['number']}\n({p['run'].removesuffix('.json')[-4:]})" for p in pairs]
+    xs = range(len(pairs))
+    ax.bar([x - 0.2 for x in xs], [100 * (p["short_over_long"] - 1) for p in pairs], 0.4,
+           label="fresh short probe: timed samples / timed s")
+    ax.bar([x + 0.2 for x in xs], [100 * (p["median_short_over_long"] - 1) for p in pairs], 0.4,
+           label="fresh short probe: median of windows")
+    ax.plot(list(xs), [100 * (p["study_over_long"] - 1) for p in pairs], "kD", label="the study's own probe")
+    for y in (-3, 3):
+        ax.axhline(y, color="grey", linestyle=":")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("short probe vs 10x longer run (%)")
+    ax.set_title("Probe fidelity, top configs of the tuning benchmark")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="step", required=True)
@@ -347,7 +403,8 @@ def main() -> None:
     a = sub.add_parser("analyze")
     a.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
     a.add_argument("--out", required=True)
-    a.add_argument("--png")
+    a.add_argument("--png", help="the anytime plot (and, with --fidelity, <stem>_fidelity.png)")
+    a.add_argument("--fidelity", nargs="*", help="fidelity JSONs (the fidelity step's) to summarise")
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
     f.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
     f.add_argument("--out", required=True)
