@@ -245,6 +245,7 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         failure = {"kind": str(attrs["failure_kind"]), "message": str(attrs.get("failure_message") or "")}
     config = attrs.get("config")
     remeasure_of = attrs.get("remeasure_of")
+    starting_point = attrs.get("starting_point")
     prune_reason = attrs.get("prune_reason")
     failed = service_state(trial) == "FAIL"
     return TrialInfo(
@@ -256,7 +257,8 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         feasible=is_feasible(trial, spec, gate), failure=failure,
         worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
         prune_reason=str(prune_reason) if prune_reason else None,
-        remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None, duration_s=trial.duration_s,
+        remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None,
+        starting_point=starting_point if isinstance(starting_point, int) else None, duration_s=trial.duration_s,
         attempt=attempt_of(trial), retry_of=retry_of(trial), retried_as=retry,
     )
 

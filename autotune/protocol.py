@@ -361,6 +361,8 @@ class TrialInfo(BaseModel):
     role: Literal["baseline", "search", "remeasure"] = "search"
     prune_reason: str | None = None
     remeasure_of: int | None = Field(None, description="the trial number a remeasure trial re-measures")
+    starting_point: int | None = Field(None, description="which of the study's starting points this search "
+                                                         "trial ran (0 = the first; None: the sampler's draw)")
     duration_s: float | None = None
     attempt: int = Field(1, description="1 for a first run; k for the (k-1)-th retry of a lost trial")
     retry_of: int | None = Field(None, description="the lost trial number this trial re-runs")

@@ -47,6 +47,8 @@ def test_gpu_study_starts_from_the_fast_stack(app: FastAPI, client: TestClient, 
         assert {k: c[k] for k in fast} == fast and c["num_workers"] == 8  # the baseline's data pipeline kept
     attrs = _attrs(app, "gpu")
     assert [attrs[n].get("starting_point") for n in range(1, 5)] == [0, 1, 2, None]  # then the sampler's own
+    listed = client.get("/v1/studies/gpu/trials").json()["data"]
+    assert [t["starting_point"] for t in listed] == [None, 0, 1, 2, None]  # the API says which trial was which
 
 
 def test_random_search_has_no_automatic_starting_points(app: FastAPI, client: TestClient,
