@@ -72,7 +72,9 @@ def _fold_accumulation(space: Space, point: dict[str, Any], baseline: Mapping[st
         return
     effective = batch * accum
     accum_param = space.params.get("accum_steps")
-    candidates = sorted(accum_param.values()) if accum_param is not None and accum_param.choices is not None else [accum]
+    candidates = [accum]
+    if accum_param is not None and accum_param.choices is not None:
+        candidates = sorted(accum_param.values())
     for a in candidates:
         if effective % a == 0 and _can_take(space.params["batch_size"], effective // a):
             point["batch_size"] = effective // a

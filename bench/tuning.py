@@ -197,6 +197,7 @@ def strategy_result(path: Path) -> dict[str, Any]:
                      "throughput_median": statistics.median(windows) if windows else None,
                      "val_nrmse": attrs.get("val_nrmse"),
                      "config": attrs.get("config"), "retried": attrs.get("retry_of") is not None,
+                     "duration_s": t.duration.total_seconds() if t.duration is not None else None,
                      "gpu_s": _gpu_time(done, state["chunks"]) if done is not None else None})
     ok = [r for r in rows if r["state"] == "COMPLETE" and not r["failure_kind"] and r["throughput"]]
     baseline = [r for r in ok if r["baseline"]]
@@ -223,11 +224,49 @@ def strategy_result(path: Path) -> dict[str, Any]:
             "speedup": pick["throughput"] / base_tp if pick and base_tp else None, "rows": rows}
 
 
+def random_search_distribution(result: dict[str, Any], budget_s: float, n: int = 2000,
+                               seed: int = 0) -> dict[str, Any]:
+    """What random search reaches within `budget_s` GPU seconds, as a distribution: its trials
+    are independent draws, so resampling them (with replacement, each at its own measured
+    cost, after the baselines' time) gives other random searches of the same space. Returns
+    the median and quartiles of the best feasible throughput (0 when none was feasible)."""
+    import random
+
+    gate = result["gate"]
+    rows = [r for r in result["rows"] if not r["baseline"] and not r["retried"] and r["duration_s"]]
+    base_cost = sum(r["duration_s"] or 0 for r in result["rows"] if r["baseline"])
+    if not rows or gate is None:
+        return {"budget_s": budget_s, "n": 0}
+    rng = random.Random(seed)
+    bests = []
+    for _ in range(n):
+        spent, best = base_cost, 0.0
+        while True:
+            r = rng.choice(rows)
+            spent += r["duration_s"]
+            if spent > budget_s:
+                break
+            ok = r["state"] == "COMPLETE" and not r["failure_kind"] and r["throughput"] and r["val_nrmse"] is not None
+            if ok and r["val_nrmse"] <= gate:
+                best = max(best, r["throughput"])
+        bests.append(best)
+    q = statistics.quantiles(bests, n=4)
+    return {"budget_s": budget_s, "n": n, "median": statistics.median(bests), "p25": q[0], "p75": q[2],
+            "none_feasible": sum(1 for b in bests if b == 0) / n}
+
+
 def analyze(args: argparse.Namespace) -> None:
     root = Path(args.dir)
     results = {p.name: strategy_result(p) for p in sorted(root.iterdir()) if (p / "state.json").exists()}
     oracle = results.get("oracle")
     best_oracle = oracle["pick"]["throughput"] if oracle and oracle["pick"] else None
+    if "random" in results:  # random search's median at the same budget (resampled from its trials)
+        random_result = results["random"]
+        random_result["distribution"] = random_search_distribution(random_result, args.budget_s)
+        for r in results.values():
+            median = random_result["distribution"].get("median")
+            if r["pick"] and median is not None:
+                r["beats_random_median"] = r["pick"]["throughput"] > median
     for r in results.values():
         if best_oracle and r["pick"]:
             r["fraction_of_oracle"] = r["pick"]["throughput"] / best_oracle
@@ -235,7 +274,8 @@ def analyze(args: argparse.Namespace) -> None:
             r["gpu_min_to_90pct_oracle"] = reach[0] / 60 if reach else None
     summary = {name: {k: r.get(k) for k in ("gpu_s_used", "trials", "completed", "feasible", "failed",
                                             "failed_by_kind", "pruned", "speedup", "fraction_of_oracle",
-                                            "gpu_min_to_90pct_oracle", "gate")}
+                                            "gpu_min_to_90pct_oracle", "gate", "beats_random_median",
+                                            "distribution")}
                | {"pick_nrmse": r["pick"] and r["pick"]["val_nrmse"],
                   "pick_throughput": r["pick"] and r["pick"]["throughput"]}
                for name, r in results.items()}
@@ -403,6 +443,7 @@ def main() -> None:
     a = sub.add_parser("analyze")
     a.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
     a.add_argument("--out", required=True)
+    a.add_argument("--budget-s", type=float, default=1200, help="the equal budget random search is judged at")
     a.add_argument("--png", help="the anytime plot (and, with --fidelity, <stem>_fidelity.png)")
     a.add_argument("--fidelity", nargs="*", help="fidelity JSONs (the fidelity step's) to summarise")
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")

@@ -1,0 +1,50 @@
+"""bench/tuning.py on a CPU, tiny preset: a strategy's study runs in two chunks with its
+database carried between them (the second chunk resumes it, re-running the trial the first
+one cut off), and `analyze` reads it back. The GPU numbers come from the same code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TUNING = [sys.executable, str(ROOT / "bench" / "tuning.py")]
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_INDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.run([*TUNING, *args], capture_output=True, text=True, env=env, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.slow
+def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "autotune"
+    chunk = ["chunk", "--strategy", "autotune", "--dir", str(run), "--device", "cpu", "--preset", "tiny",
+             "--space", "cpu", "--samples", "2048", "--total-gpu-s", "60"]
+    _run([*chunk, "--budget-s", "14"], tmp_path)  # ends mid-trial: that trial is cut off (interrupted)
+    storage = f"sqlite:///{run / 'study.db'}"
+    first = optuna.load_study(study_name="tuning-autotune", storage=storage).get_trials(deepcopy=False)
+    cut = [t for t in first if t.user_attrs.get("failure_kind") == "interrupted"]
+    assert cut, [(t.number, t.state.name) for t in first]
+
+    _run([*chunk, "--budget-s", "25"], tmp_path)
+    state = json.loads((run / "state.json").read_text())
+    assert len(state["chunks"]) == 2 and state["spec"]["preset"] == "tiny"
+    trials = optuna.load_study(study_name="tuning-autotune", storage=storage).get_trials(deepcopy=False)
+    assert len(trials) > len(first)  # the same study went on
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    assert all(t.number in retried for t in cut)  # every cut-off trial was run again
+
+    out = tmp_path / "summary.json"
+    _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out)], tmp_path)
+    summary = json.loads(out.read_text())["summary"]["autotune"]
+    assert summary["trials"] == len(trials) and 0 < summary["gpu_s_used"] <= 60
+    assert summary["failed_by_kind"].get("interrupted", 0) >= len(cut)
