@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from studylib import pyplot
+
 from autotune.distributed import JOB_DIR_ENV, collect_failure, launch_argv, prepare_job_dir
 from autotune.probe_child import ChildJob
 from autotune.worker import CHILD_MODULE, DeviceGroup, ProbeProcess, child_environment
@@ -127,10 +129,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(11, 4.8))
     names = [r["name"] for r in rows]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from studylib import environment, free_port, hardware_class, wait_healthy
+from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 STUDY = "pruning-bench"
@@ -202,10 +202,7 @@ def analyze(args: argparse.Namespace) -> None:
 
 def _plot(points: dict[int, tuple[float, float]], feasible: dict[int, tuple[float, float]], front: list[int],
           reruns: dict[int, Any], gate: float, base_tp: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for n, (tp, q) in points.items():

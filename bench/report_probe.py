@@ -15,6 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
+from studylib import pyplot
+
 
 def summarise(doc: dict) -> list[dict]:
     rows: dict[str, dict] = {}
@@ -64,10 +66,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ok = [r for r in rows if r.get("throughput")]
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(ok) + 1.5))

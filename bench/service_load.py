@@ -62,7 +62,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from studylib import free_port
+from studylib import free_port, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -728,10 +728,7 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def plot_kills(run: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     done = run["completions_s"]
@@ -1080,10 +1077,8 @@ def targets(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    from matplotlib.ticker import ScalarFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     series: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -1119,7 +1114,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.legend(fontsize=8)
     for ax in axes[:2]:
         ax.set_xticks(sorted({r["workers"] for r in runs}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_major_formatter(ScalarFormatter())
     cpu = environment_cache.get("cpu_count")
     probe = {r["probe_ms"] for r in runs}
     think = "zero think time" if probe == {0.0} else f"simulated probe {', '.join(f'{p:.0f}' for p in probe)} ms"

@@ -51,3 +51,13 @@ def wait_healthy(http: httpx.Client, proc: subprocess.Popen[bytes], timeout: flo
             pass
         time.sleep(0.2)
     raise SystemExit("the service did not become healthy")
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks write PNGs, never open windows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from studylib import environment, free_port, hardware_class, wait_healthy
+from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 DATA = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
@@ -294,10 +294,7 @@ def analyze(args: argparse.Namespace) -> None:
 
 
 def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
@@ -404,10 +401,7 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> l
 
 
 def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = [f"{p['strategy']} #{p['number']}\n({p['run'].removesuffix('.json')[-4:]})" for p in pairs]
