@@ -80,3 +80,19 @@ def test_bad_points_are_named(points: Any, field: str, fix: str) -> None:
     with pytest.raises(SpaceError) as e:
         check_points(load_space("h100"), points)
     assert e.value.field == field and fix in e.value.message
+
+
+def test_the_trials_table_names_the_starting_points() -> None:
+    from rich.console import Console
+
+    from autotune.cli import trials_table
+    from autotune.protocol import TrialInfo
+
+    trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"compile": "reduce-overhead"},
+                        starting_point=0),
+              TrialInfo(trial_id=2, number=2, state="COMPLETE", params={"compile": "none"})]
+    console = Console(width=200, record=True)
+    console.print(trials_table(trials, "t"))
+    lines = console.export_text().splitlines()
+    assert any("starting point 1" in line and line.startswith("│ 1 ") for line in lines)
+    assert any(line.startswith("│ 2 ") and "starting point" not in line for line in lines)
