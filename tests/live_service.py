@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,6 +150,14 @@ class Processes:
 def log_text(proc: subprocess.Popen[bytes]) -> str:
     path: Path = proc.log_path  # type: ignore[attr-defined]
     return path.read_text(errors="replace")
+
+
+LEASED = re.compile(r"▶ trial (\d+) of (\S+) \(id (\d+)\)")  # the worker's line for each trial it runs
+
+
+def leased_trial_ids(proc: subprocess.Popen[bytes]) -> list[int]:
+    """The trial ids a worker process leased, in order, from its log."""
+    return [int(m.group(3)) for m in LEASED.finditer(log_text(proc))]
 
 
 def create_token(db_url: str, role: str, name: str | None = None) -> str:

@@ -9,7 +9,6 @@ and one torch thread, so each takes a few seconds including process start.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -25,6 +24,7 @@ from live_service import (
     cmdline,
     free_port,
     is_alive,
+    leased_trial_ids,
     log_text,
     probe_children,
     small_spec,
@@ -33,7 +33,6 @@ from live_service import (
 )
 
 pytestmark = pytest.mark.slow
-LEASED = re.compile(r"▶ trial (\d+) of (\S+) \(id (\d+)\)")
 LONG_PROBE = 4000  # samples: ~1000-2000 steps, long enough to act on a probe mid-run
 
 
@@ -80,8 +79,7 @@ def test_two_workers_finish_a_study_without_running_a_trial_twice(service: LiveS
         [(t["number"], t["role"], t["state"], t["failure"], t["prune_reason"]) for t in trials][-2:]
     assert all(t["state"] == "COMPLETE" for t in trials if t["role"] != "search")
     assert {t["worker_id"] for t in trials} <= {"e2e-a", "e2e-b"}
-    leased = {w: [int(m.group(3)) for m in LEASED.finditer(log_text(p))]
-              for w, p in zip(("a", "b"), workers, strict=True)}
+    leased = {w: leased_trial_ids(p) for w, p in zip(("a", "b"), workers, strict=True)}
     assert len(leased["a"]) + len(leased["b"]) == len(trials)  # each trial leased exactly once
     assert set(leased["a"]) | set(leased["b"]) == {t["trial_id"] for t in trials}
     for t in trials:  # ... and completed by the worker that leased it

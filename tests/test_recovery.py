@@ -14,7 +14,6 @@ AUTOTUNE_LEASE_GRACE_S / AUTOTUNE_REAPER_INTERVAL_S), so each test takes seconds
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from live_service import (
     LiveService,
     Processes,
     is_alive,
+    leased_trial_ids,
     log_text,
     probe_children,
     small_spec,
@@ -41,7 +41,6 @@ from autotune.protocol import LeaseRequest
 pytestmark = pytest.mark.slow
 GRACE_S = 2.0
 FAST_REAPER = {"AUTOTUNE_LEASE_GRACE_S": str(GRACE_S), "AUTOTUNE_REAPER_INTERVAL_S": "0.25"}
-LEASED = re.compile(r"▶ trial (\d+) of (\S+) \(id (\d+)\)")
 NO_PRUNING = {"enabled": False}  # every trial runs to the end: the outcomes are known in advance
 
 
@@ -204,7 +203,7 @@ def test_a_service_restart_mid_study_loses_and_duplicates_nothing(processes: Pro
     assert numbers == list(range(len(trials)))  # every trial accounted for
     for t in trials:  # the workers lived on: nothing was reaped for silence
         assert t["state"] == "COMPLETE" or ("never leased" in t["failure"]["message"] and t["retried_as"]), t
-    leased = {wid: [int(m.group(3)) for m in LEASED.finditer(log_text(p))] for wid, p in workers.items()}
+    leased = {wid: leased_trial_ids(p) for wid, p in workers.items()}
     every = leased["rs-a"] + leased["rs-b"]
     complete = {t["trial_id"]: t["worker_id"] for t in trials if t["state"] == "COMPLETE"}
     assert sorted(every) == sorted(complete)  # each completed trial leased once, by one worker
