@@ -34,7 +34,9 @@ writer; a writer waits instead of failing with "database is locked").
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -170,6 +172,28 @@ def sqlite_engine_kwargs(busy_timeout_s: float) -> dict[str, Any]:
     return {"connect_args": {"timeout": busy_timeout_s}}
 
 
+def enable_wal(dbapi_connection: Any, busy_timeout_s: float) -> None:
+    """Put the SQLite database of `dbapi_connection` in WAL mode, waiting up to `busy_timeout_s`
+    for other connections.
+
+    The switch needs the exclusive lock, and SQLite answers "database is locked" at once, without
+    the busy handler, when another connection is writing to a database still in rollback mode
+    (several processes opening a new file together). So the pragma is retried until the deadline.
+    """
+    deadline = time.monotonic() + busy_timeout_s
+    while True:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= deadline:
+                raise
+        finally:
+            cursor.close()
+        time.sleep(0.01)
+
+
 def install_sqlite_pragmas(engine: Engine, busy_timeout_s: float) -> None:
     """Run the WAL/busy-timeout pragmas on every new connection of `engine` (a SQLite engine).
 
@@ -180,9 +204,9 @@ def install_sqlite_pragmas(engine: Engine, busy_timeout_s: float) -> None:
 
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+        enable_wal(dbapi_connection, busy_timeout_s)
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA foreign_keys=ON")
@@ -305,9 +329,9 @@ def _migration_engine(url: str, busy_timeout_s: float) -> Engine:
     @event.listens_for(engine, "connect")
     def _autocommit_driver(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
+        enable_wal(dbapi_connection, busy_timeout_s)
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         finally:
             cursor.close()

@@ -5,15 +5,18 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import free_port, lease, make_settings
 from sqlalchemy import text
 
+from api.db import make_engine
 from api.main import create_app
 from api.service import TuningService
 
@@ -27,6 +30,31 @@ def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(app: FastAPI, sqlite_url: s
         with engine.connect() as conn:
             assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30_000
             assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+
+
+def test_switching_a_new_file_to_wal_waits_for_a_writer_instead_of_failing(tmp_path: Path) -> None:
+    """SQLite refuses the WAL switch at once, busy handler or not, while another connection writes
+    to a file still in rollback mode (processes opening a new database together): the service's
+    engines wait for it."""
+    path = tmp_path / "new.db"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE t (x)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO t VALUES (1)")
+    with sqlite3.connect(path, timeout=5) as plain:  # what the driver alone does
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            plain.execute("PRAGMA journal_mode=WAL")
+    release = threading.Timer(0.3, writer.execute, args=("COMMIT",))
+    release.start()
+    engine = make_engine(f"sqlite:///{path}", busy_timeout_s=10)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+            assert conn.execute(text("SELECT count(*) FROM t")).scalar() == 1  # it waited for the commit
+    finally:
+        release.join()
+        engine.dispose()
+        writer.close()
 
 
 def test_the_lifespan_runs_the_reaper(sqlite_url: str) -> None:
