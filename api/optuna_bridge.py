@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 FINISHED_STATES = ("COMPLETE", "FAIL", "PRUNED")
 # A grid larger than this is refused at study creation: enumerating it would stall the service.
 MAX_GRID_COMBINATIONS = 1_000_000
+# A drawn search trial whose params equal a measured trial's is told that measurement instead of
+# being run (`OptunaBridge.ask`); at most this many in a row per ask, then the draw runs anyway.
+MAX_REPEATS = 20
+# lease-specific user attrs not carried over to a repeat
+REPEAT_DROPPED_ATTRS = ("worker_id", "starting_point", "retry_of", "attempt", "grid_index", "remeasure_of",
+                        "probe", "prune_reason")
 
 
 class StudyExists(Exception):
@@ -359,8 +365,11 @@ class OptunaBridge:
         user attr is_baseline=True). Otherwise a search trial: with `params` (the retry of a
         lost search trial) those values are enqueued and suggested again, so the trial has the
         same params and config; without, the space is sampled (grid: the next grid
-        configuration). The config is stored as user attr "config", together with `attrs`
-        and "role" (one write). `created`: the study's count of configurations (first
+        configuration). A sampled draw whose params equal a search trial's that completed with
+        a measurement is told that measurement (user attr repeat_of; no worker runs it) and
+        the space is sampled again, up to MAX_REPEATS times and within n_trials: the last
+        draw is handed out whatever it is. The config is stored as user attr "config",
+        together with `attrs` and "role" (one write). `created`: the study's count of configurations (first
         attempts, retries not counted) before this ask, when the caller knows it. A config
         that fails the knob rules is told as a failed trial ("unsupported": COMPLETE with
         worst-case values and the failed constraint, see api/outcome.py) and SpaceError is
@@ -375,6 +384,7 @@ class OptunaBridge:
             role = role or "baseline"
         else:
             role = "search"
+            drawn = params is None and ctx.spec.sampler != "grid"  # the sampler's own draw (may repeat one)
             if params is not None:
                 study.enqueue_trial(dict(params))
             elif ctx.spec.sampler == "grid":
@@ -382,20 +392,55 @@ class OptunaBridge:
                 # the first baseline_seeds trials are the baseline
                 index = (self.n_trials(ctx.name) if created is None else created) - ctx.spec.baseline_seeds
                 study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
-            with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
-                trial = study.ask()
-                try:
-                    config = suggest(ctx.space, trial)
-                except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
-                    self.finish(ctx, trial._trial_id, "COMPLETE", worst_values(ctx.spec), {
-                        **(attrs or {}), "role": role, "is_baseline": False,
-                        **failed_attrs("unsupported", str(e))})
-                    raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
+            # configurations this ask may answer from earlier measurements (each one counts toward
+            # n_trials); the last draw is always handed out
+            room = min(MAX_REPEATS, self.max_trials(ctx) - (self.n_trials(ctx.name) if created is None else created)
+                       - 1) if drawn else 0
+            while True:
+                with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
+                    trial = study.ask()
+                    try:
+                        config = suggest(ctx.space, trial)
+                    except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
+                        self.finish(ctx, trial._trial_id, "COMPLETE", worst_values(ctx.spec), {
+                            **(attrs or {}), "role": role, "is_baseline": False,
+                            **failed_attrs("unsupported", str(e))})
+                        raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
+                    # within the ask's scope: the trials the sampler has just read (TPE's snapshot)
+                    twin = self._measured_twin(study, trial.params) if room > 0 else None
+                if twin is None:
+                    break
+                self._tell_repeat(ctx, trial, twin, config)
+                room -= 1
         is_baseline = role == "baseline"
         self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": is_baseline, "role": role,
                                               "config": config})
         return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=dict(trial.params),
                           config=config, is_baseline=is_baseline, role=role)
+
+    @staticmethod
+    def _measured_twin(study: optuna.Study, params: Mapping[str, Any]) -> FrozenTrial | None:
+        """The first search trial with exactly `params` that completed with a measurement (not a
+        failure, not itself a repeat), or None. A pruned or failed one is run again."""
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            attrs = t.user_attrs
+            if (t.params == params and attrs.get("role", "search") == "search" and not attrs.get("is_baseline")
+                    and not attrs.get("failure_kind") and "repeat_of" not in attrs and t.values is not None):
+                return t
+        return None
+
+    def _tell_repeat(self, ctx: StudyContext, trial: optuna.Trial, twin: FrozenTrial,
+                     config: Mapping[str, Any]) -> None:
+        """Finish a drawn trial that repeats `twin`'s params with `twin`'s measurement, without
+        running it: the sampler sees the same point again (as it would from a re-run), and no
+        GPU time goes into a configuration already measured (re-measurement is the `remeasure`
+        phase's job)."""
+        kept = {k: v for k, v in twin.user_attrs.items() if k not in REPEAT_DROPPED_ATTRS}
+        self.finish(ctx, trial._trial_id, "COMPLETE", list(twin.values), {
+            **kept, "role": "search", "is_baseline": False, "config": kept.get("config", dict(config)),
+            "repeat_of": twin.number})
+        log.info("study %s: trial %d drew the params of trial %d: told that trial's result, not run again",
+                 ctx.name, trial.number, twin.number)
 
     def set_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
         """Set user attrs on an unfinished trial (non-finite floats become None: JSON has no NaN),

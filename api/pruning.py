@@ -95,7 +95,9 @@ class TrialReports:
 
 def rules_for(spec: StudySpec) -> rules_.PruneRules:
     p = spec.pruning
-    return rules_.PruneRules(rho=p.rho, loss_margin=p.loss_margin, min_fraction=p.min_fraction)
+    return rules_.PruneRules(rho=p.rho, loss_margin=p.loss_margin, min_fraction=p.min_fraction,
+                             throughput_counts="throughput" in spec.objectives,
+                             quality_counts="quality" in spec.objectives)
 
 
 def decide(reports: TrialReports, reference: rules_.Reference | None, spec: StudySpec) -> rules_.Decision:

@@ -246,6 +246,7 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
     config = attrs.get("config")
     remeasure_of = attrs.get("remeasure_of")
     starting_point = attrs.get("starting_point")
+    repeat_of = attrs.get("repeat_of")
     prune_reason = attrs.get("prune_reason")
     failed = service_state(trial) == "FAIL"
     return TrialInfo(
@@ -258,7 +259,8 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
         prune_reason=str(prune_reason) if prune_reason else None,
         remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None,
-        starting_point=starting_point if isinstance(starting_point, int) else None, duration_s=trial.duration_s,
+        starting_point=starting_point if isinstance(starting_point, int) else None,
+        repeat_of=repeat_of if isinstance(repeat_of, int) else None, duration_s=trial.duration_s,
         attempt=attempt_of(trial), retry_of=retry_of(trial), retried_as=retry,
     )
 
@@ -293,11 +295,16 @@ def failures_by_kind(trials: Sequence[TrialRecord]) -> dict[str, int]:
     return failures
 
 
+def is_repeat(trial: TrialRecord) -> bool:
+    """A drawn trial told an earlier trial's measurement instead of running (OptunaBridge.ask)."""
+    return "repeat_of" in trial.user_attrs
+
+
 def pareto_front(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialRecord]:
-    """The non-dominated completed trials (failed ones excluded), by number."""
+    """The non-dominated completed trials (failed ones and repeats excluded), by number."""
     signs = [1.0 if direction == "maximize" else -1.0 for direction in spec.objective_directions()]
     points = [(t, [s * v for s, v in zip(signs, t.values, strict=True)]) for t in trials
-              if completed(t) and t.values is not None and all(math.isfinite(v) for v in t.values)]
+              if completed(t) and not is_repeat(t) and t.values is not None and all(math.isfinite(v) for v in t.values)]
 
     def dominates(a: list[float], b: list[float]) -> bool:
         return all(x >= y for x, y in zip(a, b, strict=True)) and any(x > y for x, y in zip(a, b, strict=True))
@@ -317,7 +324,7 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
     """The top_k feasible search trials by throughput (the configs to re-measure), fastest first."""
     if spec.remeasure.top_k <= 0 or gate is None:
         return []
-    ranked = [(thr, t) for t in trials if role(t) == "search" and is_feasible(t, spec, gate)
+    ranked = [(thr, t) for t in trials if role(t) == "search" and not is_repeat(t) and is_feasible(t, spec, gate)
               and (thr := metric(t, spec, "throughput_samples_per_s")) is not None]
     ranked.sort(key=lambda c: (-c[0], c[1].number))
     return [t for _, t in ranked[:spec.remeasure.top_k]]
@@ -369,7 +376,7 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
             else:
                 dropped.add(of)  # failed to reproduce (or lost for good): not recommended
     # (original trial, measurement whose throughput counts)
-    candidates = [(t, remeasured.get(t.number, t)) for t in trials if role(t) != "remeasure"
+    candidates = [(t, remeasured.get(t.number, t)) for t in trials if role(t) != "remeasure" and not is_repeat(t)
                   and is_feasible(t, spec, gate) and t.number not in dropped]
     if remeasured:
         candidates = [c for c in candidates if c[0].number in remeasured or role(c[0]) == "baseline"]

@@ -215,7 +215,8 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         failure = t.failure["kind"] if t.failure else ""
         role = " [cyan](baseline)[/]" if t.is_baseline else \
             f" [cyan](re-measure of {t.remeasure_of})[/]" if t.role == "remeasure" else \
-            f" [cyan](starting point {t.starting_point + 1})[/]" if t.starting_point is not None else ""
+            f" [cyan](starting point {t.starting_point + 1})[/]" if t.starting_point is not None else \
+            f" [cyan](same as {t.repeat_of}, not run)[/]" if t.repeat_of is not None else ""
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
         if t.prune_reason and t.state == "PRUNED":
             failure = "pruned"

@@ -82,6 +82,14 @@ def is_feasible(quality: float | None, threshold: float | None, direction: str =
     return quality is not None and math.isfinite(quality) and constraint_value(quality, threshold, direction) <= 0
 
 
+def window_rate(rates: Sequence[float]) -> tuple[float, float]:
+    """A probe's throughput from its windows' rates (windows of equal work): the timed work over
+    the timed seconds, i.e. the rates' harmonic mean, and the spread (max − min) / that rate.
+    The probe, a pruned trial's partial result and the benchmarks all count it this way."""
+    rate = statistics.harmonic_mean(rates)
+    return rate, (max(rates) - min(rates)) / rate
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A mean with a confidence interval (Student t over repeated measurements)."""

@@ -48,7 +48,6 @@ import math
 import os
 import platform
 import resource
-import statistics
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -58,6 +57,7 @@ from typing import Any
 import torch
 
 from autotune.config import ConfigError, TrainConfig, parse_config
+from autotune.gate import window_rate
 from autotune.knobs import (
     EpochIterator,
     Notes,
@@ -120,6 +120,7 @@ class ProbeResult:
     peak_mem_reserved_bytes: int | None = None
     peak_mem_allocated_bytes: int | None = None
     data_wait_fraction: float | None = None
+    window_data_wait_s: list[float] = field(default_factory=list)  # rank 0's host seconds blocked on data, per window
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     samples_trained: int = 0
     steps: int = 0
@@ -440,6 +441,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         for w in range(n_windows):
             sync.barrier()  # several ranks: a window starts when every rank is ready
             h0 = time.perf_counter()
+            wait0 = data_wait
             started = clock.start()
             losses = []
             for _ in range(per):
@@ -448,6 +450,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 check_deadline(f"window {w + 1}/{n_windows}")  # host clock only: no sync
             elapsed = sync.max(clock.stop(started))  # several ranks: the slowest rank's window time
             host_window_time += time.perf_counter() - h0
+            result.window_data_wait_s.append(data_wait - wait0)
             step += per
             result.steps = step
             window_losses = torch.stack(losses).cpu()  # already synchronized by clock.stop on GPU
@@ -464,8 +467,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 break
         result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
         windows = result.window_throughputs
-        result.throughput_samples_per_s = statistics.harmonic_mean(windows)
-        result.throughput_spread = (max(windows) - min(windows)) / result.throughput_samples_per_s
+        result.throughput_samples_per_s, result.throughput_spread = window_rate(windows)
 
         if not result.stopped_early:
             # --- leftover steps: trained (equal sample budget) but not timed ---

@@ -363,6 +363,8 @@ class TrialInfo(BaseModel):
     remeasure_of: int | None = Field(None, description="the trial number a remeasure trial re-measures")
     starting_point: int | None = Field(None, description="which of the study's starting points this search "
                                                          "trial ran (0 = the first; None: the sampler's draw)")
+    repeat_of: int | None = Field(None, description="the measured trial whose params the sampler drew again: this "
+                                                    "trial was told its result and not run")
     duration_s: float | None = None
     attempt: int = Field(1, description="1 for a first run; k for the (k-1)-th retry of a lost trial")
     retry_of: int | None = Field(None, description="the lost trial number this trial re-runs")

@@ -9,7 +9,10 @@ decides on every intermediate report with `decide`, a pure function of curves:
    after `min_windows`: robust to one slow window, which a decision on a few windows needs,
    while the final throughput counts every window) is below ρ × the best feasible
    throughput, *and* its loss at equal
-   samples is no better than that best trial's — slower and not better, it is dominated;
+   samples is no better than that best trial's — slower and not better, it is dominated.
+   A study whose only objective is throughput (`quality_counts` false) drops the loss
+   clause: a better loss cannot make a slow trial the fastest. A study without a throughput
+   objective (`throughput_counts` false) never prunes for speed;
 3. **predicts a gate failure**: after `min_fraction` of the sample budget, its loss at
    equal samples exceeds the baseline's by more than `loss_margin` (relative).
 
@@ -36,6 +39,8 @@ class PruneRules:
     loss_margin: float = 0.5  # loss above the baseline's by this fraction predicts a gate failure
     min_fraction: float = 0.3  # … but only after this fraction of the sample budget
     divergence_factor: float = 3.0  # loss grown to this multiple of its own minimum
+    throughput_counts: bool = True  # throughput is an objective: a slow trial may be pruned
+    quality_counts: bool = True  # quality is an objective: a slow trial with a better loss is kept
 
 
 @dataclass(frozen=True)
@@ -81,14 +86,19 @@ def decide(curve: Curve, throughputs: Sequence[float], ref: Reference, rules: Pr
         return Decision(True, f"loss {loss:.4g} at {samples:.0f} samples is {loss / best_loss:.1f}× its best "
                               f"({best_loss:.4g}): diverging", "diverged")
 
-    if (ref.best_feasible_throughput and ref.best_feasible_curve and len(throughputs) >= rules.min_windows):
+    if (rules.throughput_counts and ref.best_feasible_throughput and ref.best_feasible_curve
+            and len(throughputs) >= rules.min_windows):
         stable = statistics.median(throughputs)
         ref_loss = loss_at(ref.best_feasible_curve, samples)
-        if stable < rules.rho * ref.best_feasible_throughput and ref_loss is not None and loss >= ref_loss:
-            return Decision(True, f"throughput {stable:,.1f} samples/s is below {rules.rho:g} × the best feasible "
-                                  f"{ref.best_feasible_throughput:,.1f}, and its loss {loss:.4g} at {samples:.0f} "
-                                  f"samples is no better than that trial's {ref_loss:.4g}: it cannot reach the front",
-                            "dominated")
+        slow = (f"throughput {stable:,.1f} samples/s is below {rules.rho:g} × the best feasible "
+                f"{ref.best_feasible_throughput:,.1f}")
+        if stable < rules.rho * ref.best_feasible_throughput:
+            if not rules.quality_counts:
+                return Decision(True, f"{slow}, and throughput is the study's only objective: it cannot be the "
+                                      "fastest", "dominated")
+            if ref_loss is not None and loss >= ref_loss:
+                return Decision(True, f"{slow}, and its loss {loss:.4g} at {samples:.0f} samples is no better than "
+                                      f"that trial's {ref_loss:.4g}: it cannot reach the front", "dominated")
 
     if ref.baseline_curve and ref.total_samples and samples >= rules.min_fraction * ref.total_samples:
         base = loss_at(ref.baseline_curve, samples)

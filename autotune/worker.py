@@ -56,7 +56,6 @@ import queue
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -81,6 +80,7 @@ from autotune.client import (
     Unauthorized,
 )
 from autotune.distributed import JOB_DIR_ENV, collect_failure, kill_ranks, launch_argv, prepare_job_dir, request_stop
+from autotune.gate import window_rate
 from autotune.hardware import Hardware
 from autotune.probe_child import ChildJob
 from autotune.protocol import LeaseRequest, TrialInfo, TrialLease
@@ -422,8 +422,8 @@ def partial_result(run: TrialRun, hardware: Hardware) -> dict[str, Any]:
              if "loss" in r["metrics"]]
     fields: dict[str, Any] = {"stopped_early": True, "window_throughputs": throughputs, "loss_curve": curve}
     if throughputs:
-        rate = statistics.harmonic_mean(throughputs)  # as the probe's own (autotune.probe)
-        fields.update(throughput_samples_per_s=rate, throughput_spread=(max(throughputs) - min(throughputs)) / rate)
+        rate, spread = window_rate(throughputs)  # as the probe's own (autotune.probe)
+        fields.update(throughput_samples_per_s=rate, throughput_spread=spread)
     if run.reports:
         last = run.reports[-1]
         fields.update(steps=int(last["step"]), samples_trained=int(last["metrics"].get("samples", 0)))

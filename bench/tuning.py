@@ -24,7 +24,10 @@ A strategy gets ``--total-gpu-s`` of GPU time (default 20 min), run in chunks of
 ``--budget-s`` (one ≤ 10-minute GPU command each). Between chunks the study's database and
 ``state.json`` travel as files: the next chunk starts a new service on the same database and
 a new worker, and the study goes on where it stopped (a trial cut off by the end of a chunk
-is re-run first: the worker's interruption does not count against its config).
+is re-run first: the worker's interruption does not count against its config). Each strategy
+compiles into a TorchInductor cache of its own (kept across its chunks on one host, and empty
+on a fresh host; ``state.json`` records per chunk whether it started warm), so no strategy
+profits from another's compiles.
 
     python bench/tuning.py chunk   --strategy autotune --dir runs/autotune --budget-s 500
     python bench/tuning.py chunk   --strategy autotune --dir runs/autotune --budget-s 500   # resumes
@@ -46,6 +49,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from datetime import datetime
@@ -54,6 +58,8 @@ from typing import Any
 
 import httpx
 from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
+
+from autotune.gate import window_rate
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 DATA = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
@@ -112,6 +118,10 @@ def chunk(args: argparse.Namespace) -> None:
     # the benchmark's own loopback service: no tokens; a short grace re-runs a cut-off trial soon
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "AUTOTUNE_AUTH": "false", "AUTOTUNE_LEASE_GRACE_S": "20",
            "AUTOTUNE_REAPER_INTERVAL_S": "2"}
+    # each strategy compiles into a cache of its own: one strategy's compiles must not warm another's
+    cache = Path(args.inductor_cache or Path(tempfile.gettempdir()) / "autotune-bench-inductor" / args.strategy)
+    cache_warm = cache.is_dir() and any(cache.iterdir())
+    env["AUTOTUNE_INDUCTOR_CACHE_DIR"] = str(cache)
     n = len(state["chunks"])
     service = subprocess.Popen([*CLI, "serve", "--db", f"sqlite:///{out / 'study.db'}", "--port", str(port)],
                                stdout=(out / f"service-{n}.log").open("wb"), stderr=subprocess.STDOUT, env=env)
@@ -143,7 +153,8 @@ def chunk(args: argparse.Namespace) -> None:
                 os.killpg(worker.pid, signal.SIGKILL)
         end = time.time()
         info = http.get(f"/v1/studies/{spec['name']}").json()
-        state["chunks"].append({"start": start, "end": end, "host": platform.node(), "counts": info["counts"]})
+        state["chunks"].append({"start": start, "end": end, "host": platform.node(), "counts": info["counts"],
+                                "inductor_cache_warm": cache_warm})
         state["environment"] = environment(args.device)
         state["spec"] = spec
         state_path.write_text(json.dumps(state, indent=1))
@@ -192,7 +203,7 @@ def strategy_result(path: Path) -> dict[str, Any]:
                      # every trial's throughput the probe's way now (timed samples over timed seconds),
                      # from its stored windows: trials measured before the probe changed from the
                      # windows' median are counted the same way as the later ones
-                     "throughput": statistics.harmonic_mean(windows) if windows
+                     "throughput": window_rate(windows)[0] if windows
                      else attrs.get("throughput_samples_per_s"),
                      "throughput_median": statistics.median(windows) if windows else None,
                      "val_nrmse": attrs.get("val_nrmse"),
@@ -299,9 +310,10 @@ def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
         if r["anytime"] and r["baseline_throughput"]:
-            # 1× (the baseline) until the first feasible search trial; baselines' time included
+            # 1× (the baseline) until a feasible search trial beats it: the baseline is always
+            # there to keep; baselines' time included
             xs = [0.0] + [g / 60 for g, _ in r["anytime"]] + [r["gpu_s_used"] / 60]
-            ys = [1.0] + [tp / r["baseline_throughput"] for _, tp in r["anytime"]]
+            ys = [1.0] + [max(1.0, tp / r["baseline_throughput"]) for _, tp in r["anytime"]]
             ax.step(xs, [*ys, ys[-1]], where="post", label=name)
     ax.set_xlabel("GPU minutes")
     ax.set_ylabel("best feasible speedup over the baseline (×)")
@@ -348,7 +360,7 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
         raise SystemExit(f"probe printed nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
-            "warmup_s", "train_s", "failure")
+            "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "failure")
     return {**{k: result.get(k) for k in keep}, "wall_s": time.time() - t0}
 
 
@@ -388,15 +400,15 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> l
             short, long = c["short"]["window_throughputs"], c["long"]["window_throughputs"]
             config = c["config"]
             study = next(r["throughput"] for r in results[c["strategy"]]["rows"] if r["number"] == c["number"])
+            short_rate, long_rate = window_rate(short)[0], window_rate(long)[0]
             pairs.append({
                 "run": path.name, "strategy": c["strategy"], "number": c["number"],
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
                                                                   "checkpoint", "persistent_workers")),
                 "study": study, "short_warmup_s": c["short"]["warmup_s"],
-                "short": statistics.harmonic_mean(short), "long": statistics.harmonic_mean(long),
-                "short_over_long": statistics.harmonic_mean(short) / statistics.harmonic_mean(long),
+                "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
-                "study_over_long": study / statistics.harmonic_mean(long)})
+                "study_over_long": study / long_rate})
     return pairs
 
 
@@ -434,6 +446,8 @@ def main() -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--preset", default="full", help="ups preset (tiny: a CPU smoke test)")
     c.add_argument("--space", default="h100", help="the space of the autotune and random strategies")
+    c.add_argument("--inductor-cache", help="the strategy's TorchInductor cache (default: a folder per strategy "
+                                             "under the temp dir, kept across its chunks on one host)")
     a = sub.add_parser("analyze")
     a.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
     a.add_argument("--out", required=True)

@@ -18,7 +18,7 @@ TUNING = [sys.executable, str(ROOT / "bench" / "tuning.py")]
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_INDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([*TUNING, *args], capture_output=True, text=True, env=env, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -28,7 +28,8 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
 def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "autotune"
     chunk = ["chunk", "--strategy", "autotune", "--dir", str(run), "--device", "cpu", "--preset", "tiny",
-             "--space", "cpu", "--samples", "2048", "--total-gpu-s", "60"]
+             "--space", "cpu", "--samples", "2048", "--total-gpu-s", "60",
+             "--inductor-cache", str(tmp_path / "inductor")]
     _run([*chunk, "--budget-s", "14"], tmp_path)  # ends mid-trial: that trial is cut off (interrupted)
     storage = f"sqlite:///{run / 'study.db'}"
     first = optuna.load_study(study_name="tuning-autotune", storage=storage).get_trials(deepcopy=False)
@@ -38,6 +39,7 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     _run([*chunk, "--budget-s", "25"], tmp_path)
     state = json.loads((run / "state.json").read_text())
     assert len(state["chunks"]) == 2 and state["spec"]["preset"] == "tiny"
+    assert state["chunks"][0]["inductor_cache_warm"] is False  # the strategy's own cache started empty
     trials = optuna.load_study(study_name="tuning-autotune", storage=storage).get_trials(deepcopy=False)
     assert len(trials) > len(first)  # the same study went on
     retried = {t.user_attrs.get("retry_of") for t in trials}

@@ -100,6 +100,24 @@ def test_slow_but_better_quality_is_kept() -> None:
     assert not decide(curve, [300.0, 320.0], REF).prune
 
 
+def test_the_objectives_decide_what_a_slow_trial_is_worth() -> None:
+    better = [(100, 0.85), (200, 0.65)]  # better loss than BEST, and slow
+    # throughput alone: a better loss cannot make it the fastest
+    d = decide(better, [300.0, 320.0], REF, PruneRules(quality_counts=False))
+    assert d.prune and d.rule == "dominated" and "only objective" in (d.reason or "")
+    # quality alone: speed is no reason to stop it, whatever its loss
+    worse = [(100, 0.95), (200, 0.75)]
+    assert not decide(worse, [300.0, 320.0], REF, PruneRules(throughput_counts=False)).prune
+    # through the service's rules: a study's objectives set both switches
+    from api.pruning import rules_for
+    from autotune.protocol import StudySpec
+
+    only_speed = rules_for(StudySpec(name="s", objectives=["throughput"]))
+    assert (only_speed.throughput_counts, only_speed.quality_counts) == (True, False)
+    both = rules_for(StudySpec(name="s"))
+    assert (both.throughput_counts, both.quality_counts) == (True, True)
+
+
 def test_fast_enough_is_kept_and_one_window_is_not_enough() -> None:
     curve = [(100, 0.95), (200, 0.75)]
     assert not decide(curve, [600.0, 620.0], REF).prune  # above rho × best

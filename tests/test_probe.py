@@ -45,6 +45,10 @@ def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> Non
     assert r.warmup_s is not None and r.warmup_s > 0
     assert r.setup_s is not None and r.setup_s > 0 and r.train_s is not None and r.train_s > 0
     assert r.data_wait_fraction is not None and 0 <= r.data_wait_fraction <= 1
+    # per window: host seconds blocked on data, never more than the window lasted (CPU: host clock)
+    assert len(r.window_data_wait_s) == len(r.window_throughputs)
+    for wait, throughput in zip(r.window_data_wait_s, r.window_throughputs, strict=True):
+        assert 0 <= wait <= r.window_steps * r.config["effective_batch"] / throughput * 1.05 + 1e-3
     assert r.peak_mem_reserved_bytes is not None and r.peak_mem_reserved_bytes > 0
     assert r.steps == SAMPLES // 8 and r.warmup_steps == 5 and r.window_steps == 1
     assert r.samples_trained == r.steps * r.config["effective_batch"] == SAMPLES

@@ -17,7 +17,7 @@ UPS_FULL_BASELINE: dict[str, Any] = {
     "fused_optimizer": False, "batch_size": 12, "accum_steps": 4, "num_workers": 8, "prefetch_factor": 4,
     "pin_memory": False, "persistent_workers": False, "inverse_loss_frequency": 1, "lr": 0.0005}
 FAST = {"precision": "bf16", "fused_optimizer": True, "cudnn_benchmark": True, "checkpoint": "none",
-        "batch_size": 48, "accum_steps": 1, "num_workers": 8, "prefetch_factor": 4, "persistent_workers": False}
+        "batch_size": 48, "accum_steps": 1, "num_workers": 8, "prefetch_factor": 4, "persistent_workers": True}
 
 
 def test_fast_stack_for_the_h100_space() -> None:
@@ -28,6 +28,13 @@ def test_fast_stack_for_the_h100_space() -> None:
         {**FAST, "compile": "default", "inverse_loss_frequency": 4},
     ]
     for point in points:  # every point is a config the space could draw, passing the knob rules
+        parse_config({**load_space("h100").fixed, **point})
+
+
+def test_persistent_workers_only_where_the_baseline_has_workers() -> None:
+    points = auto_points(load_space("h100"), {**UPS_FULL_BASELINE, "num_workers": 0})
+    assert points and all(p["num_workers"] == 0 and "persistent_workers" not in p for p in points)
+    for point in points:
         parse_config({**load_space("h100").fixed, **point})
 
 

@@ -116,6 +116,7 @@ def test_user_attrs_land_in_optuna(app: FastAPI, client: TestClient, make_study:
                 "knobs", "is_baseline"):
         assert key in attrs, key
     assert attrs["worker_id"] == "w1" and attrs["failure_kind"] is None and attrs["is_baseline"] is True
+    assert attrs["window_data_wait_s"] == [0.01]  # per-window data wait, kept for the analysis
 
 
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), "nan", "-inf"])
