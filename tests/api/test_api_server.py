@@ -41,9 +41,10 @@ def test_switching_a_new_file_to_wal_waits_for_a_writer_instead_of_failing(tmp_p
     writer.execute("CREATE TABLE t (x)")
     writer.execute("BEGIN IMMEDIATE")
     writer.execute("INSERT INTO t VALUES (1)")
-    with sqlite3.connect(path, timeout=5) as plain:  # what the driver alone does
-        with pytest.raises(sqlite3.OperationalError, match="locked"):
-            plain.execute("PRAGMA journal_mode=WAL")
+    plain = sqlite3.connect(path, timeout=5)  # what the driver alone does
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        plain.execute("PRAGMA journal_mode=WAL")
+    plain.close()
     release = threading.Timer(0.3, writer.execute, args=("COMMIT",))
     release.start()
     engine = make_engine(f"sqlite:///{path}", busy_timeout_s=10)
