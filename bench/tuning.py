@@ -361,7 +361,7 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
             "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "failure")
-    return {**{k: result.get(k) for k in keep}, "wall_s": time.time() - t0}
+    return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}  # started: to line up telemetry
 
 
 def fidelity(args: argparse.Namespace) -> None:
