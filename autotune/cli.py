@@ -60,6 +60,7 @@ def print_probe_result(result: Any, console: Console) -> None:
         ("warm-up", "-" if result.warmup_s is None else f"{result.warmup_s:.2f} s ({result.warmup_steps} steps)"),
         ("setup", "-" if result.setup_s is None else f"{result.setup_s:.2f} s"),
         ("data wait", "-" if result.data_wait_fraction is None else f"{result.data_wait_fraction:.1%}"),
+        ("GPU", _gpu_summary(result.window_gpu)),
         ("peak memory", f"{_format_bytes(result.peak_mem_reserved_bytes)} reserved, "
                         f"{_format_bytes(result.peak_mem_allocated_bytes)} allocated"),
         ("samples", f"{result.samples_trained} in {result.steps} steps (effective batch "
@@ -70,7 +71,22 @@ def print_probe_result(result: Any, console: Console) -> None:
         table.add_row(name, value)
     for knob, note in result.knobs.items():
         table.add_row(f"  {knob}", note)
+    for note in result.measurement_notes:
+        table.add_row("[yellow]note[/]", note)
     console.print(table)
+
+
+def _gpu_summary(windows: list[dict[str, Any]]) -> str:
+    """The timed windows' SM clock and temperature ranges and peak power ("-": no telemetry)."""
+    def span(key: str, unit: str) -> str | None:
+        values = [w[key] for w in windows if w.get(key) is not None]
+        if not values:
+            return None
+        low, high = min(values), max(values)
+        return f"{low:.0f}{unit}" if low == high else f"{low:.0f}–{high:.0f}{unit}"
+
+    parts = [p for p in (span("sm_clock_mhz", " MHz SM"), span("temperature_c", " °C"), span("power_w", " W")) if p]
+    return ", ".join(parts) or "-"
 
 
 @app.command()

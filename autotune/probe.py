@@ -37,6 +37,10 @@ averaged over ranks, the stop decision (rank 0's `on_report`) is broadcast, the 
 metric is computed once, on rank 0, after training (DDP keeps the replicas identical; FSDP2's
 shards are gathered into a full state dict first), and peak memory is the maximum over ranks.
 ``data_wait_fraction`` and ``warmup_s`` are rank 0's.
+
+On a GPU, each window also records what the GPU did (``window_gpu``: SM clock, temperature,
+power, the fraction of the window the driver held the clocks down; autotune/gpu_telemetry.py),
+and a window throttled for ≥ 5 % of its time adds a line to ``measurement_notes``.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import torch
 
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.gate import window_rate
+from autotune.gpu_telemetry import GpuTelemetry, throttle_note, window_stats
 from autotune.knobs import (
     EpochIterator,
     Notes,
@@ -121,6 +126,9 @@ class ProbeResult:
     peak_mem_allocated_bytes: int | None = None
     data_wait_fraction: float | None = None
     window_data_wait_s: list[float] = field(default_factory=list)  # rank 0's host seconds blocked on data, per window
+    # rank 0's GPU per window (autotune.gpu_telemetry): SM clock, temperature, power, throttled fraction
+    window_gpu: list[dict[str, float | None]] = field(default_factory=list)
+    measurement_notes: list[str] = field(default_factory=list)  # what qualifies the throughput (e.g. throttling)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     samples_trained: int = 0
     steps: int = 0
@@ -438,10 +446,12 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         data_wait = 0.0
         host_window_time = 0.0
         step = warm
+        telemetry = GpuTelemetry.open(dev)
         for w in range(n_windows):
             sync.barrier()  # several ranks: a window starts when every rank is ready
             h0 = time.perf_counter()
             wait0 = data_wait
+            gpu0 = telemetry.read() if telemetry else None  # host-side NVML queries: outside the timed events
             started = clock.start()
             losses = []
             for _ in range(per):
@@ -449,6 +459,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 result.steps = trainer.step_index
                 check_deadline(f"window {w + 1}/{n_windows}")  # host clock only: no sync
             elapsed = sync.max(clock.stop(started))  # several ranks: the slowest rank's window time
+            if telemetry and gpu0:
+                result.window_gpu.append(window_stats(gpu0, telemetry.read()))
             host_window_time += time.perf_counter() - h0
             result.window_data_wait_s.append(data_wait - wait0)
             step += per
@@ -466,6 +478,9 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 result.stopped_early = True
                 break
         result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
+        throttled = throttle_note(result.window_gpu)
+        if throttled:
+            result.measurement_notes.append(throttled)
         windows = result.window_throughputs
         result.throughput_samples_per_s, result.throughput_spread = window_rate(windows)
 

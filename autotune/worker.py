@@ -754,6 +754,8 @@ class Worker:
         lease = run.lease
         retry: float | None = FINAL_COMPLETE_RETRY_S if self.signal_name is not None else None
         self.console.print(f"  trial {lease.number} ({run.elapsed_s:.1f} s): {summarize_result(result)}")
+        for note in result.get("measurement_notes") or ():
+            self.console.print(f"  [yellow]trial {lease.number}: {escape(str(note))}[/]")
         try:
             info: TrialInfo = self.client.complete(lease.trial_id, self.worker_id, result, retry_for_s=retry)
         except Conflict as e:

@@ -212,8 +212,9 @@ def strategy_result(path: Path) -> dict[str, Any]:
                      "gpu_s": _gpu_time(done, state["chunks"]) if done is not None else None})
     ok = [r for r in rows if r["state"] == "COMPLETE" and not r["failure_kind"] and r["throughput"]]
     baseline = [r for r in ok if r["baseline"]]
-    stats = BaselineStats.from_values([r["val_nrmse"] for r in baseline])
-    gate = Gate(**spec.get("gate", {})).threshold(stats) if baseline else None
+    # no baseline measured yet (a study cut off early): no gate, so nothing is feasible yet
+    gate = (Gate(**spec.get("gate", {})).threshold(BaselineStats.from_values([r["val_nrmse"] for r in baseline]))
+            if baseline else None)
     base_tp = statistics.median(r["throughput"] for r in baseline) if baseline else None
     feasible = sorted((r for r in ok if not r["baseline"] and gate is not None and r["val_nrmse"] <= gate),
                       key=lambda r: r["gpu_s"])
@@ -295,7 +296,7 @@ def analyze(args: argparse.Namespace) -> None:
         doc["fidelity"] = fidelity_summary([Path(p) for p in args.fidelity], results)
         for p in doc["fidelity"]:
             print(f"fidelity {p['strategy']} #{p['number']} ({p['run']}): short/long {p['short_over_long']:.3f} "
-                  f"(median {p['median_short_over_long']:.3f}; study/long {p['study_over_long']:.3f})")
+                  f"(median {p['median_short_over_long']:.3f}; study/long {p['study_over_long'] or float('nan'):.3f})")
         if args.png:
             _plot_fidelity(doc["fidelity"], Path(args.png).with_name(Path(args.png).stem + "_fidelity.png"))
     Path(args.out).write_text(json.dumps(doc, indent=1))
@@ -360,15 +361,23 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
         raise SystemExit(f"probe printed nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
-            "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "failure")
-    return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}  # started: to line up telemetry
+            "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "window_gpu", "measurement_notes",
+            "failure")
+    # started: to line up a run's own telemetry (nvidia-smi, vmstat) with its probes
+    return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}
 
 
 def fidelity(args: argparse.Namespace) -> None:
     """Short probe (the studies' own) against a --factor × longer run, for the top configs:
     each config runs short then long, back to back in fresh processes on the same GPU
     (--only: some of them, by rank, e.g. a repeat)."""
-    configs = top_configs(Path(args.dir), args.top)
+    if args.config:  # given configs: no study behind them
+        configs = [{"strategy": "given", "number": i, "throughput": None, "val_nrmse": None,
+                    "config": json.loads(c), "samples": args.samples} for i, c in enumerate(args.config)]
+    elif args.dir:
+        configs = top_configs(Path(args.dir), args.top)
+    else:
+        raise SystemExit("fidelity needs --dir (the studies' top configs) or --config (configs of your own)")
     if args.only:
         configs = [configs[int(i) - 1] for i in args.only.split(",")]
     out = Path(args.out)
@@ -384,7 +393,7 @@ def fidelity(args: argparse.Namespace) -> None:
                  if short["throughput_samples_per_s"] and long["throughput_samples_per_s"] else None)
         doc["configs"].append({**row, "short": short, "long": long, "short_over_long": ratio})
         out.write_text(json.dumps(doc, indent=1))  # after every config: a cut-off run keeps what it measured
-        print(f"[{i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study {row['throughput']:.0f}, "
+        print(f"[{i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study {row['throughput'] or 0:.0f}, "
               f"short {short['throughput_samples_per_s'] or 0:.0f}, long {long['throughput_samples_per_s'] or 0:.0f} "
               f"samples/s (short/long {ratio or float('nan'):.3f})", flush=True)
 
@@ -399,17 +408,33 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> l
         for c in doc["configs"]:
             short, long = c["short"]["window_throughputs"], c["long"]["window_throughputs"]
             config = c["config"]
-            study = next(r["throughput"] for r in results[c["strategy"]]["rows"] if r["number"] == c["number"])
+            rows = results[c["strategy"]]["rows"] if c["strategy"] in results else []
+            study = next((r["throughput"] for r in rows if r["number"] == c["number"]), None)  # None: a given config
             short_rate, long_rate = window_rate(short)[0], window_rate(long)[0]
             pairs.append({
                 "run": path.name, "strategy": c["strategy"], "number": c["number"],
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
-                                                                  "checkpoint", "persistent_workers")),
+                                                                  "checkpoint", "persistent_workers")
+                                  if k in config),  # a given config names only the knobs it sets
                 "study": study, "short_warmup_s": c["short"]["warmup_s"],
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
-                "study_over_long": study / long_rate})
+                "study_over_long": study / long_rate if study else None,
+                **{f"{side}_{k}": v for side in ("short", "long") for k, v in _gpu_extremes(c[side]).items()}})
     return pairs
+
+
+def _gpu_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
+    """A probe's lowest SM clock, highest temperature and most throttled window (None: no
+    telemetry, e.g. runs before the probe recorded it)."""
+    windows = probe.get("window_gpu") or []
+
+    def pick(key: str, best: Any) -> float | None:
+        values = [w[key] for w in windows if w.get(key) is not None]
+        return best(values) if values else None
+
+    return {"min_sm_clock_mhz": pick("sm_clock_mhz", min), "max_temperature_c": pick("temperature_c", max),
+            "max_throttled_fraction": pick("throttled_fraction", max)}
 
 
 def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
@@ -422,7 +447,8 @@ def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
            label="fresh short probe: timed samples / timed s")
     ax.bar([x + 0.2 for x in xs], [100 * (p["median_short_over_long"] - 1) for p in pairs], 0.4,
            label="fresh short probe: median of windows")
-    ax.plot(list(xs), [100 * (p["study_over_long"] - 1) for p in pairs], "kD", label="the study's own probe")
+    studied = [(x, p["study_over_long"]) for x, p in zip(xs, pairs, strict=True) if p["study_over_long"]]
+    ax.plot([x for x, _ in studied], [100 * (r - 1) for _, r in studied], "kD", label="the study's own probe")
     for y in (-3, 3):
         ax.axhline(y, color="grey", linestyle=":")
     ax.set_xticks(list(xs), labels, fontsize=7)
@@ -455,11 +481,14 @@ def main() -> None:
     a.add_argument("--png", help="the anytime plot (and, with --fidelity, <stem>_fidelity.png)")
     a.add_argument("--fidelity", nargs="*", help="fidelity JSONs (the fidelity step's) to summarise")
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
-    f.add_argument("--dir", required=True, help="a folder holding one folder per strategy")
+    f.add_argument("--dir", help="a folder holding one folder per strategy (their top configs are measured)")
     f.add_argument("--out", required=True)
     f.add_argument("--top", type=int, default=5)
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
     f.add_argument("--only", help="comma-separated ranks (1 = fastest) to run, in this order")
+    f.add_argument("--config", action="append", help="a config of your own (inline JSON knobs) instead of the "
+                                                     "studies' top ones; repeatable")
+    f.add_argument("--samples", type=int, help="the short probe's samples for --config (default: the preset's)")
     f.add_argument("--device", default="cuda")
     f.add_argument("--preset", default="full")
     args = parser.parse_args()

@@ -50,3 +50,17 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     summary = json.loads(out.read_text())["summary"]["autotune"]
     assert summary["trials"] == len(trials) and 0 < summary["gpu_s_used"] <= 60
     assert summary["failed_by_kind"].get("interrupted", 0) >= len(cut)
+
+    # probe fidelity of a given config (the GPU runs measure the studies' top configs; which configs a
+    # CPU chunk finds feasible is up to the CPU's speed): short probe against a 2× longer run
+    fidelity = tmp_path / "fidelity.json"
+    _run(["fidelity", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "640", "--factor", "2",
+          "--out", str(fidelity), "--device", "cpu", "--preset", "tiny"], tmp_path)
+    pair = json.loads(fidelity.read_text())["configs"][0]
+    assert pair["strategy"] == "given" and pair["config"]["batch_size"] == 8
+    assert (pair["short"]["samples_trained"], pair["long"]["samples_trained"]) == (640, 1280)
+    assert pair["short"]["window_gpu"] == [] and pair["short"]["started"] < pair["long"]["started"]
+    _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--fidelity", str(fidelity)], tmp_path)
+    (row,) = json.loads(out.read_text())["fidelity"]
+    assert row["strategy"] == "given" and row["short_over_long"] > 0 and row["study_over_long"] is None
+    assert row["long_min_sm_clock_mhz"] is None and row["short_max_throttled_fraction"] is None  # no GPU here

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
-from autotune.cli import app
+from autotune.cli import app, print_probe_result
 from autotune.config import KNOBS
+from autotune.probe import ProbeResult
 
 RESULT_KEYS = {"throughput_samples_per_s", "throughput_spread", "val_nrmse", "warmup_s", "peak_mem_reserved_bytes",
                "data_wait_fraction", "config", "device", "failure"}
@@ -47,6 +50,28 @@ def test_probe_prints_a_table_without_json(tiny_datasets: Any) -> None:
     assert "probe: ups/tiny on cpu" in result.stdout
     assert "samples/s" in result.stdout and "val_nrmse" in result.stdout
     assert "80 in 10 steps" in result.stdout
+
+
+def test_the_table_shows_the_gpu_windows_and_the_measurement_notes(tiny_datasets: Any) -> None:
+    """What a GPU probe adds (autotune.gpu_telemetry) reaches the table: clock, temperature and power
+    ranges over the windows, and each note. Rendered from a real CPU probe's result with a GPU's
+    window readings put in (CI has no GPU)."""
+    probed = invoke("probe", "--json", *FAST)
+    assert probed.exit_code == 0, probed.output
+    result = ProbeResult.from_dict(json.loads(probed.stdout))
+    assert "MHz" not in render(result)  # a CPU: no telemetry
+    result.window_gpu = [{"sm_clock_mhz": c, "temperature_c": t, "power_w": 600.0, "throttled_fraction": f}
+                         for c, t, f in ((1980, 60, 0.0), (1410, 84, 0.4))]
+    result.measurement_notes = ["the driver held the GPU's clocks down (power or heat): window 2 40%"]
+    table = render(result)
+    assert "1410–1980 MHz SM, 60–84 °C, 600 W" in table
+    assert "window 2 40%" in table
+
+
+def render(result: ProbeResult) -> str:
+    console = Console(width=250, record=True, file=io.StringIO())
+    print_probe_result(result, console)
+    return console.export_text()
 
 
 def test_unknown_knob_is_a_usage_error() -> None:

@@ -49,6 +49,7 @@ def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> Non
     assert len(r.window_data_wait_s) == len(r.window_throughputs)
     for wait, throughput in zip(r.window_data_wait_s, r.window_throughputs, strict=True):
         assert 0 <= wait <= r.window_steps * r.config["effective_batch"] / throughput * 1.05 + 1e-3
+    assert r.window_gpu == [] and r.measurement_notes == []  # no GPU: no telemetry, nothing to qualify
     assert r.peak_mem_reserved_bytes is not None and r.peak_mem_reserved_bytes > 0
     assert r.steps == SAMPLES // 8 and r.warmup_steps == 5 and r.window_steps == 1
     assert r.samples_trained == r.steps * r.config["effective_batch"] == SAMPLES
@@ -337,6 +338,12 @@ def test_probe_on_cuda(tiny: Workload) -> None:
     assert r.knobs["pin_memory"] == "true"
     assert r.peak_mem_allocated_bytes is not None and r.peak_mem_allocated_bytes > 0
     assert r.val_nrmse is not None and math.isfinite(r.val_nrmse)
+    # what the GPU did in each timed window, read from NVML
+    assert len(r.window_gpu) == len(r.window_throughputs)
+    for window in r.window_gpu:
+        assert window["sm_clock_mhz"] is not None and window["sm_clock_mhz"] > 100
+        assert window["temperature_c"] is not None and 0 < window["temperature_c"] < 120
+        assert window["throttled_fraction"] is None or 0 <= window["throttled_fraction"] <= 1
 
 
 @pytest.mark.gpu

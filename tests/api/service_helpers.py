@@ -59,7 +59,8 @@ def probe_result(config: dict[str, Any] | None = None, throughput: float | None 
         "throughput_spread": 0.02, "window_throughputs": [], "val_nrmse": nrmse, "quality_metric": "val_nrmse",
         "warmup_s": 1.5, "setup_s": 0.1, "process_start_s": 0.5, "train_s": 3.0, "peak_mem_reserved_bytes": 2**30,
         "peak_mem_allocated_bytes": 2**29, "data_wait_fraction": 0.01, "window_data_wait_s": [0.01],
-        "loss_curve": [[1, 0.5]],
+        "window_gpu": [{"sm_clock_mhz": 1410, "temperature_c": 80, "power_w": 690.0, "throttled_fraction": 0.3}],
+        "measurement_notes": ["the driver held the GPU's clocks down"], "loss_curve": [[1, 0.5]],
         "samples_trained": 80, "steps": 10, "warmup_steps": 5, "window_steps": 1, "inverse_steps": 10,
         "knobs": {"precision": "fp32 (TF32 off)"}, "stopped_early": stopped_early, "failure": failure,
     }

@@ -117,6 +117,8 @@ def test_user_attrs_land_in_optuna(app: FastAPI, client: TestClient, make_study:
         assert key in attrs, key
     assert attrs["worker_id"] == "w1" and attrs["failure_kind"] is None and attrs["is_baseline"] is True
     assert attrs["window_data_wait_s"] == [0.01]  # per-window data wait, kept for the analysis
+    assert attrs["window_gpu"][0]["throttled_fraction"] == 0.3  # and what the GPU did in each window
+    assert attrs["measurement_notes"] == ["the driver held the GPU's clocks down"]
 
 
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), "nan", "-inf"])

@@ -1,0 +1,120 @@
+"""What the GPU itself did during a probe's timed windows, read from NVML (nvidia-ml-py).
+
+A throughput is only as good as the clocks it was measured at. A GPU that the driver holds
+down for power or heat (or that is still boosting up) runs the same kernels slower, and a
+short probe and a long run can meet it in different states. So the probe reads, at the
+start and end of every timed window: the SM clock, temperature and power draw, and the time
+the driver spent holding the clocks down for power or thermal reasons (NVML's violation
+counters, cumulative nanoseconds). Per window it records the clock, temperature and power at
+the window's end and the fraction of the window that was throttled; the probe notes windows
+that were throttled for a noticeable part of their time.
+
+Telemetry is best effort: without a CUDA device, without nvidia-ml-py, or where the driver
+does not answer a query, the fields are None and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# NVML perf-policy types whose violation counters mean "clocks held down" (nvml.h)
+_POWER, _THERMAL = 0, 1
+THROTTLE_NOTE_FRACTION = 0.05  # a window throttled this long is worth a note
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One NVML reading of a device."""
+
+    at: float  # time.monotonic() seconds
+    sm_clock_mhz: int | None
+    temperature_c: int | None
+    power_w: float | None
+    throttled_ns: int | None  # power + thermal violation time so far (cumulative)
+
+
+def window_stats(start: Reading, end: Reading) -> dict[str, float | None]:
+    """One window's telemetry: clock, temperature and power at its end; the fraction of it the
+    clocks were held down (None where the counters are unsupported or went backwards)."""
+    fraction = None
+    seconds = end.at - start.at
+    if start.throttled_ns is not None and end.throttled_ns is not None and seconds > 0:
+        fraction = (end.throttled_ns - start.throttled_ns) / 1e9 / seconds
+        if not 0.0 <= fraction <= 1.5:  # a counter reset or a driver's odd units: not a measurement
+            fraction = None
+        else:
+            fraction = min(fraction, 1.0)
+    return {"sm_clock_mhz": end.sm_clock_mhz, "temperature_c": end.temperature_c, "power_w": end.power_w,
+            "throttled_fraction": fraction}
+
+
+def throttle_note(windows: Sequence[dict[str, float | None]]) -> str | None:
+    """A note naming the windows the GPU was throttled in for ≥ 5 % of their time, with the SM
+    clock range over the windows; None when no window was."""
+    fractions = [w.get("throttled_fraction") for w in windows]
+    hot = [(i, f) for i, f in enumerate(fractions) if f is not None and f >= THROTTLE_NOTE_FRACTION]
+    if not hot:
+        return None
+    clocks = [c for c in (w.get("sm_clock_mhz") for w in windows) if c is not None]
+    where = ", ".join(f"window {i + 1} {f:.0%}" for i, f in hot)
+    clock_range = f"; SM clock {min(clocks):.0f}–{max(clocks):.0f} MHz" if clocks else ""
+    return (f"the driver held the GPU's clocks down (power or heat) during the timed windows: {where}{clock_range}. "
+            "This throughput holds for a GPU in the same state; check cooling and power limits (nvidia-smi -q -d "
+            "PERFORMANCE) before comparing it with other hosts")
+
+
+class GpuTelemetry:
+    """NVML readings of one CUDA device. `open` returns None where there is nothing to read."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self._nvml = nvml
+        self._handle = handle
+
+    @classmethod
+    def open(cls, device: torch.device) -> GpuTelemetry | None:
+        if device.type != "cuda":
+            return None
+        try:
+            import pynvml  # nvidia-ml-py
+        except ImportError:
+            log.info("GPU telemetry off: nvidia-ml-py is not installed")
+            return None
+        try:
+            pynvml.nvmlInit()
+            props = torch.cuda.get_device_properties(device)
+            # NVML numbers devices its own way (CUDA_VISIBLE_DEVICES does not apply): find this
+            # one by its PCI address
+            domain, bus, dev = (getattr(props, f"pci_{part}_id") for part in ("domain", "bus", "device"))
+            bus_id = f"{domain:08x}:{bus:02x}:{dev:02x}.0"
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode())
+        except Exception as e:  # no driver library, an old torch without PCI ids, an unknown device
+            log.info("GPU telemetry off: %s", e)
+            return None
+        return cls(pynvml, handle)
+
+    def _query(self, name: str, *args: Any) -> Any:
+        try:
+            return getattr(self._nvml, name)(self._handle, *args)
+        except Exception:  # NVML_ERROR_NOT_SUPPORTED and friends: that reading is unknown
+            return None
+
+    def read(self) -> Reading:
+        """Now's reading; a query the driver does not answer reads None (never raises)."""
+        clock = self._query("nvmlDeviceGetClockInfo", getattr(self._nvml, "NVML_CLOCK_SM", 1))
+        temperature = self._query("nvmlDeviceGetTemperature", getattr(self._nvml, "NVML_TEMPERATURE_GPU", 0))
+        milliwatts = self._query("nvmlDeviceGetPowerUsage")
+        violations = [self._query("nvmlDeviceGetViolationStatus", policy) for policy in (_POWER, _THERMAL)]
+        try:
+            throttled: int | None = sum(int(v.violationTime) for v in violations)
+        except (AttributeError, TypeError, ValueError):  # unsupported (None) or a struct of another shape
+            throttled = None
+        return Reading(at=time.monotonic(), sm_clock_mhz=clock, temperature_c=temperature,
+                       power_w=None if milliwatts is None else milliwatts / 1000, throttled_ns=throttled)

@@ -1,0 +1,55 @@
+"""autotune.gpu_telemetry: per-window GPU state from NVML readings, and the throttling note.
+
+The readings themselves need a GPU (tests/test_probe.py, marked gpu); here the arithmetic that
+turns two readings into a window's figures, and what the probe and the worker make of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotune.gpu_telemetry import GpuTelemetry, Reading, throttle_note, window_stats
+
+
+def reading(at: float, throttled_ns: int | None, clock: int = 1980) -> Reading:
+    return Reading(at=at, sm_clock_mhz=clock, temperature_c=61, power_w=512.5, throttled_ns=throttled_ns)
+
+
+def test_a_window_reports_the_fraction_of_its_time_the_clocks_were_held_down() -> None:
+    stats = window_stats(reading(10.0, 5_000_000_000), reading(12.0, 5_500_000_000, clock=1755))
+    assert stats == {"sm_clock_mhz": 1755, "temperature_c": 61, "power_w": 512.5,
+                     "throttled_fraction": pytest.approx(0.25)}  # 0.5 s of 2 s
+
+
+@pytest.mark.parametrize(("start_ns", "end_ns"), [(None, 10), (10, None), (5_000_000_000, 0), (0, 10**12)])
+def test_an_unsupported_or_nonsensical_counter_is_no_measurement(start_ns: int | None, end_ns: int | None) -> None:
+    """Unsupported (None), gone backwards (a reset), or more throttled time than time: None, never a guess."""
+    assert window_stats(reading(0.0, start_ns), reading(1.0, end_ns))["throttled_fraction"] is None
+
+
+def test_the_note_names_the_throttled_windows_and_the_clock_range() -> None:
+    windows = [window_stats(reading(0.0, 0), reading(1.0, ns, clock=c))
+               for ns, c in ((0, 1980), (10_000_000, 1980), (300_000_000, 1410))]
+    note = throttle_note(windows)
+    assert note is not None
+    assert "window 3 30%" in note and "window 2" not in note  # 1 % is below the 5 % threshold
+    assert "1410–1980 MHz" in note
+
+
+def test_no_throttling_or_no_counters_means_no_note() -> None:
+    assert throttle_note([window_stats(reading(0.0, 0), reading(1.0, 1_000_000))]) is None
+    assert throttle_note([window_stats(reading(0.0, None), reading(1.0, None))]) is None
+    assert throttle_note([]) is None
+
+
+def test_there_is_no_telemetry_off_a_gpu() -> None:
+    assert GpuTelemetry.open(torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host has a driver to read")
+def test_a_cuda_device_without_a_driver_means_no_telemetry_not_an_error() -> None:
+    """nvidia-ml-py is installed (a dependency) but finds no driver library here: telemetry is off."""
+    import pynvml  # noqa: F401 - installed with autotune
+
+    assert GpuTelemetry.open(torch.device("cuda", 0)) is None
