@@ -405,6 +405,7 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
         remeasured=run is not best, baseline_val_nrmse_std=summary.quality.std if nrmse else None,
         baseline_seeds=summary.quality.n,
+        measurement_notes=[str(n) for n in run.user_attrs.get("measurement_notes") or []],
     )
 
 
@@ -430,5 +431,6 @@ def recommendation_yaml(rec: Recommendation) -> str:
                      f"{' (re-measured)' if rec.remeasured else ''}")
     lines.append("# peak memory reserved: " + ("n/a (not measured on this device)" if rec.peak_mem_reserved_bytes
                                                 is None else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB"))
+    lines += [f"# note: {note}" for note in rec.measurement_notes]
     body = yaml.safe_dump(rec.config, sort_keys=False, default_flow_style=False) if rec.config else "{}\n"
     return "\n".join(lines) + "\n" + body

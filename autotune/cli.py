@@ -266,6 +266,8 @@ def recommendation_table(rec: Recommendation) -> Table:
         table.add_row("quality gate", f"{name} {side} {rec.gate_quality:.4f}")
     table.add_row("peak memory", "n/a (not measured on this device)" if rec.peak_mem_reserved_bytes is None
                   else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB reserved")
+    for note in rec.measurement_notes:
+        table.add_row("[yellow]note[/]", rich_escape(note))
     for knob, value in rec.config.items():
         table.add_row(f"  {knob}", json.dumps(value))
     return table

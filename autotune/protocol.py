@@ -398,3 +398,5 @@ class Recommendation(BaseModel):
     remeasured: bool = False
     baseline_val_nrmse_std: float | None = None
     baseline_seeds: int = 0
+    measurement_notes: list[str] = Field(default_factory=list, description="what qualifies the recommended "
+                                         "throughput's measurement (e.g. the GPU was throttled during it)")

@@ -51,7 +51,8 @@ def serve(app: FastAPI) -> Iterator[str]:
 
 
 def probe_result(config: dict[str, Any] | None = None, throughput: float | None = 100.0, nrmse: float | None = 0.1,
-                 failure: dict[str, str] | None = None, stopped_early: bool = False) -> dict[str, Any]:
+                 failure: dict[str, str] | None = None, stopped_early: bool = False,
+                 notes: list[str] | None = None) -> dict[str, Any]:
     """A fake ProbeResult.to_dict() (the API is under test here, not the probe)."""
     return {
         "workload": "ups", "preset": "tiny", "config": {**(config or {}), "effective_batch": 8},
@@ -60,7 +61,7 @@ def probe_result(config: dict[str, Any] | None = None, throughput: float | None 
         "warmup_s": 1.5, "setup_s": 0.1, "process_start_s": 0.5, "train_s": 3.0, "peak_mem_reserved_bytes": 2**30,
         "peak_mem_allocated_bytes": 2**29, "data_wait_fraction": 0.01, "window_data_wait_s": [0.01],
         "window_gpu": [{"sm_clock_mhz": 1410, "temperature_c": 80, "power_w": 690.0, "throttled_fraction": 0.3}],
-        "measurement_notes": ["the driver held the GPU's clocks down"], "loss_curve": [[1, 0.5]],
+        "measurement_notes": notes or [], "loss_curve": [[1, 0.5]],
         "samples_trained": 80, "steps": 10, "warmup_steps": 5, "window_steps": 1, "inverse_steps": 10,
         "knobs": {"precision": "fp32 (TF32 off)"}, "stopped_early": stopped_early, "failure": failure,
     }

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
 import yaml
 from fastapi.testclient import TestClient
+from rich.console import Console
 from service_helpers import StudyFactory, complete, lease
 
+from autotune.cli import recommendation_table
 from autotune.config import KNOBS, parse_config
+from autotune.protocol import Recommendation
 
 # (throughput, val_nrmse) for the baseline and three trials; gate abs_tol 0.01 → nrmse <= 0.11
 BASELINE = (100.0, 0.10)
@@ -105,6 +109,24 @@ def test_best_yaml_is_a_config_file(client: TestClient, study: dict[str, dict[st
     assert config == client.get("/v1/studies/s/best").json()["config"]
     parse_config(config)  # `autotune probe --config best.yaml` accepts it
     assert client.get("/v1/studies/s/best", params={"format": "xml"}).status_code == 422
+
+
+def test_the_recommendation_carries_the_notes_on_its_measurement(client: TestClient,
+                                                                  make_study: StudyFactory) -> None:
+    """A pick measured on a throttled GPU says so, in JSON, in the YAML header and in `autotune best`."""
+    make_study("s", n_trials=10, seed=0, baseline={"batch_size": 4})
+    _run(client, "w0", BASELINE)
+    assert client.get("/v1/studies/s/best").json()["measurement_notes"] == []  # nothing to qualify
+    note = "the driver held the GPU's clocks down (power or heat) during the timed windows: window 3 30%"
+    got = lease(client, "w1")
+    assert got is not None
+    complete(client, got, "w1", throughput=FAST_OK[0], nrmse=FAST_OK[1], notes=[note])
+    best = client.get("/v1/studies/s/best").json()
+    assert best["trial_number"] == 1 and best["measurement_notes"] == [note]
+    assert f"# note: {note}" in client.get("/v1/studies/s/best", params={"format": "yaml"}).text
+    console = Console(width=300, record=True, file=io.StringIO())
+    console.print(recommendation_table(Recommendation.model_validate(best)))
+    assert "window 3 30%" in console.export_text()
 
 
 def test_the_baseline_can_be_the_best(client: TestClient, make_study: StudyFactory) -> None:

@@ -107,7 +107,7 @@ def test_user_attrs_land_in_optuna(app: FastAPI, client: TestClient, make_study:
     make_study("s")
     got = lease(client, "w1")
     assert got is not None
-    complete(client, got, "w1")
+    complete(client, got, "w1", notes=["the driver held the GPU's clocks down"])
     trial = _service(app).bridge.get_trial(got["trial_id"])
     assert trial is not None
     attrs = trial.user_attrs
