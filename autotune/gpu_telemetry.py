@@ -25,8 +25,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# NVML perf-policy types whose violation counters mean "clocks held down" (nvml.h)
-_POWER, _THERMAL = 0, 1
+# what autotune asks NVML (nvidia-ml-py's names; tests/test_gpu_telemetry.py checks they exist)
+NVML_CALLS = ("nvmlInit", "nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature",
+              "nvmlDeviceGetPowerUsage", "nvmlDeviceGetViolationStatus")
+# perf-policy types whose violation counters mean "clocks held down"
+THROTTLE_POLICIES = ("NVML_PERF_POLICY_POWER", "NVML_PERF_POLICY_THERMAL")
 THROTTLE_NOTE_FRACTION = 0.05  # a window throttled this long is worth a note
 
 
@@ -111,7 +114,8 @@ class GpuTelemetry:
         clock = self._query("nvmlDeviceGetClockInfo", getattr(self._nvml, "NVML_CLOCK_SM", 1))
         temperature = self._query("nvmlDeviceGetTemperature", getattr(self._nvml, "NVML_TEMPERATURE_GPU", 0))
         milliwatts = self._query("nvmlDeviceGetPowerUsage")
-        violations = [self._query("nvmlDeviceGetViolationStatus", policy) for policy in (_POWER, _THERMAL)]
+        violations = [self._query("nvmlDeviceGetViolationStatus", getattr(self._nvml, policy, None))
+                      for policy in THROTTLE_POLICIES]
         try:
             throttled: int | None = sum(int(v.violationTime) for v in violations)
         except (AttributeError, TypeError, ValueError):  # unsupported (None) or a struct of another shape

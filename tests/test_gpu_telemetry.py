@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.gpu_telemetry import GpuTelemetry, Reading, throttle_note, window_stats
+from autotune.gpu_telemetry import NVML_CALLS, THROTTLE_POLICIES, GpuTelemetry, Reading, throttle_note, window_stats
 
 
 def reading(at: float, throttled_ns: int | None, clock: int = 1980) -> Reading:
@@ -53,3 +53,12 @@ def test_a_cuda_device_without_a_driver_means_no_telemetry_not_an_error() -> Non
     import pynvml  # noqa: F401 - installed with autotune
 
     assert GpuTelemetry.open(torch.device("cuda", 0)) is None
+
+
+def test_the_nvml_calls_and_fields_autotune_reads_exist_in_the_installed_nvidia_ml_py() -> None:
+    """A rename in the dependency would turn telemetry off silently on every GPU: caught here."""
+    import pynvml
+
+    for name in (*NVML_CALLS, *THROTTLE_POLICIES, "NVML_CLOCK_SM", "NVML_TEMPERATURE_GPU"):
+        assert hasattr(pynvml, name), name
+    assert "violationTime" in [name for name, _ in pynvml.c_nvmlViolationTime_t._fields_]
