@@ -78,11 +78,13 @@ def print_probe_result(result: Any, console: Console) -> None:
 
 def _gpu_summary(windows: list[dict[str, Any]]) -> str:
     """The timed windows' SM clock and temperature ranges and peak power ("-": no telemetry)."""
+    from autotune.gpu_telemetry import window_range
+
     def span(key: str, unit: str) -> str | None:
-        values = [w[key] for w in windows if w.get(key) is not None]
-        if not values:
+        got = window_range(windows, key)
+        if got is None:
             return None
-        low, high = min(values), max(values)
+        low, high = got
         return f"{low:.0f}{unit}" if low == high else f"{low:.0f}–{high:.0f}{unit}"
 
     parts = [p for p in (span("sm_clock_mhz", " MHz SM"), span("temperature_c", " °C"), span("power_w", " W")) if p]

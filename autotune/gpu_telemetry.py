@@ -59,6 +59,12 @@ def window_stats(start: Reading, end: Reading) -> dict[str, float | None]:
             "throttled_fraction": fraction}
 
 
+def window_range(windows: Sequence[dict[str, float | None]], key: str) -> tuple[float, float] | None:
+    """(lowest, highest) of one reading over the windows; None when no window has it."""
+    values = [v for v in (w.get(key) for w in windows) if v is not None]
+    return (min(values), max(values)) if values else None
+
+
 def throttle_note(windows: Sequence[dict[str, float | None]]) -> str | None:
     """A note naming the windows the GPU was throttled in for ≥ 5 % of their time, with the SM
     clock range over the windows; None when no window was."""
@@ -66,9 +72,9 @@ def throttle_note(windows: Sequence[dict[str, float | None]]) -> str | None:
     hot = [(i, f) for i, f in enumerate(fractions) if f is not None and f >= THROTTLE_NOTE_FRACTION]
     if not hot:
         return None
-    clocks = [c for c in (w.get("sm_clock_mhz") for w in windows) if c is not None]
+    clocks = window_range(windows, "sm_clock_mhz")
     where = ", ".join(f"window {i + 1} {f:.0%}" for i, f in hot)
-    clock_range = f"; SM clock {min(clocks):.0f}–{max(clocks):.0f} MHz" if clocks else ""
+    clock_range = f"; SM clock {clocks[0]:.0f}–{clocks[1]:.0f} MHz" if clocks else ""
     return (f"the driver held the GPU's clocks down (power or heat) during the timed windows: {where}{clock_range}. "
             "This throughput holds for a GPU in the same state; check cooling and power limits (nvidia-smi -q -d "
             "PERFORMANCE) before comparing it with other hosts")

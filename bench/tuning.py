@@ -60,6 +60,7 @@ import httpx
 from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
 
 from autotune.gate import window_rate
+from autotune.gpu_telemetry import window_range
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 DATA = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
@@ -428,13 +429,10 @@ def _gpu_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
     """A probe's lowest SM clock, highest temperature and most throttled window (None: no
     telemetry, e.g. runs before the probe recorded it)."""
     windows = probe.get("window_gpu") or []
-
-    def pick(key: str, best: Any) -> float | None:
-        values = [w[key] for w in windows if w.get(key) is not None]
-        return best(values) if values else None
-
-    return {"min_sm_clock_mhz": pick("sm_clock_mhz", min), "max_temperature_c": pick("temperature_c", max),
-            "max_throttled_fraction": pick("throttled_fraction", max)}
+    clock, temperature, throttled = (window_range(windows, k) for k in ("sm_clock_mhz", "temperature_c",
+                                                                         "throttled_fraction"))
+    return {"min_sm_clock_mhz": clock and clock[0], "max_temperature_c": temperature and temperature[1],
+            "max_throttled_fraction": throttled and throttled[1]}
 
 
 def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
