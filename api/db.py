@@ -173,25 +173,27 @@ def sqlite_engine_kwargs(busy_timeout_s: float) -> dict[str, Any]:
 
 
 def enable_wal(dbapi_connection: Any, busy_timeout_s: float) -> None:
-    """Put the SQLite database of `dbapi_connection` in WAL mode, waiting up to `busy_timeout_s`
-    for other connections.
+    """Give a new SQLite connection its busy timeout and put its database in WAL mode, waiting
+    up to `busy_timeout_s` for other connections.
 
     The switch needs the exclusive lock, and SQLite answers "database is locked" at once, without
     the busy handler, when another connection is writing to a database still in rollback mode
     (several processes opening a new file together). So the pragma is retried until the deadline.
     """
     deadline = time.monotonic() + busy_timeout_s
-    while True:
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or time.monotonic() >= deadline:
-                raise
-        finally:
-            cursor.close()
-        time.sleep(0.01)
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.01)
+    finally:
+        cursor.close()
 
 
 def install_sqlite_pragmas(engine: Engine, busy_timeout_s: float) -> None:
@@ -207,7 +209,6 @@ def install_sqlite_pragmas(engine: Engine, busy_timeout_s: float) -> None:
         enable_wal(dbapi_connection, busy_timeout_s)
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA foreign_keys=ON")
         finally:
@@ -330,11 +331,6 @@ def _migration_engine(url: str, busy_timeout_s: float) -> Engine:
     def _autocommit_driver(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
         enable_wal(dbapi_connection, busy_timeout_s)
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        finally:
-            cursor.close()
 
     @event.listens_for(engine, "begin")
     def _begin_immediate(connection: Connection) -> None:
