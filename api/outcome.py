@@ -51,8 +51,8 @@ from autotune.samplers import CONSTRAINT_ATTR
 # ProbeResult fields copied verbatim into user attrs
 RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
                 "peak_mem_allocated_bytes", "data_wait_fraction", "samples_trained", "throughput_samples_per_s",
-                "val_nrmse", "window_throughputs", "window_data_wait_s", "window_gpu", "measurement_notes",
-                "loss_curve", "quality_metric")
+                "val_nrmse", "window_throughputs", "window_data_wait_s", "window_gpu", "window_host", "host_cpu",
+                "measurement_notes", "loss_curve", "quality_metric")
 MAX_MESSAGE = 2000
 # Failures that say nothing about the trial's config: the worker refused its workload (not on
 # its allow-list, or not installed there), or was interrupted (SIGTERM/SIGINT: a preemption).

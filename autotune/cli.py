@@ -61,6 +61,7 @@ def print_probe_result(result: Any, console: Console) -> None:
         ("setup", "-" if result.setup_s is None else f"{result.setup_s:.2f} s"),
         ("data wait", "-" if result.data_wait_fraction is None else f"{result.data_wait_fraction:.1%}"),
         ("GPU", _gpu_summary(result.window_gpu)),
+        ("host", _host_summary(result.window_host, result.host_cpu)),
         ("peak memory", f"{_format_bytes(result.peak_mem_reserved_bytes)} reserved, "
                         f"{_format_bytes(result.peak_mem_allocated_bytes)} allocated"),
         ("samples", f"{result.samples_trained} in {result.steps} steps (effective batch "
@@ -87,7 +88,24 @@ def _gpu_summary(windows: list[dict[str, Any]]) -> str:
         low, high = got
         return f"{low:.0f}{unit}" if low == high else f"{low:.0f}–{high:.0f}{unit}"
 
-    parts = [p for p in (span("sm_clock_mhz", " MHz SM"), span("temperature_c", " °C"), span("power_w", " W")) if p]
+    parts = [p for p in (span("sm_clock_mhz", " MHz SM"), span("temperature_c", " °C"), span("power_w", " W"),
+                         span("utilization_percent", " % busy")) if p]
+    return ", ".join(parts) or "-"
+
+
+def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
+    """The training loop's thread over the timed windows (autotune.host_telemetry): its busy
+    range, page faults and preemptions in all; and the host's CPU ("-": nothing recorded)."""
+    from autotune.gpu_telemetry import window_range
+
+    parts = []
+    busy = window_range(windows, "busy_fraction")
+    if busy is not None:
+        parts.append(f"loop thread busy {busy[0]:.0%}" + ("" if busy[0] == busy[1] else f"–{busy[1]:.0%}"))
+        parts += [f"{sum(w.get(key) or 0 for w in windows):,} {label}"
+                  for key, label in (("minor_faults", "page faults"), ("involuntary_switches", "preemptions"))]
+    if cpu:
+        parts.append(cpu)
     return ", ".join(parts) or "-"
 
 

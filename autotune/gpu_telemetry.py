@@ -5,9 +5,11 @@ down for power or heat (or that is still boosting up) runs the same kernels slow
 short probe and a long run can meet it in different states. So the probe reads, at the
 start and end of every timed window: the SM clock, temperature and power draw, and the time
 the driver spent holding the clocks down for power or thermal reasons (NVML's violation
-counters, cumulative nanoseconds). Per window it records the clock, temperature and power at
-the window's end and the fraction of the window that was throttled; the probe notes windows
-that were throttled for a noticeable part of their time.
+counters, cumulative nanoseconds). Per window it records the clock, temperature, power and
+utilization (the share of the driver's last sample period, up to a second, in which a kernel
+ran: well below 100 % means the GPU waited on the host) at the window's end, and the
+fraction of the window that was throttled; the probe notes windows that were throttled for
+a noticeable part of their time.
 
 Telemetry is best effort: without a CUDA device, without nvidia-ml-py, or where the driver
 does not answer a query, the fields are None and nothing else changes.
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # what autotune asks NVML (nvidia-ml-py's names; tests/test_gpu_telemetry.py checks they exist)
 NVML_CALLS = ("nvmlInit", "nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature",
-              "nvmlDeviceGetPowerUsage", "nvmlDeviceGetViolationStatus")
+              "nvmlDeviceGetPowerUsage", "nvmlDeviceGetViolationStatus", "nvmlDeviceGetUtilizationRates")
 # perf-policy types whose violation counters mean "clocks held down"
 THROTTLE_POLICIES = ("NVML_PERF_POLICY_POWER", "NVML_PERF_POLICY_THERMAL")
 THROTTLE_NOTE_FRACTION = 0.05  # a window throttled this long is worth a note
@@ -42,6 +44,7 @@ class Reading:
     temperature_c: int | None
     power_w: float | None
     throttled_ns: int | None  # power + thermal violation time so far (cumulative)
+    utilization_percent: int | None = None  # time a kernel ran, over the driver's last sample period (≤ 1 s)
 
 
 def window_stats(start: Reading, end: Reading) -> dict[str, float | None]:
@@ -56,7 +59,7 @@ def window_stats(start: Reading, end: Reading) -> dict[str, float | None]:
         else:
             fraction = min(fraction, 1.0)
     return {"sm_clock_mhz": end.sm_clock_mhz, "temperature_c": end.temperature_c, "power_w": end.power_w,
-            "throttled_fraction": fraction}
+            "throttled_fraction": fraction, "utilization_percent": end.utilization_percent}
 
 
 def window_range(windows: Sequence[dict[str, float | None]], key: str) -> tuple[float, float] | None:
@@ -126,5 +129,7 @@ class GpuTelemetry:
             throttled: int | None = sum(int(v.violationTime) for v in violations)
         except (AttributeError, TypeError, ValueError):  # unsupported (None) or a struct of another shape
             throttled = None
+        rates = self._query("nvmlDeviceGetUtilizationRates")
         return Reading(at=time.monotonic(), sm_clock_mhz=clock, temperature_c=temperature,
-                       power_w=None if milliwatts is None else milliwatts / 1000, throttled_ns=throttled)
+                       power_w=None if milliwatts is None else milliwatts / 1000, throttled_ns=throttled,
+                       utilization_percent=getattr(rates, "gpu", None))

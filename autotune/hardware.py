@@ -13,6 +13,8 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from autotune.host_telemetry import cpu_model
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -23,13 +25,15 @@ class Hardware:
     torch_version: str
     hostname: str
     cpu_count: int | None
+    cpu_model: str | None = None  # host-bound configs run at the speed of this CPU
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
         mem = f", {self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else ""
-        return f"{self.device_name}{mem} on {self.hostname} (torch {self.torch_version})"
+        cpu = f", {self.cpu_model}" if self.cpu_model else ""
+        return f"{self.device_name}{mem} on {self.hostname}{cpu} (torch {self.torch_version})"
 
 
 def detect(device: str = "cpu") -> Hardware:
@@ -44,9 +48,10 @@ def detect(device: str = "cpu") -> Hardware:
         props = torch.cuda.get_device_properties(index)
         return Hardware(hardware_class=props.name, device=f"cuda:{index}", device_name=props.name,
                         memory_bytes=props.total_memory, torch_version=torch.__version__,
-                        hostname=socket.gethostname(), cpu_count=os.cpu_count())
+                        hostname=socket.gethostname(), cpu_count=os.cpu_count(), cpu_model=cpu_model())
     if device != "cpu":
         raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
     name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     return Hardware(hardware_class="cpu", device="cpu", device_name=name, memory_bytes=None,
-                    torch_version=torch.__version__, hostname=socket.gethostname(), cpu_count=os.cpu_count())
+                    torch_version=torch.__version__, hostname=socket.gethostname(), cpu_count=os.cpu_count(),
+                    cpu_model=cpu_model())

@@ -38,7 +38,9 @@ metric is computed once, on rank 0, after training (DDP keeps the replicas ident
 shards are gathered into a full state dict first), and peak memory is the maximum over ranks.
 ``data_wait_fraction`` and ``warmup_s`` are rank 0's.
 
-On a GPU, each window also records what the GPU did (``window_gpu``: SM clock, temperature,
+Each window records what the training loop's thread did (``window_host``: its busy fraction,
+page faults and preemptions; autotune/host_telemetry.py), the host's CPU model goes with the
+result (``host_cpu``), and on a GPU each window also records what the GPU did (``window_gpu``: SM clock, temperature,
 power, the fraction of the window the driver held the clocks down; autotune/gpu_telemetry.py),
 and a window throttled for ≥ 5 % of its time adds a line to ``measurement_notes``.
 """
@@ -63,6 +65,8 @@ import torch
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.gate import window_rate
 from autotune.gpu_telemetry import GpuTelemetry, throttle_note, window_stats
+from autotune.host_telemetry import ThreadUsage, cpu_model
+from autotune.host_telemetry import window_stats as host_window_stats
 from autotune.knobs import (
     EpochIterator,
     Notes,
@@ -128,6 +132,9 @@ class ProbeResult:
     window_data_wait_s: list[float] = field(default_factory=list)  # rank 0's host seconds blocked on data, per window
     # rank 0's GPU per window (autotune.gpu_telemetry): SM clock, temperature, power, throttled fraction
     window_gpu: list[dict[str, float | None]] = field(default_factory=list)
+    # rank 0's training-loop thread per window (autotune.host_telemetry): busy fraction, page faults, preemptions
+    window_host: list[dict[str, float | int | None]] = field(default_factory=list)
+    host_cpu: str | None = None  # the host's CPU model: host-bound throughputs compare only between like CPUs
     measurement_notes: list[str] = field(default_factory=list)  # what qualifies the throughput (e.g. throttling)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     samples_trained: int = 0
@@ -321,6 +328,7 @@ def run_probe(
         device=device_name(dev), torch_version=torch.__version__, quality_metric=wl.quality_metric,
         quality_direction=getattr(wl, "quality_direction", "minimize"),
         process_start_s=process_start_s, warmup_steps=warm, window_steps=per, world_size=world,
+        host_cpu=cpu_model(),
     )
     notes: Notes = {}
     try:
@@ -452,6 +460,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             h0 = time.perf_counter()
             wait0 = data_wait
             gpu0 = telemetry.read() if telemetry else None  # host-side NVML queries: outside the timed events
+            host0 = ThreadUsage.read()
             started = clock.start()
             losses = []
             for _ in range(per):
@@ -459,6 +468,9 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 result.steps = trainer.step_index
                 check_deadline(f"window {w + 1}/{n_windows}")  # host clock only: no sync
             elapsed = sync.max(clock.stop(started))  # several ranks: the slowest rank's window time
+            host1 = ThreadUsage.read()
+            if host0 and host1:
+                result.window_host.append(host_window_stats(host0, host1))
             if telemetry and gpu0:
                 result.window_gpu.append(window_stats(gpu0, telemetry.read()))
             host_window_time += time.perf_counter() - h0

@@ -4,6 +4,7 @@ waiting for a freshly started service."""
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import time
 from typing import Any
 
 import httpx
+
+from autotune.host_telemetry import cpu_model
 
 
 def free_port() -> int:
@@ -34,7 +37,7 @@ def environment(device: str) -> dict[str, Any]:
     import torch
 
     return {"python": platform.python_version(), "torch": torch.__version__, "device": device,
-            "gpu": hardware_class(device), "host": platform.node(),
+            "gpu": hardware_class(device), "host": platform.node(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 

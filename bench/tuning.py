@@ -351,26 +351,26 @@ def top_configs(root: Path, top: int) -> list[dict[str, Any]]:
     return list(picked.values())[:top]
 
 
-def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str) -> dict[str, Any]:
+def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
     knobs = {k: v for k, v in config.items() if k != "effective_batch"}
     cmd = [*CLI, "probe", "--preset", preset, "--device", device, "--config", json.dumps(knobs), "--json"]
     if samples:
         cmd += ["--samples", str(samples)]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if not proc.stdout.strip():
         raise SystemExit(f"probe printed nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
-            "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "window_gpu", "measurement_notes",
-            "failure")
+            "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "window_gpu", "window_host", "host_cpu",
+            "measurement_notes", "failure")
     # started: to line up a run's own telemetry (nvidia-smi, vmstat) with its probes
     return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}
 
 
-def fidelity(args: argparse.Namespace) -> None:
-    """Short probe (the studies' own) against a --factor × longer run, for the top configs:
-    each config runs short then long, back to back in fresh processes on the same GPU
+def _fidelity_configs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The configs a fidelity or cache run measures: --config's own, else the studies' top ones
     (--only: some of them, by rank, e.g. a repeat)."""
     if args.config:  # given configs: no study behind them
         configs = [{"strategy": "given", "number": i, "throughput": None, "val_nrmse": None,
@@ -378,9 +378,44 @@ def fidelity(args: argparse.Namespace) -> None:
     elif args.dir:
         configs = top_configs(Path(args.dir), args.top)
     else:
-        raise SystemExit("fidelity needs --dir (the studies' top configs) or --config (configs of your own)")
+        raise SystemExit(f"{args.step} needs --dir (the studies' top configs) or --config (configs of your own)")
     if args.only:
         configs = [configs[int(i) - 1] for i in args.only.split(",")]
+    return configs
+
+
+def cache_states(args: argparse.Namespace) -> None:
+    """Short probes of each config in a sequence of compile-cache states: `cold` runs in a fresh
+    TorchInductor cache (the probe compiles, as a study's first probe of a config does), `warm`
+    in the cache the config's previous probe filled. Does a process that compiled cold run at
+    the speed of one that loaded its kernels from the cache?"""
+    import tempfile
+
+    from autotune.workloads import get_workload
+
+    preset_samples = get_workload("ups", args.preset).defaults.samples
+    out = Path(args.out)
+    doc: dict[str, Any] = {"environment": environment(args.device), "sequence": args.sequence, "configs": []}
+    root = Path(tempfile.mkdtemp(prefix="autotune-cache-states-"))
+    for i, row in enumerate(_fidelity_configs(args)):
+        entry: dict[str, Any] = {**row, "probes": []}
+        doc["configs"].append(entry)
+        cache: Path | None = None
+        for n, state in enumerate(args.sequence.split(",")):
+            if state == "cold" or cache is None:
+                cache = root / f"config{i}-{n}"
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+            probe = _probe(row["config"], row["samples"] or preset_samples, args.device, args.preset, env)
+            entry["probes"].append({"state": state, "cache": str(cache), **probe})
+            out.write_text(json.dumps(doc, indent=1))  # after every probe: a cut-off run keeps what it measured
+            print(f"[{i + 1}] {row['strategy']} #{row['number']} {state}: {probe['throughput_samples_per_s'] or 0:.0f} "
+                  f"samples/s (warm-up {probe['warmup_s'] or 0:.0f} s)", flush=True)
+
+
+def fidelity(args: argparse.Namespace) -> None:
+    """Short probe (the studies' own) against a --factor × longer run, for the top configs:
+    each config runs short then long, back to back in fresh processes on the same GPU."""
+    configs = _fidelity_configs(args)
     out = Path(args.out)
     doc: dict[str, Any] = {"environment": environment(args.device), "factor": args.factor, "configs": []}
     from autotune.workloads import get_workload
@@ -417,7 +452,7 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> l
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
                                                                   "checkpoint", "persistent_workers")
                                   if k in config),  # a given config names only the knobs it sets
-                "study": study, "short_warmup_s": c["short"]["warmup_s"],
+                "study": study, "short_warmup_s": c["short"]["warmup_s"], "host_cpu": c["short"].get("host_cpu"),
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
                 "study_over_long": study / long_rate if study else None,
@@ -426,13 +461,17 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> l
 
 
 def _gpu_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
-    """A probe's lowest SM clock, highest temperature and most throttled window (None: no
-    telemetry, e.g. runs before the probe recorded it)."""
-    windows = probe.get("window_gpu") or []
-    clock, temperature, throttled = (window_range(windows, k) for k in ("sm_clock_mhz", "temperature_c",
-                                                                         "throttled_fraction"))
+    """A probe's lowest SM clock and GPU utilization, highest temperature and most throttled
+    window, and its loop thread's lowest busy fraction and most page faults in a window (None:
+    no telemetry, e.g. runs before the probe recorded it)."""
+    windows, host = probe.get("window_gpu") or [], probe.get("window_host") or []
+    clock, temperature, throttled, utilization = (window_range(windows, k) for k in (
+        "sm_clock_mhz", "temperature_c", "throttled_fraction", "utilization_percent"))
+    busy, faults = (window_range(host, k) for k in ("busy_fraction", "minor_faults"))
     return {"min_sm_clock_mhz": clock and clock[0], "max_temperature_c": temperature and temperature[1],
-            "max_throttled_fraction": throttled and throttled[1]}
+            "max_throttled_fraction": throttled and throttled[1],
+            "min_utilization_percent": utilization and utilization[0],
+            "min_busy_fraction": busy and busy[0], "max_minor_faults": faults and faults[1]}
 
 
 def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
@@ -479,18 +518,21 @@ def main() -> None:
     a.add_argument("--png", help="the anytime plot (and, with --fidelity, <stem>_fidelity.png)")
     a.add_argument("--fidelity", nargs="*", help="fidelity JSONs (the fidelity step's) to summarise")
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
-    f.add_argument("--dir", help="a folder holding one folder per strategy (their top configs are measured)")
-    f.add_argument("--out", required=True)
-    f.add_argument("--top", type=int, default=5)
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
-    f.add_argument("--only", help="comma-separated ranks (1 = fastest) to run, in this order")
-    f.add_argument("--config", action="append", help="a config of your own (inline JSON knobs) instead of the "
-                                                     "studies' top ones; repeatable")
-    f.add_argument("--samples", type=int, help="the short probe's samples for --config (default: the preset's)")
-    f.add_argument("--device", default="cuda")
-    f.add_argument("--preset", default="full")
+    k = sub.add_parser("cache-states", help="short probes of the top configs, each compiled cold or loaded warm")
+    k.add_argument("--sequence", default="cold,warm,warm,cold", help="the cache state of each probe of a config")
+    for p in (f, k):
+        p.add_argument("--dir", help="a folder holding one folder per strategy (their top configs are measured)")
+        p.add_argument("--out", required=True)
+        p.add_argument("--top", type=int, default=5)
+        p.add_argument("--only", help="comma-separated ranks (1 = fastest) to run, in this order")
+        p.add_argument("--config", action="append", help="a config of your own (inline JSON knobs) instead of the "
+                                                         "studies' top ones; repeatable")
+        p.add_argument("--samples", type=int, help="the short probe's samples for --config (default: the preset's)")
+        p.add_argument("--device", default="cuda")
+        p.add_argument("--preset", default="full")
     args = parser.parse_args()
-    {"chunk": chunk, "analyze": analyze, "fidelity": fidelity}[args.step](args)
+    {"chunk": chunk, "analyze": analyze, "fidelity": fidelity, "cache-states": cache_states}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,12 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())["fidelity"]
     assert row["strategy"] == "given" and row["short_over_long"] > 0 and row["study_over_long"] is None
     assert row["long_min_sm_clock_mhz"] is None and row["short_max_throttled_fraction"] is None  # no GPU here
+
+    # cache states: a cold probe gets a fresh TorchInductor cache, a warm one the cache of the probe before it
+    states = tmp_path / "cache_states.json"
+    _run(["cache-states", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "320",
+          "--sequence", "cold,warm,cold", "--out", str(states), "--device", "cpu", "--preset", "tiny"], tmp_path)
+    probes = json.loads(states.read_text())["configs"][0]["probes"]
+    assert [p["state"] for p in probes] == ["cold", "warm", "cold"]
+    assert probes[0]["cache"] == probes[1]["cache"] != probes[2]["cache"]
+    assert all(p["samples_trained"] == 320 and p["host_cpu"] and p["window_host"] for p in probes)

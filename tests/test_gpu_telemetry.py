@@ -12,14 +12,16 @@ import torch
 from autotune.gpu_telemetry import NVML_CALLS, THROTTLE_POLICIES, GpuTelemetry, Reading, throttle_note, window_stats
 
 
-def reading(at: float, throttled_ns: int | None, clock: int = 1980) -> Reading:
-    return Reading(at=at, sm_clock_mhz=clock, temperature_c=61, power_w=512.5, throttled_ns=throttled_ns)
+def reading(at: float, throttled_ns: int | None, clock: int = 1980, utilization: int | None = None) -> Reading:
+    return Reading(at=at, sm_clock_mhz=clock, temperature_c=61, power_w=512.5, throttled_ns=throttled_ns,
+                   utilization_percent=utilization)
 
 
 def test_a_window_reports_the_fraction_of_its_time_the_clocks_were_held_down() -> None:
-    stats = window_stats(reading(10.0, 5_000_000_000), reading(12.0, 5_500_000_000, clock=1755))
-    assert stats == {"sm_clock_mhz": 1755, "temperature_c": 61, "power_w": 512.5,
-                     "throttled_fraction": pytest.approx(0.25)}  # 0.5 s of 2 s
+    stats = window_stats(reading(10.0, 5_000_000_000, utilization=99), reading(12.0, 5_500_000_000, clock=1755,
+                                                                                utilization=57))
+    assert stats == {"sm_clock_mhz": 1755, "temperature_c": 61, "power_w": 512.5,  # the window's end
+                     "throttled_fraction": pytest.approx(0.25), "utilization_percent": 57}  # 0.5 s of 2 s
 
 
 @pytest.mark.parametrize(("start_ns", "end_ns"), [(None, 10), (10, None), (5_000_000_000, 0), (0, 10**12)])
@@ -62,3 +64,4 @@ def test_the_nvml_calls_and_fields_autotune_reads_exist_in_the_installed_nvidia_
     for name in (*NVML_CALLS, *THROTTLE_POLICIES, "NVML_CLOCK_SM", "NVML_TEMPERATURE_GPU"):
         assert hasattr(pynvml, name), name
     assert "violationTime" in [name for name, _ in pynvml.c_nvmlViolationTime_t._fields_]
+    assert "gpu" in [name for name, _ in pynvml.c_nvmlUtilization_t._fields_]

@@ -50,6 +50,12 @@ def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> Non
     for wait, throughput in zip(r.window_data_wait_s, r.window_throughputs, strict=True):
         assert 0 <= wait <= r.window_steps * r.config["effective_batch"] / throughput * 1.05 + 1e-3
     assert r.window_gpu == [] and r.measurement_notes == []  # no GPU: no telemetry, nothing to qualify
+    # the training loop's thread per window (Linux), and the CPU it ran on
+    assert len(r.window_host) == len(r.window_throughputs)
+    for window in r.window_host:
+        assert window["busy_fraction"] is not None and 0 < window["busy_fraction"] <= 1
+        assert window["minor_faults"] >= 0 and window["involuntary_switches"] >= 0
+    assert r.host_cpu
     assert r.peak_mem_reserved_bytes is not None and r.peak_mem_reserved_bytes > 0
     assert r.steps == SAMPLES // 8 and r.warmup_steps == 5 and r.window_steps == 1
     assert r.samples_trained == r.steps * r.config["effective_batch"] == SAMPLES
@@ -344,6 +350,8 @@ def test_probe_on_cuda(tiny: Workload) -> None:
         assert window["sm_clock_mhz"] is not None and window["sm_clock_mhz"] > 100
         assert window["temperature_c"] is not None and 0 < window["temperature_c"] < 120
         assert window["throttled_fraction"] is None or 0 <= window["throttled_fraction"] <= 1
+        assert window["utilization_percent"] is not None and 0 <= window["utilization_percent"] <= 100
+    assert len(r.window_host) == len(r.window_throughputs)
 
 
 @pytest.mark.gpu
