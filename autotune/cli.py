@@ -95,7 +95,7 @@ def _gpu_summary(windows: list[dict[str, Any]]) -> str:
 
 def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
     """The training loop's thread over the timed windows (autotune.host_telemetry): its busy
-    range, page faults and preemptions in all; and the host's CPU ("-": nothing recorded)."""
+    range, page faults, preemptions and sleeps in all; and the host's CPU ("-": nothing recorded)."""
     from autotune.gpu_telemetry import window_range
 
     parts = []

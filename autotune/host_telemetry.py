@@ -16,6 +16,8 @@ start and end of every timed window and records, per window:
                           it shares with them copy pages; a burst of these slows a window.
 ``involuntary_switches``  times the kernel took the core from the thread (another process or
                           thread wanted it): preemption, e.g. by busy DataLoader workers.
+``voluntary_switches``    times the thread went to sleep: waiting on a lock (the GIL, when
+                          another thread of the process holds it), a queue or a blocking sync.
 
 Best effort, like the GPU's telemetry: where RUSAGE_THREAD does not exist (macOS, Windows)
 nothing is recorded. The host's CPU model (`cpu_model`) goes with the result, since
@@ -41,6 +43,7 @@ class ThreadUsage:
     cpu_s: float  # user + system
     minor_faults: int
     involuntary_switches: int
+    voluntary_switches: int
 
     @classmethod
     def read(cls) -> ThreadUsage | None:
@@ -49,7 +52,7 @@ class ThreadUsage:
             return None
         usage = resource.getrusage(_RUSAGE_THREAD)
         return cls(at=time.perf_counter(), cpu_s=usage.ru_utime + usage.ru_stime, minor_faults=usage.ru_minflt,
-                   involuntary_switches=usage.ru_nivcsw)
+                   involuntary_switches=usage.ru_nivcsw, voluntary_switches=usage.ru_nvcsw)
 
 
 def window_stats(start: ThreadUsage, end: ThreadUsage) -> dict[str, float | int | None]:
@@ -58,7 +61,8 @@ def window_stats(start: ThreadUsage, end: ThreadUsage) -> dict[str, float | int 
     busy = (end.cpu_s - start.cpu_s) / seconds if seconds > 0 else None
     return {"busy_fraction": None if busy is None else round(min(busy, 1.0), 4),
             "minor_faults": end.minor_faults - start.minor_faults,
-            "involuntary_switches": end.involuntary_switches - start.involuntary_switches}
+            "involuntary_switches": end.involuntary_switches - start.involuntary_switches,
+            "voluntary_switches": end.voluntary_switches - start.voluntary_switches}
 
 
 def cpu_model() -> str:

@@ -45,6 +45,14 @@ def test_touching_new_memory_counts_page_faults() -> None:
     assert measure(touch)["minor_faults"] > max(16, 4 * quiet["minor_faults"])  # type: ignore[operator]
 
 
+def test_sleeping_counts_voluntary_switches() -> None:
+    def naps() -> None:
+        for _ in range(20):
+            time.sleep(0.001)
+
+    assert measure(naps)["voluntary_switches"] >= 20  # type: ignore[operator]
+
+
 def test_the_counters_are_the_calling_threads_own() -> None:
     """Another thread's work does not show in this thread's window: the readings are per thread."""
     other = threading.Thread(target=spin)

@@ -54,7 +54,7 @@ def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> Non
     assert len(r.window_host) == len(r.window_throughputs)
     for window in r.window_host:
         assert window["busy_fraction"] is not None and 0 < window["busy_fraction"] <= 1
-        assert window["minor_faults"] >= 0 and window["involuntary_switches"] >= 0
+        assert min(window["minor_faults"], window["involuntary_switches"], window["voluntary_switches"]) >= 0
     assert r.host_cpu
     assert r.peak_mem_reserved_bytes is not None and r.peak_mem_reserved_bytes > 0
     assert r.steps == SAMPLES // 8 and r.warmup_steps == 5 and r.window_steps == 1
