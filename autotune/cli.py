@@ -103,7 +103,8 @@ def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
     if busy is not None:
         parts.append(f"loop thread busy {busy[0]:.0%}" + ("" if busy[0] == busy[1] else f"–{busy[1]:.0%}"))
         parts += [f"{sum(w.get(key) or 0 for w in windows):,} {label}"
-                  for key, label in (("minor_faults", "page faults"), ("involuntary_switches", "preemptions"))]
+                  for key, label in (("minor_faults", "page faults"), ("involuntary_switches", "preemptions"),
+                                     ("voluntary_switches", "sleeps"))]
     if cpu:
         parts.append(cpu)
     return ", ".join(parts) or "-"
