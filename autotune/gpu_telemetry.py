@@ -18,6 +18,7 @@ does not answer a query, the fields are None and nothing else changes.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ NVML_CALLS = ("nvmlInit", "nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetClockIn
 # perf-policy types whose violation counters mean "clocks held down"
 THROTTLE_POLICIES = ("NVML_PERF_POLICY_POWER", "NVML_PERF_POLICY_THERMAL")
 THROTTLE_NOTE_FRACTION = 0.05  # a window throttled this long is worth a note
+HOST_BOUND_UTILIZATION = 80  # median utilization (%) over the windows below which the GPU mostly waited on the host
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,21 @@ def throttle_note(windows: Sequence[dict[str, float | None]]) -> str | None:
     return (f"the driver held the GPU's clocks down (power or heat) during the timed windows: {where}{clock_range}. "
             "This throughput holds for a GPU in the same state; check cooling and power limits (nvidia-smi -q -d "
             "PERFORMANCE) before comparing it with other hosts")
+
+
+def host_bound_note(windows: Sequence[dict[str, float | None]]) -> str | None:
+    """A note when the GPU ran kernels for less than HOST_BOUND_UTILIZATION % of the time in the
+    median window: the host bounds this throughput (None: no readings, or a busy GPU)."""
+    values = sorted(v for v in (w.get("utilization_percent") for w in windows) if v is not None)  # every window's
+    if not values or len(values) < len(windows):
+        return None
+    median = statistics.median(values)
+    if median >= HOST_BOUND_UTILIZATION:
+        return None
+    return (f"the GPU ran kernels {median:.0f} % of the time (median over the timed windows; "
+            f"{values[0]:.0f}–{values[-1]:.0f} %): the host bounds this throughput. Host-bound throughputs follow "
+            "the host's CPU and load: they compare only between like hosts (host_cpu), and repeated runs of one "
+            "config can differ by more than a GPU-bound config's (bench/README.md, probe fidelity)")
 
 
 class GpuTelemetry:

@@ -64,7 +64,7 @@ import torch
 
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.gate import window_rate
-from autotune.gpu_telemetry import GpuTelemetry, throttle_note, window_stats
+from autotune.gpu_telemetry import GpuTelemetry, host_bound_note, throttle_note, window_stats
 from autotune.host_telemetry import ThreadUsage, cpu_model
 from autotune.host_telemetry import window_stats as host_window_stats
 from autotune.knobs import (
@@ -490,9 +490,9 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 result.stopped_early = True
                 break
         result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
-        throttled = throttle_note(result.window_gpu)
-        if throttled:
-            result.measurement_notes.append(throttled)
+        for note in (throttle_note(result.window_gpu), host_bound_note(result.window_gpu)):
+            if note:
+                result.measurement_notes.append(note)
         windows = result.window_throughputs
         result.throughput_samples_per_s, result.throughput_spread = window_rate(windows)
 

@@ -294,12 +294,19 @@ def analyze(args: argparse.Namespace) -> None:
                for name, r in results.items()}
     doc: dict[str, Any] = {"summary": summary, "strategies": results}
     if args.fidelity:
-        doc["fidelity"] = fidelity_summary([Path(p) for p in args.fidelity], results)
+        doc["fidelity"] = fidelity_summary([Path(p) for p in args.fidelity], results, set(args.other_host or ()))
         for p in doc["fidelity"]:
             print(f"fidelity {p['strategy']} #{p['number']} ({p['run']}): short/long {p['short_over_long']:.3f} "
                   f"(median {p['median_short_over_long']:.3f}; study/long {p['study_over_long'] or float('nan'):.3f})")
         if args.png:
             _plot_fidelity(doc["fidelity"], Path(args.png).with_name(Path(args.png).stem + "_fidelity.png"))
+    if args.repeats:
+        doc["repeats"] = repeat_summary([Path(p) for p in args.repeats])
+        for r in doc["repeats"]:
+            print(f"repeats {r['config']} ({r['run']}): {r['n']} probes, median {r['median']:.0f}, "
+                  f"spread {r['spread']:.1%}")
+        if args.png:
+            _plot_repeats(doc["repeats"], Path(args.png).with_name(Path(args.png).stem + "_repeats.png"))
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps(summary, indent=1))
     if args.png:
@@ -434,10 +441,16 @@ def fidelity(args: argparse.Namespace) -> None:
               f"samples/s (short/long {ratio or float('nan'):.3f})", flush=True)
 
 
-def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+COMPILED_WARMUP_S = 20.0  # a warm-up this long compiled (cold: 38-92 s on the H100 host); from the cache: 4-10 s
+
+
+def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
+                     other_host: set[str] = frozenset()) -> list[dict[str, Any]]:  # type: ignore[assignment]
     """Every short/long pair of the fidelity runs, with both statistics: the probe's rate (timed
     samples over timed seconds) and the windows' median (what the probe reported before); and
-    the study's own measurement of the config (its rate, from `results`: strategy_result's)."""
+    the study's own measurement of the config (its rate, from `results`: strategy_result's),
+    except for runs named in `other_host` (file names: runs on another host than the studies',
+    whose host-bound throughputs do not compare with the studies')."""
     pairs = []
     for path in paths:
         doc = json.loads(path.read_text())
@@ -453,9 +466,11 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]]) -> l
                                                                   "checkpoint", "persistent_workers")
                                   if k in config),  # a given config names only the knobs it sets
                 "study": study, "short_warmup_s": c["short"]["warmup_s"], "host_cpu": c["short"].get("host_cpu"),
+                "short_compiled": (c["short"]["warmup_s"] or 0) >= COMPILED_WARMUP_S,
+                "same_host_as_study": path.name not in other_host,
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
-                "study_over_long": study / long_rate if study else None,
+                "study_over_long": study / long_rate if study and path.name not in other_host else None,
                 **{f"{side}_{k}": v for side in ("short", "long") for k, v in _gpu_extremes(c[side]).items()}})
     return pairs
 
@@ -477,21 +492,66 @@ def _gpu_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
 def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = [f"{p['strategy']} #{p['number']}\n({p['run'].removesuffix('.json')[-4:]})" for p in pairs]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    labels = [f"{p['strategy']} #{p['number']}\n{p['run'].removesuffix('.json')[-4:]}, "
+              f"{'compiled' if p.get('short_compiled') else 'cached'}" for p in pairs]
     xs = range(len(pairs))
     ax.bar([x - 0.2 for x in xs], [100 * (p["short_over_long"] - 1) for p in pairs], 0.4,
            label="fresh short probe: timed samples / timed s")
     ax.bar([x + 0.2 for x in xs], [100 * (p["median_short_over_long"] - 1) for p in pairs], 0.4,
            label="fresh short probe: median of windows")
     studied = [(x, p["study_over_long"]) for x, p in zip(xs, pairs, strict=True) if p["study_over_long"]]
-    ax.plot([x for x, _ in studied], [100 * (r - 1) for _, r in studied], "kD", label="the study's own probe")
+    ax.plot([x for x, _ in studied], [100 * (r - 1) for _, r in studied], "kD",
+            label="the study's own probe (runs on the studies' host)")
     for y in (-3, 3):
         ax.axhline(y, color="grey", linestyle=":")
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_xticks(list(xs), labels, fontsize=6)
     ax.set_ylabel("short probe vs 10x longer run (%)")
     ax.set_title("Probe fidelity, top configs of the tuning benchmark")
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def repeat_summary(paths: list[Path]) -> list[dict[str, Any]]:
+    """Short probes of one config repeated on one host (a cache-states JSON or a host_bound.sh
+    JSONL): per config and file, the throughputs in run order with their state or variant, the
+    median and the spread ((max - min) / median)."""
+    rows = []
+    for path in paths:
+        if path.suffix == ".jsonl":  # bench/host_bound.sh: one probe per line
+            groups: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+            for line in path.read_text().splitlines():
+                d = json.loads(line)
+                groups.setdefault(d["config"]["batch_size"], []).append((d["variant"], d["result"]))
+            named = [(f"batch {b}", probes) for b, probes in groups.items()]
+        else:  # tuning.py cache-states
+            named = [(f"{c['strategy']} #{c['number']}", [(p["state"], p) for p in c["probes"]])
+                     for c in json.loads(path.read_text())["configs"]]
+        for name, probes in named:
+            values = [p["throughput_samples_per_s"] for _, p in probes if p.get("throughput_samples_per_s")]
+            median = statistics.median(values)
+            rows.append({"run": path.name, "config": name, "n": len(values), "median": median,
+                         "spread": (max(values) - min(values)) / median,
+                         "probes": [{"label": label, "throughput": p.get("throughput_samples_per_s"),
+                                     "warmup_s": p.get("warmup_s"), "host_cpu": p.get("host_cpu")}
+                                    for label, p in probes]})
+    return rows
+
+
+def _plot_repeats(rows: list[dict[str, Any]], path: Path) -> None:
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for y, row in enumerate(rows):
+        for i, p in enumerate(row["probes"]):
+            if p["throughput"]:
+                ax.plot(p["throughput"], y + 0.08 * (i - len(row["probes"]) / 2), "o", color=f"C{i}")
+                ax.annotate(p["label"], (p["throughput"], y + 0.08 * (i - len(row["probes"]) / 2)), fontsize=6,
+                            xytext=(3, 0), textcoords="offset points", va="center")
+    ax.set_yticks(list(range(len(rows))), [f"{r['config']}\n{r['run']}" for r in rows], fontsize=7)
+    ax.set_xlabel("short probe samples/s (each dot: one process; run order top to bottom)")
+    ax.set_title("The same config on the same host, probe after probe")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -517,6 +577,10 @@ def main() -> None:
     a.add_argument("--budget-s", type=float, default=1200, help="the equal budget random search is judged at")
     a.add_argument("--png", help="the anytime plot (and, with --fidelity, <stem>_fidelity.png)")
     a.add_argument("--fidelity", nargs="*", help="fidelity JSONs (the fidelity step's) to summarise")
+    a.add_argument("--other-host", nargs="*", help="fidelity JSONs (file names) run on another host than the "
+                                                   "studies: their study-probe comparison is left out")
+    a.add_argument("--repeats", nargs="*", help="cache-states JSONs or host_bound.sh JSONLs: repeated probes "
+                                                "of one config on one host")
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
     k = sub.add_parser("cache-states", help="short probes of the top configs, each compiled cold or loaded warm")

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.gpu_telemetry import NVML_CALLS, THROTTLE_POLICIES, GpuTelemetry, Reading, throttle_note, window_stats
+from autotune.gpu_telemetry import (
+    NVML_CALLS,
+    THROTTLE_POLICIES,
+    GpuTelemetry,
+    Reading,
+    host_bound_note,
+    throttle_note,
+    window_stats,
+)
 
 
 def reading(at: float, throttled_ns: int | None, clock: int = 1980, utilization: int | None = None) -> Reading:
@@ -43,6 +51,22 @@ def test_no_throttling_or_no_counters_means_no_note() -> None:
     assert throttle_note([window_stats(reading(0.0, 0), reading(1.0, 1_000_000))]) is None
     assert throttle_note([window_stats(reading(0.0, None), reading(1.0, None))]) is None
     assert throttle_note([]) is None
+
+
+def windows_at(*utilizations: int | None) -> list[dict[str, float | None]]:
+    return [window_stats(reading(0.0, 0), reading(1.0, 0, utilization=u)) for u in utilizations]
+
+
+def test_a_gpu_that_mostly_waited_on_the_host_gets_a_note() -> None:
+    """The readings of a batch-24 CUDA-graphs probe on the H100 host (bench/results/host_bound_h100.jsonl)."""
+    note = host_bound_note(windows_at(69, 69, 68, 67, 46, 62, 66, 60))
+    assert note is not None and "66 %" in note and "46–69 %" in note and "host bounds" in note
+
+
+def test_a_busy_gpu_or_missing_readings_mean_no_host_bound_note() -> None:
+    assert host_bound_note(windows_at(94, 82, 89, 93, 0, 97, 93, 89)) is None  # one slow window: median 91
+    assert host_bound_note(windows_at(50, None, 50)) is None  # a window without a reading: no claim
+    assert host_bound_note([]) is None
 
 
 def test_there_is_no_telemetry_off_a_gpu() -> None:
