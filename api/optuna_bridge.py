@@ -56,7 +56,7 @@ MAX_GRID_COMBINATIONS = 1_000_000
 MAX_REPEATS = 20
 # lease-specific user attrs not carried over to a repeat
 REPEAT_DROPPED_ATTRS = ("worker_id", "starting_point", "retry_of", "attempt", "grid_index", "remeasure_of",
-                        "probe", "prune_reason")
+                        "remeasure_round", "probe", "prune_reason")
 
 
 class StudyExists(Exception):

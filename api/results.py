@@ -2,7 +2,9 @@
 
 Roles (user attr ``role``): the study's first `baseline_seeds` trials are *baseline* runs of
 the user's config (probe seeds seed, seed+1, …), then *search* trials, then, once the search
-is done, *remeasure* trials (user attr ``remeasure_of``: the trial number re-measured).
+is done, *remeasure* trials (user attrs ``remeasure_of``: the trial number re-measured, and
+``remeasure_round``: 0, 1, … up to spec.remeasure.rounds - 1; every target's round r is
+created before any target's round r + 1, so the rounds interleave).
 
 Retries: a trial *lost* with its worker (Optuna FAIL, failure_kind "lost": the reaper saw no
 heartbeat) is re-run as a new trial of the same role, config and probe, carrying user attrs
@@ -24,8 +26,10 @@ Failed probes are told to Optuna as COMPLETE with worst-case values (api/outcome
 view here reads `service_state`, which says FAIL for them.
 
 The recommendation is the fastest feasible config: among the re-measured configs (throughput
-= the re-measure run's throughput, CI over its windows) and the baseline when re-measurement
-happened, else among every feasible trial (CI over the trial's own windows).
+= the timed samples over the timed seconds of all its re-measure runs' windows, which hold
+equal steps, with the CI over those windows) and the baseline when re-measurement happened,
+else among every feasible trial (CI over the trial's own windows). A config one of whose
+re-measurements failed is not recommended.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import yaml
 from api.optuna_bridge import TrialRecord
 from api.outcome import NOT_ABOUT_THE_CONFIG
 from autotune.config import KNOBS
-from autotune.gate import BaselineStats, Estimate, Gate
+from autotune.gate import BaselineStats, Estimate, Gate, window_rate
 from autotune.gate import is_feasible as gate_feasible
 from autotune.protocol import OBJECTIVES, Recommendation, StudySpec, TrialInfo
 
@@ -259,6 +263,7 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
         prune_reason=str(prune_reason) if prune_reason else None,
         remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None,
+        remeasure_round=key[1] if (key := remeasure_key(trial)) else None,
         starting_point=starting_point if isinstance(starting_point, int) else None,
         repeat_of=repeat_of if isinstance(repeat_of, int) else None, duration_s=trial.duration_s,
         attempt=attempt_of(trial), retry_of=retry_of(trial), retried_as=retry,
@@ -320,6 +325,20 @@ def search_done(spec: StudySpec, trials: Sequence[TrialRecord], max_trials: int)
     return len(first_attempts(first)) >= max_trials and all(t.finished for t in first) and not state.pending
 
 
+def remeasure_key(trial: TrialRecord) -> tuple[int, int] | None:
+    """(the trial re-measured, the round) of a remeasure trial; None for other trials. A trial
+    from before rounds existed is round 0."""
+    of, round_ = trial.user_attrs.get("remeasure_of"), trial.user_attrs.get("remeasure_round", 0)
+    if role(trial) != "remeasure" or not isinstance(of, int) or not isinstance(round_, int):
+        return None
+    return of, round_
+
+
+def remeasure_plan(spec: StudySpec, targets: Sequence[TrialRecord]) -> list[tuple[TrialRecord, int]]:
+    """Every (target, round) the study re-measures, in creation order: round by round."""
+    return [(t, r) for r in range(spec.remeasure.rounds) for t in targets]
+
+
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
     """The top_k feasible search trials by throughput (the configs to re-measure), fastest first."""
     if spec.remeasure.top_k <= 0 or gate is None:
@@ -365,27 +384,27 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
                                f"({len(runs)}/{spec.baseline_seeds} started; waiting for trials {waiting}) have not "
                                f"all finished; the quality gate needs their {quality_name(spec, trials)}")
     gate = gate_quality(spec, trials)
-    remeasured: dict[int, TrialRecord] = {}
+    remeasured: dict[int, list[TrialRecord]] = {}
     dropped: set[int] = set()
     state = retries(spec, trials)
     for t in trials:
-        of = t.user_attrs.get("remeasure_of")
-        if role(t) == "remeasure" and isinstance(of, int) and state.settled(t):
+        key = remeasure_key(t)
+        if key is not None and state.settled(t):
             if completed(t) and metric(t, spec, "throughput_samples_per_s") is not None:
-                remeasured[of] = t
+                remeasured.setdefault(key[0], []).append(t)
             else:
-                dropped.add(of)  # failed to reproduce (or lost for good): not recommended
-    # (original trial, measurement whose throughput counts)
-    candidates = [(t, remeasured.get(t.number, t)) for t in trials if role(t) != "remeasure" and not is_repeat(t)
+                dropped.add(key[0])  # failed to reproduce (or lost for good): not recommended
+    # (original trial, the measurements whose throughput counts)
+    candidates = [(t, remeasured.get(t.number, [t])) for t in trials if role(t) != "remeasure" and not is_repeat(t)
                   and is_feasible(t, spec, gate) and t.number not in dropped]
     if remeasured:
         candidates = [c for c in candidates if c[0].number in remeasured or role(c[0]) == "baseline"]
-    scored = [(thr, orig, run) for orig, run in candidates
-              if (thr := metric(run, spec, "throughput_samples_per_s")) is not None]
+    scored = [(thr, orig, runs) for orig, runs in candidates if (thr := _pooled_throughput(runs, spec)) is not None]
     if not scored:
         raise NoRecommendation(f"study {study_name!r} has no feasible completed trial with a throughput yet")
-    throughput, best, run = max(scored, key=lambda c: (c[0], -c[1].number))
-    windows = _windows(run)
+    throughput, best, runs = max(scored, key=lambda c: (c[0], -c[1].number))
+    run = runs[-1]  # the latest measurement: its notes and peak memory
+    windows = [w for r in runs for w in _windows(r)]
     ci = Estimate.for_rate(windows) if len(windows) >= 2 else None  # throughput: the windows' rate
     config = best.user_attrs.get("config") or {}
     peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
@@ -403,10 +422,24 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         baseline_quality=summary.quality.mean, baseline_quality_std=summary.quality.std, gate_quality=gate,
         peak_mem_reserved_bytes=int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None,
         throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
-        remeasured=run is not best, baseline_val_nrmse_std=summary.quality.std if nrmse else None,
+        remeasured=run is not best, remeasure_rounds=len(runs) if run is not best else 0,
+        baseline_val_nrmse_std=summary.quality.std if nrmse else None,
         baseline_seeds=summary.quality.n,
         measurement_notes=[str(n) for n in run.user_attrs.get("measurement_notes") or []],
     )
+
+
+def _pooled_throughput(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:
+    """One measurement's throughput; several re-measurements' pooled: the timed samples over the
+    timed seconds of all their windows (every run of a config is one probe, so its windows hold
+    equal samples), else, without stored windows, their throughputs' median."""
+    values = [v for r in runs if (v := metric(r, spec, "throughput_samples_per_s")) is not None]
+    if len(runs) == 1 or not values:
+        return values[0] if values else None
+    windows = [_windows(r) for r in runs]
+    if all(windows):
+        return window_rate([w for ws in windows for w in ws])[0]
+    return statistics.median(values)
 
 
 def recommendation_yaml(rec: Recommendation) -> str:

@@ -71,6 +71,8 @@ from api.results import (
     metric,
     pareto_front,
     recommend,
+    remeasure_key,
+    remeasure_plan,
     remeasure_targets,
     retried_as,
     retries,
@@ -325,8 +327,8 @@ class TuningService:
             return False
         targets = remeasure_targets(ctx.spec, trials, gate_nrmse(ctx.spec, trials))
         state = retries(ctx.spec, trials)
-        done = {t.user_attrs.get("remeasure_of") for t in trials if role(t) == "remeasure" and state.settled(t)}
-        return all(t.number in done for t in targets)
+        done = {remeasure_key(t) for t in trials if state.settled(t)}
+        return all((t.number, r) in done for t, r in remeasure_plan(ctx.spec, targets))
 
     def get_study(self, name: str) -> StudyInfo:
         return self._study_info(self._record(name))
@@ -405,7 +407,7 @@ class TuningService:
         """Re-run `lost`: same role, probe (seed included) and config; a search trial's params
         are enqueued again, so the sampler sees the same point."""
         attrs: dict[str, Any] = {"retry_of": lost.number, "attempt": attempt_of(lost) + 1}
-        for key in ("probe", "baseline_seed", "remeasure_of", "starting_point"):
+        for key in ("probe", "baseline_seed", "remeasure_of", "remeasure_round", "starting_point"):
             if key in lost.user_attrs:
                 attrs[key] = lost.user_attrs[key]
         trial_role = role(lost)
@@ -447,12 +449,13 @@ class TuningService:
         trials = self.bridge.trials(ctx.name)
         if not search_done(spec, trials, self.bridge.max_trials(ctx)):
             return None
-        already = {t.user_attrs.get("remeasure_of") for t in trials if role(t) == "remeasure"}
-        todo = [t for t in remeasure_targets(spec, trials, self._gates[ctx.name]) if t.number not in already]
+        already = {remeasure_key(t) for t in trials}
+        todo = [(t, r) for t, r in remeasure_plan(spec, remeasure_targets(spec, trials, self._gates[ctx.name]))
+                if (t.number, r) not in already]
         if not todo:
             self._remeasures_created.add(ctx.name)
             return None
-        target = todo[0]
+        target, round_ = todo[0]
         samples = spec.probe.samples or target.user_attrs.get("samples_trained")
         factor = spec.remeasure.samples_factor
         probe = spec.probe.model_copy(update={
@@ -462,7 +465,7 @@ class TuningService:
         config = target.user_attrs.get("config")
         knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
         return Plan("remeasure", knobs, {  # the effective config, less derived fields (effective_batch)
-            "probe": probe.model_dump(mode="json"), "remeasure_of": target.number}, configs)
+            "probe": probe.model_dump(mode="json"), "remeasure_of": target.number, "remeasure_round": round_}, configs)
 
     def _starting_points(self, ctx: StudyContext) -> list[dict[str, Any]]:
         """The study's starting points, derived once per process from its first finished

@@ -238,6 +238,11 @@ def studies_table(studies: list[StudyInfo]) -> Table:
     return table
 
 
+def _times(n: int) -> str:
+    """ " once", " twice", " 3 times"; "" for 0 (a recommendation from a service before rounds)."""
+    return {0: "", 1: " once", 2: " twice"}.get(n, f" {n} times")
+
+
 def trials_table(trials: list[TrialInfo], title: str) -> Table:
     table = Table(title=title, caption=KNOBS_LEGEND)
     metric = next((t.quality_metric for t in trials if t.quality_metric), "val_nrmse")
@@ -250,8 +255,9 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         state = f"[{colors.get(t.state, 'white')}]{t.state}[/]"
         feasible = {True: "yes", False: "no", None: "-"}[t.feasible]
         failure = t.failure["kind"] if t.failure else ""
+        round_ = f", round {t.remeasure_round + 1}" if t.remeasure_round else ""
         role = " [cyan](baseline)[/]" if t.is_baseline else \
-            f" [cyan](re-measure of {t.remeasure_of})[/]" if t.role == "remeasure" else \
+            f" [cyan](re-measure of {t.remeasure_of}{round_})[/]" if t.role == "remeasure" else \
             f" [cyan](starting point {t.starting_point + 1})[/]" if t.starting_point is not None else \
             f" [cyan](same as {t.repeat_of}, not run)[/]" if t.repeat_of is not None else ""
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
@@ -271,7 +277,8 @@ def recommendation_table(rec: Recommendation) -> Table:
                   + ("" if base_thr is None else f" (baseline {base_thr:,.1f})"))
     if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
         table.add_row("95% CI", f"{rec.throughput_ci_low:,.1f} – {rec.throughput_ci_high:,.1f} samples/s "
-                      + ("(re-measured with a longer probe)" if rec.remeasured else "(over the trial's windows)"))
+                      + (f"(re-measured{_times(rec.remeasure_rounds)} with a longer probe)" if rec.remeasured
+                         else "(over the trial's windows)"))
     table.add_row("speedup", "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline")
     name = "val NRMSE" if rec.quality_metric == "val_nrmse" else rec.quality_metric
     if rec.baseline_quality is None or rec.quality is None:

@@ -119,6 +119,9 @@ class RemeasureSpec(Strict):
     samples_factor: float = Field(2.0, ge=1, le=100, description="probe samples × this factor")
     windows: int = Field(16, ge=5, le=100, description="timed windows of the re-measurement")
     seed_offset: int = Field(1000, ge=0, le=2**30, description="probe seed + this offset")
+    rounds: int = Field(1, ge=1, le=10, description="re-measurements per config, in interleaved rounds (every "
+                        "config once, then again): they count together, so a host whose speed drifts over minutes "
+                        "favours no config; 2-3 where repeated runs of one config differ by more than the configs do")
 
 
 class QualitySpec(Strict):
@@ -361,6 +364,7 @@ class TrialInfo(BaseModel):
     role: Literal["baseline", "search", "remeasure"] = "search"
     prune_reason: str | None = None
     remeasure_of: int | None = Field(None, description="the trial number a remeasure trial re-measures")
+    remeasure_round: int | None = Field(None, description="a remeasure trial's round (0, 1, …)")
     starting_point: int | None = Field(None, description="which of the study's starting points this search "
                                                          "trial ran (0 = the first; None: the sampler's draw)")
     repeat_of: int | None = Field(None, description="the measured trial whose params the sampler drew again: this "
@@ -396,6 +400,7 @@ class Recommendation(BaseModel):
     throughput_ci_low: float | None = Field(None, description="95 % confidence interval of the throughput")
     throughput_ci_high: float | None = None
     remeasured: bool = False
+    remeasure_rounds: int = Field(0, description="the re-measurements the throughput pools (0: the search trial's own)")
     baseline_val_nrmse_std: float | None = None
     baseline_seeds: int = 0
     measurement_notes: list[str] = Field(default_factory=list, description="what qualifies the recommended "

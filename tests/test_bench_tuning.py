@@ -73,3 +73,7 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     assert [p["state"] for p in probes] == ["cold", "warm", "cold"]
     assert probes[0]["cache"] == probes[1]["cache"] != probes[2]["cache"]
     assert all(p["samples_trained"] == 320 and p["host_cpu"] and p["window_host"] for p in probes)
+    _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--repeats", str(states)], tmp_path)
+    (repeats,) = json.loads(out.read_text())["repeats"]
+    assert repeats["n"] == 3 and [p["label"] for p in repeats["probes"]] == ["cold", "warm", "cold"]
+    assert repeats["spread"] >= 0 and repeats["median"] in [p["throughput"] for p in repeats["probes"]]

@@ -4,6 +4,7 @@ re-measurement of the top configs."""
 
 from __future__ import annotations
 
+import io
 import statistics
 from typing import Any
 
@@ -11,10 +12,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from optuna.samplers._base import _CONSTRAINTS_KEY
+from rich.console import Console
 from service_helpers import StudyFactory, complete, lease, probe_result
 
 from api.service import TuningService
+from autotune.cli import recommendation_table
 from autotune.gate import FAILED_CONSTRAINT
+from autotune.protocol import Recommendation
 from autotune.samplers import CONSTRAINT_ATTR
 
 BASE_NRMSE = [0.10, 0.12, 0.14]  # mean 0.12, std 0.02 → gate 0.12 + max(0.01, 2 × 0.02) = 0.16
@@ -140,6 +144,62 @@ def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: Tes
     assert best["remeasured"] is True
     assert best["throughput_ci_low"] < 260.0 < best["throughput_ci_high"]
     assert best["speedup"] == pytest.approx(2.6)
+
+
+def test_remeasure_rounds_interleave_and_the_recommendation_pools_them(client: TestClient,
+                                                                       make_study: StudyFactory) -> None:
+    """Two rounds over the top 2: every config once, then every config again, and each config's
+    throughput pools its rounds' windows. Here the host slows down between the rounds (a drift
+    of minutes, as on the H100 host in bench/README.md): config A, measured once while the
+    host was fast, looks faster than B; over both rounds B is."""
+    make_study("s", n_trials=3, seed=0, probe={"samples": 100},
+               remeasure={"top_k": 2, "windows": 5, "rounds": 2})
+    _run_baselines(client, [0.1])
+    numbers = [_complete_with_windows(client, got, "w", thr, [thr] * 3)["number"]
+               for thr in (300.0, 280.0) if (got := lease(client, "w")) is not None]
+    a, b = numbers
+    order, leases = [], []
+    for i in range(4):
+        got = lease(client, f"r{i}")
+        assert got is not None and got["role"] == "remeasure"
+        trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"] if t["trial_id"] == got["trial_id"])
+        order.append((trial["remeasure_of"], trial["remeasure_round"]))
+        leases.append(got)
+    assert lease(client, "r4") is None  # 2 configs × 2 rounds
+    assert order == [(a, 0), (b, 0), (a, 1), (b, 1)]  # interleaved: round by round
+    # round 0 on a fast host, round 1 on a slow one (A's second round after a slowdown)
+    for i, (got, windows) in enumerate(zip(leases, ([300.0] * 5, [290.0] * 5, [200.0] * 5, [250.0] * 5),
+                                           strict=True)):
+        assert client.get("/v1/studies/s").json()["state"] == "running"  # every round counts
+        _complete_with_windows(client, got, f"r{i}", windows[0], windows)
+    study = client.get("/v1/studies/s").json()
+    assert study["state"] == "finished"
+    best = client.get("/v1/studies/s/best").json()
+    assert best["trial_number"] == b and best["remeasured"] is True and best["remeasure_rounds"] == 2
+    assert best["throughput_samples_per_s"] == pytest.approx(statistics.harmonic_mean([290.0] * 5 + [250.0] * 5))
+    assert best["throughput_ci_low"] < best["throughput_samples_per_s"] < best["throughput_ci_high"]
+    console = Console(width=300, record=True, file=io.StringIO())
+    console.print(recommendation_table(Recommendation.model_validate(best)))  # what `autotune best`/the demo show
+    assert "(re-measured twice with a longer probe)" in console.export_text()
+
+
+def test_a_config_whose_remeasure_round_fails_is_not_recommended(client: TestClient,
+                                                                 make_study: StudyFactory) -> None:
+    make_study("s", n_trials=3, seed=0, probe={"samples": 100}, remeasure={"top_k": 2, "windows": 5, "rounds": 2})
+    _run_baselines(client, [0.1])
+    numbers = [_complete_with_windows(client, got, "w", thr, [thr] * 3)["number"]
+               for thr in (300.0, 280.0) if (got := lease(client, "w")) is not None]
+    for i in range(4):
+        got = lease(client, f"r{i}")
+        assert got is not None
+        trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"] if t["trial_id"] == got["trial_id"])
+        if (trial["remeasure_of"], trial["remeasure_round"]) == (numbers[0], 1):  # the faster config OOMs once
+            complete(client, got, f"r{i}", throughput=None, nrmse=None,
+                     failure={"kind": "oom", "message": "CUDA out of memory"})
+        else:
+            _complete_with_windows(client, got, f"r{i}", 300.0, [300.0] * 5)
+    best = client.get("/v1/studies/s/best").json()
+    assert best["trial_number"] == numbers[1] and best["remeasure_rounds"] == 2
 
 
 def test_without_remeasurement_the_ci_comes_from_the_trial(client: TestClient, make_study: StudyFactory) -> None:

@@ -254,7 +254,7 @@ def test_after_a_restart_every_lease_gets_one_grace_period(tmp_path: Path) -> No
 
 def test_a_lost_remeasurement_is_retried_and_the_study_waits_for_it(app: FastAPI, client: TestClient,
                                                                      make_study: StudyFactory) -> None:
-    make_study("s", n_trials=2, remeasure={"top_k": 1, "windows": 5})
+    make_study("s", n_trials=2, remeasure={"top_k": 1, "windows": 5, "rounds": 2})
     base = lease(client, "w0")
     assert base is not None
     complete(client, base, "w0", nrmse=0.1, throughput=100.0)
@@ -268,11 +268,17 @@ def test_a_lost_remeasurement_is_retried_and_the_study_waits_for_it(app: FastAPI
     retry = lease(client, "w3")
     assert retry is not None and (retry["role"], retry["config"], retry["probe"]) == \
         (lost["role"], lost["config"], lost["probe"])
-    assert _trials(client)[retry["number"]]["remeasure_of"] == search["number"]
+    trials = _trials(client)
+    assert (trials[retry["number"]]["remeasure_of"], trials[retry["number"]]["remeasure_round"]) == \
+        (search["number"], 0)  # the retry re-runs round 0 ...
     complete(client, retry, "w3", nrmse=0.1, throughput=190.0)
+    assert client.get("/v1/studies/s").json()["state"] == "running"  # ... and round 1 is still to come
+    second = lease(client, "w4")
+    assert second is not None and _trials(client)[second["number"]]["remeasure_round"] == 1
+    complete(client, second, "w4", nrmse=0.1, throughput=190.0)
     study = client.get("/v1/studies/s").json()
     assert study["state"] == "finished" and study["best"]["remeasured"] is True
-    assert study["best"]["throughput_samples_per_s"] == 190.0
+    assert study["best"]["throughput_samples_per_s"] == 190.0 and study["best"]["remeasure_rounds"] == 2
 
 
 # --- workloads a worker does not run ---------------------------------------------------------
