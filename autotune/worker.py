@@ -540,8 +540,9 @@ class Worker:
             device = f"{device} · {self.group.world_size} {kind} per trial ({self.group.name}, torchrun)"
         self.console.print(f"[bold]autotune worker[/] {self.worker_id}")
         self.console.print(f"  device   {device}")
+        cpu = f" · {escape(hw.cpu_model)}, {hw.cpu_count} cores" if hw.cpu_model else ""  # host-bound configs follow it
         self.console.print(f"  hardware class [bold]{hw.hardware_class}[/] · torch {hw.torch_version} · "
-                           f"host {hw.hostname}")
+                           f"host {hw.hostname}{cpu}")
         threads = self.options.threads or "torch default"
         self.console.print(f"  service  {self.client.base_url} · study {self.options.study or 'any'} · "
                            f"threads {threads} · heartbeat {self.options.heartbeat_s:g} s")
