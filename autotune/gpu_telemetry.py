@@ -88,8 +88,8 @@ def throttle_note(windows: Sequence[dict[str, float | None]]) -> str | None:
 def host_bound_note(windows: Sequence[dict[str, float | None]]) -> str | None:
     """A note when the GPU ran kernels for less than HOST_BOUND_UTILIZATION % of the time in the
     median window: the host bounds this throughput (None: no readings, or a busy GPU)."""
-    values = sorted(v for v in (w.get("utilization_percent") for w in windows) if v is not None)  # every window's
-    if not values or len(values) < len(windows):
+    values = sorted(v for v in (w.get("utilization_percent") for w in windows) if v is not None)
+    if not values or len(values) < len(windows):  # a window without a reading: no claim
         return None
     median = statistics.median(values)
     if median >= HOST_BOUND_UTILIZATION:

@@ -130,11 +130,14 @@ def test_third_party_workloads_are_tuned_on_their_own_metric(processes: Processe
     service = LiveService(processes, tmp_path / "autotune.db",
                           env={"PYTHONPATH": _path(plugin), "AUTOTUNE_WORKLOADS": "toyacc"}).start()
 
-    # the entry-point workload: the study does not name the metric; the workload's result does
-    service.submit(small_spec("by-entry-point", n_trials=3, workload="toywl", preset="any"))
+    # the entry-point workload: the study does not name the metric; the workload's result does.
+    # No pruning: the two studies' workers share this host's cores, so a trial's throughput
+    # follows the other's load, and the throughput rule could stop it (the metric is under test)
+    service.submit(small_spec("by-entry-point", n_trials=3, workload="toywl", preset="any",
+                              pruning={"enabled": False}))
     # the command-line workload: the service knows only its name, the study declares the metric
     service.submit(small_spec("by-import-path", n_trials=3, workload="toyacc", preset="any",
-                              quality={"metric": "val_accuracy", "direction": "maximize"}))
+                              quality={"metric": "val_accuracy", "direction": "maximize"}, pruning={"enabled": False}))
     unknown = service.post("/v1/studies", small_spec("nope", workload="toyxyz"))
     assert unknown.status_code == 422 and "AUTOTUNE_WORKLOADS" in unknown.text
 
