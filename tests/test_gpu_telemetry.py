@@ -60,7 +60,7 @@ def windows_at(*utilizations: int | None) -> list[dict[str, float | None]]:
 def test_a_gpu_that_mostly_waited_on_the_host_gets_a_note() -> None:
     """The readings of a batch-24 CUDA-graphs probe on the H100 host (bench/results/host_bound_h100.jsonl)."""
     note = host_bound_note(windows_at(69, 69, 68, 67, 46, 62, 66, 60))
-    assert note is not None and "66 %" in note and "46–69 %" in note and "host bounds" in note
+    assert note is not None and "66 %" in note and "46–69 %" in note and "bound by the host" in note
 
 
 def test_a_busy_gpu_or_missing_readings_mean_no_host_bound_note() -> None:
