@@ -298,6 +298,11 @@ def analyze(args: argparse.Namespace) -> None:
         for p in doc["fidelity"]:
             print(f"fidelity {p['strategy']} #{p['number']} ({p['run']}): short/long {p['short_over_long']:.3f} "
                   f"(median {p['median_short_over_long']:.3f}; study/long {p['study_over_long'] or float('nan'):.3f})")
+        doc["fidelity_medians"] = fidelity_medians(doc["fidelity"])
+        for m in doc["fidelity_medians"]:
+            print(f"fidelity over {m['rounds']} rounds {m['strategy']} #{m['number']} ({m['run']}): median short / "
+                  f"median long {m['median_short_over_median_long']:.3f} (spreads {m['short_spread']:.1%} short, "
+                  f"{m['long_spread']:.1%} long)")
         if args.png:
             _plot_fidelity(doc["fidelity"], Path(args.png).with_name(Path(args.png).stem + "_fidelity.png"))
     if args.repeats:
@@ -421,24 +426,55 @@ def cache_states(args: argparse.Namespace) -> None:
 
 def fidelity(args: argparse.Namespace) -> None:
     """Short probe (the studies' own) against a --factor × longer run, for the top configs:
-    each config runs short then long, back to back in fresh processes on the same GPU."""
+    each config runs short then long, back to back in fresh processes on the same GPU. With
+    --rounds N, every config's pair runs once per round, round after round (interleaved, so a
+    host's drift over minutes reaches every config alike); with --prime, each config first
+    compiles in a probe of its own (kept apart), so that every measured probe loads its kernels
+    from the cache."""
     configs = _fidelity_configs(args)
     out = Path(args.out)
-    doc: dict[str, Any] = {"environment": environment(args.device), "factor": args.factor, "configs": []}
+    doc: dict[str, Any] = {"environment": environment(args.device), "factor": args.factor, "rounds": args.rounds,
+                           "prime": [], "configs": []}
     from autotune.workloads import get_workload
 
     preset_samples = get_workload("ups", args.preset).defaults.samples
-    for i, row in enumerate(configs):
-        samples = row["samples"] or preset_samples
-        short = _probe(row["config"], samples, args.device, args.preset)
-        long = _probe(row["config"], samples * args.factor, args.device, args.preset)
-        ratio = (short["throughput_samples_per_s"] / long["throughput_samples_per_s"]
-                 if short["throughput_samples_per_s"] and long["throughput_samples_per_s"] else None)
-        doc["configs"].append({**row, "short": short, "long": long, "short_over_long": ratio})
-        out.write_text(json.dumps(doc, indent=1))  # after every config: a cut-off run keeps what it measured
-        print(f"[{i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study {row['throughput'] or 0:.0f}, "
-              f"short {short['throughput_samples_per_s'] or 0:.0f}, long {long['throughput_samples_per_s'] or 0:.0f} "
-              f"samples/s (short/long {ratio or float('nan'):.3f})", flush=True)
+    if args.prime:
+        for row in configs:
+            doc["prime"].append({**row, "probe": _probe(row["config"], row["samples"] or preset_samples,
+                                                        args.device, args.preset)})
+            out.write_text(json.dumps(doc, indent=1))
+    for r in range(args.rounds):
+        for i, row in enumerate(configs):
+            samples = row["samples"] or preset_samples
+            short = _probe(row["config"], samples, args.device, args.preset)
+            long = _probe(row["config"], samples * args.factor, args.device, args.preset)
+            ratio = (short["throughput_samples_per_s"] / long["throughput_samples_per_s"]
+                     if short["throughput_samples_per_s"] and long["throughput_samples_per_s"] else None)
+            doc["configs"].append({**row, "round": r, "short": short, "long": long, "short_over_long": ratio})
+            out.write_text(json.dumps(doc, indent=1))  # after every pair: a cut-off run keeps what it measured
+            print(f"[round {r + 1}, {i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study "
+                  f"{row['throughput'] or 0:.0f}, short {short['throughput_samples_per_s'] or 0:.0f}, long "
+                  f"{long['throughput_samples_per_s'] or 0:.0f} samples/s (short/long {ratio or float('nan'):.3f})",
+                  flush=True)
+
+
+def fidelity_medians(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per config and fidelity run with several rounds: the median short probe over the median
+    long run, and each side's spread over the rounds ((max - min) / median)."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for p in pairs:
+        groups.setdefault((p["run"], p["strategy"], p["number"]), []).append(p)
+    rows = []
+    for (run, strategy, number), group in groups.items():
+        if len(group) < 2:
+            continue
+        sides = {side: [p[side] for p in group] for side in ("short", "long")}
+        medians = {side: statistics.median(v) for side, v in sides.items()}
+        rows.append({"run": run, "strategy": strategy, "number": number, "rounds": len(group),
+                     "median_short": medians["short"], "median_long": medians["long"],
+                     "median_short_over_median_long": medians["short"] / medians["long"],
+                     **{f"{side}_spread": (max(v) - min(v)) / medians[side] for side, v in sides.items()}})
+    return rows
 
 
 COMPILED_WARMUP_S = 20.0  # a warm-up this long compiled (cold: 38-92 s on the H100 host); from the cache: 4-10 s
@@ -583,6 +619,9 @@ def main() -> None:
                                                 "of one config on one host")
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
+    f.add_argument("--rounds", type=int, default=1, help="pairs per config, interleaved round by round")
+    f.add_argument("--prime", action="store_true", help="compile each config in a probe of its own first, so that "
+                                                        "every measured probe loads its kernels from the cache")
     k = sub.add_parser("cache-states", help="short probes of the top configs, each compiled cold or loaded warm")
     k.add_argument("--sequence", default="cold,warm,warm,cold", help="the cache state of each probe of a config")
     for p in (f, k):

@@ -54,16 +54,25 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     # probe fidelity of a given config (the GPU runs measure the studies' top configs; which configs a
     # CPU chunk finds feasible is up to the CPU's speed): short probe against a 2× longer run
     fidelity = tmp_path / "fidelity.json"
+    # (2 interleaved rounds, after a priming probe that fills the compile cache)
     _run(["fidelity", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "640", "--factor", "2",
-          "--out", str(fidelity), "--device", "cpu", "--preset", "tiny"], tmp_path)
-    pair = json.loads(fidelity.read_text())["configs"][0]
+          "--rounds", "2", "--prime", "--out", str(fidelity), "--device", "cpu", "--preset", "tiny"], tmp_path)
+    doc = json.loads(fidelity.read_text())
+    assert len(doc["prime"]) == 1 and doc["prime"][0]["probe"]["samples_trained"] == 640
+    pair, again = doc["configs"]
+    assert (pair["round"], again["round"]) == (0, 1)
     assert pair["strategy"] == "given" and pair["config"]["batch_size"] == 8
     assert (pair["short"]["samples_trained"], pair["long"]["samples_trained"]) == (640, 1280)
     assert pair["short"]["window_gpu"] == [] and pair["short"]["started"] < pair["long"]["started"]
+    assert doc["prime"][0]["probe"]["started"] < pair["short"]["started"] < again["short"]["started"]
     _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--fidelity", str(fidelity)], tmp_path)
-    (row,) = json.loads(out.read_text())["fidelity"]
+    analysis = json.loads(out.read_text())
+    row = analysis["fidelity"][0]
+    assert len(analysis["fidelity"]) == 2
     assert row["strategy"] == "given" and row["short_over_long"] > 0 and row["study_over_long"] is None
     assert row["long_min_sm_clock_mhz"] is None and row["short_max_throttled_fraction"] is None  # no GPU here
+    (medians,) = analysis["fidelity_medians"]
+    assert medians["rounds"] == 2 and medians["median_short_over_median_long"] > 0
 
     # cache states: a cold probe gets a fresh TorchInductor cache, a warm one the cache of the probe before it
     states = tmp_path / "cache_states.json"
