@@ -452,8 +452,9 @@ def fidelity(args: argparse.Namespace) -> None:
                      if short["throughput_samples_per_s"] and long["throughput_samples_per_s"] else None)
             doc["configs"].append({**row, "round": r, "short": short, "long": long, "short_over_long": ratio})
             out.write_text(json.dumps(doc, indent=1))  # after every pair: a cut-off run keeps what it measured
+            study = "-" if row["throughput"] is None else f"{row['throughput']:.0f}"  # None: a given config
             print(f"[round {r + 1}, {i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study "
-                  f"{row['throughput'] or 0:.0f}, short {short['throughput_samples_per_s'] or 0:.0f}, long "
+                  f"{study}, short {short['throughput_samples_per_s'] or 0:.0f}, long "
                   f"{long['throughput_samples_per_s'] or 0:.0f} samples/s (short/long {ratio or float('nan'):.3f})",
                   flush=True)
 
