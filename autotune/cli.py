@@ -121,6 +121,11 @@ def probe(
     windows: Annotated[int, typer.Option(help="Timed windows (>= 5).", min=5)] = 8,
     warmup_steps: Annotated[int, typer.Option(help="Warm-up optimizer steps, excluded from timing.", min=1)] = 5,
     timeout: Annotated[float | None, typer.Option(help="Soft time limit in seconds.", min=0.1)] = None,
+    trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (torch.profiler; chrome://tracing or "
+                                               "Perfetto) of the warm-up's last steps, at most half of them: where "
+                                               "the host's and the GPU's time goes in a step. The timed windows "
+                                               "are not traced.")] = None,
+    trace_steps: Annotated[int, typer.Option(help="Steps to trace (more: raise --warmup-steps too).", min=1)] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
     list_knobs: Annotated[bool, typer.Option("--list-knobs", help="List the knobs and their allowed values.")] = False,
 ) -> None:
@@ -145,7 +150,7 @@ def probe(
     try:
         cfg = parse_config(load_config_arg(config))
         settings = ProbeSettings(samples=samples, seed=seed, warmup_steps=warmup_steps, windows=windows,
-                                 timeout_s=timeout)
+                                 timeout_s=timeout, trace_path=str(trace) if trace else None, trace_steps=trace_steps)
         result = run_probe(workload, cfg, preset=preset, device=device, settings=settings)
     except ConfigError as e:
         raise usage_error(str(e)) from None

@@ -14,6 +14,11 @@ timed     the remaining steps split into equal windows (>= 5). Each window is ti
           often than once per window (non-persistent DataLoader workers restarting at each
           epoch) lands in one window of a short probe, where the median would drop it, but
           in every window of a long run (bench/README.md, probe fidelity: 3.7 % too fast).
+          With ``trace_path`` (``autotune probe --trace``), the last steps of the warm-up
+          (``trace_steps``, at most half of it: the first steps compile and capture) run under
+          torch.profiler and are written as a Chrome trace: where the host's and the GPU's
+          time goes in a step, without touching the timed windows or the sample budget
+          (``traced_steps`` says how many; raise ``--warmup-steps`` for more).
 validate  quality on the fixed held-out set, in fp32, with a fresh eager copy of the model
           that holds the trained weights (so compile/checkpoint/fp8 wrappers cannot leak
           into the number).
@@ -58,6 +63,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,6 +109,8 @@ class ProbeSettings:
     windows: int = 8  # timed windows (>= 5)
     timeout_s: float | None = None  # soft limit checked between steps
     compile_backend: str = "inductor"
+    trace_path: str | None = None  # a Chrome trace (torch.profiler) of the warm-up's last steps
+    trace_steps: int = 5  # at most; never more than half the warm-up (its first steps compile)
 
 
 @dataclass
@@ -134,6 +142,7 @@ class ProbeResult:
     window_gpu: list[dict[str, float | None]] = field(default_factory=list)
     # rank 0's training-loop thread per window (autotune.host_telemetry): busy fraction, page faults, preemptions
     window_host: list[dict[str, float | int | None]] = field(default_factory=list)
+    traced_steps: int = 0  # warm-up steps in the trace (ProbeSettings.trace_path)
     host_cpu: str | None = None  # the host's CPU model: host-bound throughputs compare only between like CPUs
     measurement_notes: list[str] = field(default_factory=list)  # what qualifies the throughput (e.g. throttling)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
@@ -216,6 +225,28 @@ class _Clock:
             end.synchronize()  # sync: the window's kernels must finish before reading the events
             return started.elapsed_time(end) / 1e3
         return time.perf_counter() - started
+
+
+TRACE_STEP, TRACE_DATA = "autotune.step", "autotune.data"  # the traced steps' named ranges
+
+
+def _start_trace(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def _stop_trace(profiler: torch.profiler.profile, device: torch.device, path: str, steps: int) -> int:
+    """Stop `profiler` once the traced steps' GPU work is done, and write its Chrome trace."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync: the traced steps' kernels belong in the trace
+    profiler.stop()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(path)
+    return steps
 
 
 def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: int,
@@ -435,10 +466,22 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         # --- warm-up: compile, CUDA-graph capture, autotuning; timed apart ---
         t0 = time.perf_counter()
         warm_losses = []
-        for _ in range(warm):
-            warm_losses.append(trainer.step(next_micro_batches()))
+        traced = min(settings.trace_steps, warm // 2) if settings.trace_path and rank == 0 else 0
+        profiler = None
+        for i in range(warm):
+            if traced and i == warm - traced:
+                profiler = _start_trace(dev)
+            if profiler is None:
+                warm_losses.append(trainer.step(next_micro_batches()))
+            else:  # named ranges, so a reader of the trace finds each step and its data wait
+                with torch.profiler.record_function(TRACE_DATA):
+                    batches = next_micro_batches()
+                with torch.profiler.record_function(TRACE_STEP):
+                    warm_losses.append(trainer.step(batches))
             result.steps = trainer.step_index
             check_deadline("warm-up")
+        if profiler is not None and settings.trace_path:
+            result.traced_steps = _stop_trace(profiler, dev, settings.trace_path, traced)
         stacked = torch.stack(warm_losses)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # sync: warm-up ends when its kernels have finished

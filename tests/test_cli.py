@@ -155,3 +155,27 @@ def test_list_knobs_lists_every_knob_when_piped() -> None:
     assert proc.returncode == 0
     missing = [name for name in KNOBS if name not in proc.stdout]
     assert missing == []
+
+
+def test_probe_trace_records_the_last_warm_up_steps_and_bench_reads_it(tmp_path: Path) -> None:
+    """--trace writes a Chrome trace of the warm-up's last steps (at most half of them), each in
+    a named range, and leaves the timed windows and the sample budget as they were;
+    bench/trace_summary.py finds the same steps in it."""
+    trace = tmp_path / "traces" / "probe.json"
+    result = invoke("probe", "--json", "--samples", "160", "--warmup-steps", "8", "--trace", str(trace),
+                    "--trace-steps", "6")
+    assert result.exit_code == 0, result.output
+    probed = json.loads(result.stdout)
+    assert probed["traced_steps"] == 4  # 6 asked, half of the 8 warm-up steps given
+    assert probed["samples_trained"] == 160 and len(probed["window_throughputs"]) == 8  # 8 warm-up, 8 timed, 4 more
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("name") == "autotune.step" for e in events) == 4
+    assert sum(e.get("name") == "autotune.data" for e in events) == 4
+    summary = tmp_path / "summary.json"
+    subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "trace_summary.py"), str(trace),
+                    "--out", str(summary)], check=True, capture_output=True)
+    (row,) = json.loads(summary.read_text())
+    assert row["steps"] == 4 and row["step_host_ms"] > 0 and row["gpu_busy_fraction"] is None  # a CPU: no kernels
+
+    untraced = invoke("probe", "--json", *FAST)
+    assert json.loads(untraced.stdout)["traced_steps"] == 0
