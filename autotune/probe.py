@@ -239,14 +239,13 @@ def _start_trace(device: torch.device) -> torch.profiler.profile:
     return profiler
 
 
-def _stop_trace(profiler: torch.profiler.profile, device: torch.device, path: str, steps: int) -> int:
+def _stop_trace(profiler: torch.profiler.profile, device: torch.device, path: str) -> None:
     """Stop `profiler` once the traced steps' GPU work is done, and write its Chrome trace."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # sync: the traced steps' kernels belong in the trace
     profiler.stop()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     profiler.export_chrome_trace(path)
-    return steps
 
 
 def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: int,
@@ -481,7 +480,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             result.steps = trainer.step_index
             check_deadline("warm-up")
         if profiler is not None and settings.trace_path:
-            result.traced_steps = _stop_trace(profiler, dev, settings.trace_path, traced)
+            _stop_trace(profiler, dev, settings.trace_path)
+            result.traced_steps = traced
         stacked = torch.stack(warm_losses)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # sync: warm-up ends when its kernels have finished
