@@ -390,12 +390,11 @@ class OptunaBridge:
             elif ctx.spec.sampler == "grid":
                 grid = self._grid(ctx, handle)
                 # the first baseline_seeds trials are the baseline
-                index = (self.n_trials(ctx.name) if created is None else created) - ctx.spec.baseline_seeds
+                index = self._created(ctx, created) - ctx.spec.baseline_seeds
                 study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
             # configurations this ask may answer from earlier measurements (each one counts toward
             # n_trials); the last draw is always handed out
-            room = min(MAX_REPEATS, self.max_trials(ctx) - (self.n_trials(ctx.name) if created is None else created)
-                       - 1) if drawn else 0
+            room = min(MAX_REPEATS, self.max_trials(ctx) - self._created(ctx, created) - 1) if drawn else 0
             while True:
                 with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
                     trial = study.ask()
@@ -417,6 +416,10 @@ class OptunaBridge:
                                               "config": config})
         return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=dict(trial.params),
                           config=config, is_baseline=is_baseline, role=role)
+
+    def _created(self, ctx: StudyContext, created: int | None) -> int:
+        """The study's configurations so far: `created` when the caller knows it, else counted."""
+        return self.n_trials(ctx.name) if created is None else created
 
     @staticmethod
     def _measured_twin(study: optuna.Study, params: Mapping[str, Any]) -> FrozenTrial | None:

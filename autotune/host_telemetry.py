@@ -26,6 +26,7 @@ host-bound throughputs compare only between like CPUs.
 
 from __future__ import annotations
 
+import functools
 import platform
 import resource
 import time
@@ -65,6 +66,7 @@ def window_stats(start: ThreadUsage, end: ThreadUsage) -> dict[str, float | int 
             "voluntary_switches": end.voluntary_switches - start.voluntary_switches}
 
 
+@functools.cache  # fixed for the process: read once, however many probes and workers ask
 def cpu_model() -> str:
     """The host CPU's model name (Linux: /proc/cpuinfo), else what the platform module knows."""
     try:

@@ -508,11 +508,11 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
                 "study_over_long": study / long_rate if study and path.name not in other_host else None,
-                **{f"{side}_{k}": v for side in ("short", "long") for k, v in _gpu_extremes(c[side]).items()}})
+                **{f"{side}_{k}": v for side in ("short", "long") for k, v in _telemetry_extremes(c[side]).items()}})
     return pairs
 
 
-def _gpu_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
+def _telemetry_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
     """A probe's lowest SM clock and GPU utilization, highest temperature and most throttled
     window, and its loop thread's lowest busy fraction and most page faults in a window (None:
     no telemetry, e.g. runs before the probe recorded it)."""
@@ -556,12 +556,13 @@ def repeat_summary(paths: list[Path]) -> list[dict[str, Any]]:
     median and the spread ((max - min) / median)."""
     rows = []
     for path in paths:
-        if path.suffix == ".jsonl":  # bench/host_bound.sh: one probe per line
-            groups: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+        if path.suffix == ".jsonl":  # bench/host_bound.sh: one probe per line, each run's first one "cold"
+            named: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
             for line in path.read_text().splitlines():
                 d = json.loads(line)
-                groups.setdefault(d["config"]["batch_size"], []).append((d["variant"], d["result"]))
-            named = [(f"batch {b}", probes) for b, probes in groups.items()]
+                if d["variant"] == "cold" or not named:
+                    named.append((f"batch {d['config']['batch_size']}", []))
+                named[-1][1].append((d["variant"], d["result"]))
         else:  # tuning.py cache-states
             named = [(f"{c['strategy']} #{c['number']}", [(p["state"], p) for p in c["probes"]])
                      for c in json.loads(path.read_text())["configs"]]
