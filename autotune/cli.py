@@ -62,6 +62,7 @@ def print_probe_result(result: Any, console: Console) -> None:
         ("data wait", "-" if result.data_wait_fraction is None else f"{result.data_wait_fraction:.1%}"),
         ("GPU", _gpu_summary(result.window_gpu)),
         ("host", _host_summary(result.window_host, result.host_cpu)),
+        ("epoch starts", _epoch_summary(result)),
         ("peak memory", f"{_format_bytes(result.peak_mem_reserved_bytes)} reserved, "
                         f"{_format_bytes(result.peak_mem_allocated_bytes)} allocated"),
         ("samples", f"{result.samples_trained} in {result.steps} steps (effective batch "
@@ -91,6 +92,20 @@ def _gpu_summary(windows: list[dict[str, Any]]) -> str:
     parts = [p for p in (span("sm_clock_mhz", " MHz SM"), span("temperature_c", " °C"), span("power_w", " W"),
                          span("utilization_percent", " % busy")) if p]
     return ", ".join(parts) or "-"
+
+
+def _epoch_summary(result: Any) -> str:
+    """The DataLoader's epoch starts the probe measured (autotune/epoch_cost.py), and how the
+    windows count them ("-": not recorded)."""
+    epoch = result.epoch_micro_batches
+    if epoch is None:
+        return "-"
+    starts = result.epoch_boundaries
+    if not starts:
+        return f"none (an epoch is {epoch} micro-batches)"
+    timed = sum(b.get("window") is not None for b in starts)
+    return (f"{len(starts)} ({timed} in the windows), {result.epoch_cost_s * 1e3:.0f} ms each; counted once per "
+            f"{epoch} micro-batches")
 
 
 def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from autotune.config import TrainConfig
+from autotune.epoch_cost import Boundary
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +348,9 @@ class EpochIterator:
     """Pull micro-batches across DataLoader epochs, moving them to the device.
 
     Re-creating the iterator at each epoch boundary is what makes `persistent_workers`
-    matter: without it the worker processes are started again every epoch.
+    matter: without it the worker processes are started again every epoch. Each epoch start
+    after the first is recorded in `boundaries` with the host seconds its fetch took
+    (autotune/epoch_cost.py amortizes them).
     """
 
     def __init__(self, loader: DataLoader, device: torch.device) -> None:
@@ -355,18 +359,27 @@ class EpochIterator:
         self.non_blocking = bool(loader.pin_memory)  # only pinned memory copies asynchronously
         self._it: Iterator[Any] | None = None
         self.epochs = 0
+        self.pulled = 0  # micro-batches handed out
+        self.boundaries: list[Boundary] = []
 
     def next(self) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        began = False
         while True:
             if self._it is None:
                 self._it = iter(self.loader)
                 self.epochs += 1
+                began = self.epochs > 1  # the first start is setup, not a boundary a long run repeats
             try:
                 batch = next(self._it)
                 break
             except StopIteration:
-                self._it = None
-        return {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
+                self._it = None  # shuts non-persistent workers down: part of the boundary's stall
+        moved = {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
+        if began:
+            self.boundaries.append(Boundary(self.pulled, time.perf_counter() - t0))
+        self.pulled += 1
+        return moved
 
     def close(self) -> None:
         self._it = None  # shuts non-persistent workers down

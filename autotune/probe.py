@@ -14,6 +14,12 @@ timed     the remaining steps split into equal windows (>= 5). Each window is ti
           often than once per window (non-persistent DataLoader workers restarting at each
           epoch) lands in one window of a short probe, where the median would drop it, but
           in every window of a long run (bench/README.md, probe fidelity: 3.7 % too fast).
+          Nor as timed, though: the windows of a short probe hold a whole number of such
+          epoch starts wherever they fall, a long run one per epoch. Each epoch start's
+          stall is measured (``epoch_boundaries``) and the windows count the mean stall
+          (``epoch_cost_s``) once per ``epoch_micro_batches``; ``window_throughputs`` are the
+          amortized windows, ``raw_window_throughputs`` the timed ones (autotune/epoch_cost.py).
+          The pruner sees the timed windows as they come.
           With ``trace_path`` (``autotune probe --trace``), the last steps of the warm-up
           (``trace_steps``, at most half of it: the first steps compile and capture) run under
           torch.profiler and are written as a Chrome trace: where the host's and the GPU's
@@ -69,6 +75,7 @@ from typing import Any
 import torch
 
 from autotune.config import ConfigError, TrainConfig, parse_config
+from autotune.epoch_cost import amortized_seconds, epoch_costs
 from autotune.gate import window_rate
 from autotune.gpu_telemetry import GpuTelemetry, host_bound_note, throttle_note, window_stats
 from autotune.host_telemetry import ThreadUsage, cpu_model
@@ -124,7 +131,8 @@ class ProbeResult:
     torch_version: str
     throughput_samples_per_s: float | None = None
     throughput_spread: float | None = None
-    window_throughputs: list[float] = field(default_factory=list)
+    window_throughputs: list[float] = field(default_factory=list)  # with epoch starts amortized (epoch_cost.py)
+    raw_window_throughputs: list[float] = field(default_factory=list)  # as timed, epoch starts where they fell
     val_nrmse: float | None = None  # set only for a workload whose quality metric is val_nrmse
     quality_metric: str = "val_nrmse"
     quality: float | None = None  # the workload's quality metric (whatever its name) on the validation set
@@ -142,6 +150,11 @@ class ProbeResult:
     window_gpu: list[dict[str, float | None]] = field(default_factory=list)
     # rank 0's training-loop thread per window (autotune.host_telemetry): busy fraction, page faults, preemptions
     window_host: list[dict[str, float | int | None]] = field(default_factory=list)
+    epoch_micro_batches: int | None = None  # one DataLoader epoch (a rank's micro-batches)
+    # every epoch start after the first: micro_batch (index), stall_s (host seconds of its fetch),
+    # excess_s (over a typical fetch), window (the timed window it fell in, or None)
+    epoch_boundaries: list[dict[str, Any]] = field(default_factory=list)
+    epoch_cost_s: float | None = None  # the mean excess: what one epoch start costs
     traced_steps: int = 0  # warm-up steps in the trace (ProbeSettings.trace_path)
     host_cpu: str | None = None  # the host's CPU model: host-bound throughputs compare only between like CPUs
     measurement_notes: list[str] = field(default_factory=list)  # what qualifies the throughput (e.g. throttling)
@@ -248,6 +261,44 @@ def _stop_trace(profiler: torch.profiler.profile, device: torch.device, path: st
     profiler.export_chrome_trace(path)
 
 
+def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Any], spans: list[tuple[int, int]],
+                           seconds: list[float], window_samples: int, sync: _RankSync, cfg: TrainConfig,
+                           planned_micro_batches: int) -> None:
+    """Count the DataLoader's epoch starts in the windows at the rate a long run pays them
+    (autotune/epoch_cost.py): record each start's stall, and replace the window throughputs
+    with amortized ones (the raw ones are kept). Several ranks: a window's stall and the mean
+    cost are the largest over the ranks (the slowest rank sets the window's time)."""
+    result.raw_window_throughputs = list(result.window_throughputs)
+    epoch = result.epoch_micro_batches
+    assert epoch is not None
+    costs = epoch_costs(spans, result.window_data_wait_s, boundaries)
+    if costs is None:  # every rank alike: the boundaries fall at the same micro-batches
+        if cfg.num_workers > 0 and not cfg.persistent_workers and planned_micro_batches <= epoch:
+            result.measurement_notes.append(
+                f"the probe ran inside one DataLoader epoch ({planned_micro_batches} of {epoch} micro-batches): the "
+                "cost of an epoch start (restarting the non-persistent workers) is not in this throughput")
+        return
+    window_excess = [sync.max(e) for e in costs.window_excess_s]
+    cost = sync.max(costs.cost_s)
+    result.epoch_cost_s = cost
+    result.epoch_boundaries = [{"micro_batch": b.micro_batch, "stall_s": b.stall_s, "excess_s": e, "window": w}
+                               for b, e, w in zip(boundaries, costs.excess_s, costs.window_of, strict=True)]
+    adjusted = amortized_seconds(seconds, spans, window_excess, cost, epoch)
+    if adjusted is None:
+        return
+    result.window_throughputs = [window_samples / s for s in adjusted]
+    raw, amortized = window_rate(result.raw_window_throughputs)[0], window_rate(result.window_throughputs)[0]
+    if abs(amortized / raw - 1) >= AMORTIZED_NOTE:
+        timed = sum(w is not None for w in costs.window_of)
+        long_run = sum(hi - lo for lo, hi in spans) / epoch
+        restarts = cfg.num_workers > 0 and not cfg.persistent_workers
+        start = "restarting the workers" if restarts else "refilling the queue"
+        result.measurement_notes.append(
+            f"an epoch start costs {cost * 1e3:.0f} ms ({start}); the windows timed {timed} where a long run pays "
+            f"{long_run:.2f} (one per {epoch} micro-batches): counted at that rate, {raw:,.0f} → {amortized:,.0f} "
+            "samples/s")
+
+
 def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: int,
                inverse_loss_frequency: int) -> tuple[int, int, int, int]:
     """Split the sample budget into (total steps, warm-up steps, windows, steps per window).
@@ -268,6 +319,9 @@ def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: i
     if per >= inverse_loss_frequency:
         per -= per % inverse_loss_frequency
     return total, warm, n_windows, per
+
+
+AMORTIZED_NOTE = 0.01  # a measurement note says so when amortizing epoch starts moves the throughput this much
 
 
 class _RankSync:
@@ -496,6 +550,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         gc.freeze()
         data_wait = 0.0
         host_window_time = 0.0
+        spans: list[tuple[int, int]] = []  # each window's micro-batches, [first, end)
+        seconds: list[float] = []
         step = warm
         telemetry = GpuTelemetry.open(dev)
         for w in range(n_windows):
@@ -505,12 +561,15 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             gpu0 = telemetry.read() if telemetry else None  # host-side NVML queries: outside the timed events
             host0 = ThreadUsage.read()
             started = clock.start()
+            first = data.pulled
             losses = []
             for _ in range(per):
                 losses.append(trainer.step(next_micro_batches()))
                 result.steps = trainer.step_index
                 check_deadline(f"window {w + 1}/{n_windows}")  # host clock only: no sync
             elapsed = sync.max(clock.stop(started))  # several ranks: the slowest rank's window time
+            spans.append((first, data.pulled))
+            seconds.append(elapsed)
             host1 = ThreadUsage.read()
             if host0 and host1:
                 result.window_host.append(host_window_stats(host0, host1))
@@ -532,13 +591,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             if sync.from_rank0(stop):  # rank 0 alone reports: its decision stops every rank at once
                 result.stopped_early = True
                 break
-        result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
-        for note in (throttle_note(result.window_gpu), host_bound_note(result.window_gpu)):
-            if note:
-                result.measurement_notes.append(note)
-        windows = result.window_throughputs
-        result.throughput_samples_per_s, result.throughput_spread = window_rate(windows)
 
+        result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
         if not result.stopped_early:
             # --- leftover steps: trained (equal sample budget) but not timed ---
             tail = []
@@ -549,6 +603,13 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             if tail:
                 check_finite(torch.stack(tail), total)
             step = total
+        result.epoch_micro_batches = len(loader)  # the untimed tail's epoch starts count in the cost too
+        _amortize_epoch_starts(result, data.boundaries, spans, seconds, per * eff, sync, cfg, total * accum)
+        for note in (throttle_note(result.window_gpu), host_bound_note(result.window_gpu)):
+            if note:
+                result.measurement_notes.append(note)
+        windows = result.window_throughputs
+        result.throughput_samples_per_s, result.throughput_spread = window_rate(windows)
     finally:
         gc.unfreeze()
         data.close()

@@ -476,6 +476,10 @@ def test_epoch_iterator_continues_the_stream_across_epochs(tiny: Workload) -> No
     assert data.epochs == 3  # 12 samples = 4 batches per epoch
     expected = [i for e in _stream(n, batch, seed=5, epochs=3) for i in e][:30]
     assert [i for b in got for i in b] == expected
+    # the epoch starts after the first, at the micro-batch that began each, with the fetch's host time
+    assert data.pulled == 10
+    assert [b.micro_batch for b in data.boundaries] == [4, 8]
+    assert all(b.stall_s > 0 for b in data.boundaries)
 
 
 def test_probe_loss_does_not_depend_on_workers(tiny: Workload) -> None:

@@ -59,7 +59,32 @@ def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> Non
     assert r.peak_mem_reserved_bytes is not None and r.peak_mem_reserved_bytes > 0
     assert r.steps == SAMPLES // 8 and r.warmup_steps == 5 and r.window_steps == 1
     assert r.samples_trained == r.steps * r.config["effective_batch"] == SAMPLES
+    # 24 micro-batches inside one epoch of 56: no epoch start to amortize
+    assert r.epoch_micro_batches == 56 and r.epoch_boundaries == [] and r.epoch_cost_s is None
+    assert r.raw_window_throughputs == r.window_throughputs
     assert r.inverse_steps == r.steps  # inverse_loss_frequency 1
+
+
+def test_epoch_starts_are_measured_and_counted_at_a_long_runs_rate(tiny: Workload) -> None:
+    """A DataLoader that restarts its worker every epoch: each epoch start is recorded where it
+    happened, and the windows carry the mean stall once per epoch's micro-batches instead of
+    where the starts fell (autotune/epoch_cost.py)."""
+    r = run_probe(tiny, {"num_workers": 1, "persistent_workers": False}, settings=ProbeSettings(samples=480))
+    assert r.failure is None, r.failure
+    # 60 steps of 2 micro-batches: 5 warm-up, 8 windows of 6, 7 untimed; epochs of 56 micro-batches
+    assert (r.warmup_steps, r.window_steps, len(r.window_throughputs)) == (5, 6, 8)
+    assert r.epoch_micro_batches == 56
+    assert [(b["micro_batch"], b["window"]) for b in r.epoch_boundaries] == [(56, 3), (112, None)]
+    for b in r.epoch_boundaries:
+        assert 0 <= b["excess_s"] <= b["stall_s"]
+    assert r.epoch_cost_s == pytest.approx(statistics.fmean(b["excess_s"] for b in r.epoch_boundaries))
+    # each window gave back the stall it timed and took cost × 12/56
+    samples = r.window_steps * 8
+    timed_excess = [r.epoch_boundaries[0]["excess_s"] if w == 3 else 0.0 for w in range(8)]
+    for raw, amortized, excess in zip(r.raw_window_throughputs, r.window_throughputs, timed_excess, strict=True):
+        assert samples / amortized == pytest.approx(samples / raw - excess + r.epoch_cost_s * 12 / 56)
+    assert r.throughput_samples_per_s == pytest.approx(statistics.harmonic_mean(r.window_throughputs))
+    assert ProbeResult.from_dict(json.loads(json.dumps(r.to_dict()))).epoch_boundaries == r.epoch_boundaries
 
 
 def test_loss_curve_has_one_point_per_window(default_result: ProbeResult) -> None:

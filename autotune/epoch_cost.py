@@ -1,0 +1,83 @@
+"""A DataLoader epoch's start, paid at the rate a long run pays it.
+
+Each epoch begins with a stall: `iter(loader)` refills the workers' prefetch queues and,
+without `persistent_workers`, shuts the old worker processes down and starts new ones. A long
+run pays that stall once every epoch. A short probe's timed windows hold a whole number of
+stalls, though, wherever the epoch boundaries happen to fall: the `ups` full preset's probe
+(19 200 samples, epochs of 11 200) times one boundary in 1.7 epochs' worth of steps, or none.
+On an H100 that made a short probe of a config without persistent workers read 2-4 % faster
+than a ten times longer run of it (bench/README.md, "Probe fidelity").
+
+So the probe measures every boundary's stall (the host seconds of the call that began the
+epoch, over a typical call's) and moves it: each window gives back the stall it timed and
+takes the mean stall in proportion to its micro-batches, one per `epoch_micro_batches`. The
+windows then hold the epoch cost at its long-run rate, and a boundary no longer makes one
+window an outlier.
+
+Pure functions, no I/O: the probe and the benchmarks share them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """An epoch start after the first: `micro_batch` is the index (from 0) of the micro-batch
+    whose fetch began the epoch, `stall_s` the host seconds that fetch took."""
+
+    micro_batch: int
+    stall_s: float
+
+
+@dataclass(frozen=True)
+class EpochCosts:
+    """What the epoch starts cost: per boundary the stall over a typical fetch (`excess_s`,
+    never negative), their mean (`cost_s`), and per timed window the excess it timed."""
+
+    excess_s: list[float]
+    cost_s: float
+    window_excess_s: list[float]
+    typical_fetch_s: float
+    window_of: list[int | None]  # the window each boundary fell in (None: warm-up or after the windows)
+
+
+def epoch_costs(spans: Sequence[tuple[int, int]], waits: Sequence[float],
+                boundaries: Sequence[Boundary]) -> EpochCosts | None:
+    """The stalls of `boundaries`, given the timed windows' micro-batch spans ([first, end)) and
+    the host seconds each window waited for data. A typical fetch is the median over the
+    windows of their wait without the stalls, per remaining micro-batch. None: no boundary
+    (the probe ran inside one epoch; it cannot tell what an epoch start costs)."""
+    if not boundaries:
+        return None
+    if len(spans) != len(waits):
+        raise ValueError(f"{len(spans)} window spans but {len(waits)} data waits")
+    window_of = [next((w for w, (lo, hi) in enumerate(spans) if lo <= b.micro_batch < hi), None) for b in boundaries]
+    per_fetch = []
+    for w, ((lo, hi), wait) in enumerate(zip(spans, waits, strict=True)):
+        inside = [b.stall_s for b, at in zip(boundaries, window_of, strict=True) if at == w]
+        fetches = hi - lo - len(inside)
+        if fetches > 0:
+            per_fetch.append(max(wait - sum(inside), 0.0) / fetches)
+    typical = statistics.median(per_fetch) if per_fetch else 0.0
+    excess = [max(b.stall_s - typical, 0.0) for b in boundaries]
+    window_excess = [sum(e for e, at in zip(excess, window_of, strict=True) if at == w) for w in range(len(spans))]
+    return EpochCosts(excess_s=excess, cost_s=statistics.fmean(excess), window_excess_s=window_excess,
+                      typical_fetch_s=typical, window_of=window_of)
+
+
+def amortized_seconds(seconds: Sequence[float], spans: Sequence[tuple[int, int]], window_excess_s: Sequence[float],
+                      cost_s: float, epoch_micro_batches: int) -> list[float] | None:
+    """Each window's seconds with the epoch stalls it timed replaced by `cost_s` per
+    `epoch_micro_batches` of its micro-batches. None where a window would be left with no
+    time at all: its stall was not host time the window waited out (it cannot be moved)."""
+    if epoch_micro_batches <= 0:
+        raise ValueError(f"epoch_micro_batches must be positive, got {epoch_micro_batches}")
+    out = [s - e + cost_s * (hi - lo) / epoch_micro_batches
+           for s, (lo, hi), e in zip(seconds, spans, window_excess_s, strict=True)]
+    if any(s - e <= 0 for s, e in zip(seconds, window_excess_s, strict=True)):
+        return None
+    return out
