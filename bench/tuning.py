@@ -42,6 +42,7 @@ the pick.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -59,6 +60,7 @@ from typing import Any
 import httpx
 from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
 
+from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
 from autotune.gate import window_rate
 from autotune.gpu_telemetry import window_range
 
@@ -297,14 +299,19 @@ def analyze(args: argparse.Namespace) -> None:
         doc["fidelity"] = fidelity_summary([Path(p) for p in args.fidelity], results, set(args.other_host or ()))
         for p in doc["fidelity"]:
             print(f"fidelity {p['strategy']} #{p['number']} ({p['run']}): short/long {p['short_over_long']:.3f} "
-                  f"(median {p['median_short_over_long']:.3f}; study/long {p['study_over_long'] or float('nan'):.3f})")
+                  f"(median {p['median_short_over_long']:.3f}; epoch starts amortized "
+                  f"{p['amortized_short_over_long']:.3f}, {p['short_how']}; "
+                  f"study/long {p['study_over_long'] or float('nan'):.3f})")
         doc["fidelity_medians"] = fidelity_medians(doc["fidelity"])
         for m in doc["fidelity_medians"]:
             print(f"fidelity over {m['rounds']} rounds {m['strategy']} #{m['number']} ({m['run']}): median short / "
-                  f"median long {m['median_short_over_median_long']:.3f} (spreads {m['short_spread']:.1%} short, "
+                  f"median long {m['median_short_over_median_long']:.3f}, epoch starts amortized "
+                  f"{m['amortized_median_short_over_median_long']:.3f} (spreads {m['short_spread']:.1%} short, "
                   f"{m['long_spread']:.1%} long)")
         if args.png:
             _plot_fidelity(doc["fidelity"], Path(args.png).with_name(Path(args.png).stem + "_fidelity.png"))
+            _plot_fidelity_rounds(doc["fidelity"], doc["fidelity_medians"],
+                                  Path(args.png).with_name(Path(args.png).stem + "_fidelity_rounds.png"))
     if args.repeats:
         doc["repeats"] = repeat_summary([Path(p) for p in args.repeats])
         for r in doc["repeats"]:
@@ -376,6 +383,7 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
             "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "window_gpu", "window_host", "host_cpu",
+            "raw_window_throughputs", "epoch_micro_batches", "epoch_boundaries", "epoch_cost_s",
             "measurement_notes", "failure")
     # started: to line up a run's own telemetry (nvidia-smi, vmstat) with its probes
     return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}
@@ -459,9 +467,57 @@ def fidelity(args: argparse.Namespace) -> None:
                   flush=True)
 
 
+@functools.cache
+def _train_set_size(preset: str) -> int:
+    from autotune.workloads import get_workload
+
+    return len(get_workload("ups", preset).datasets(0)[0])
+
+
+def epoch_rates(probe: dict[str, Any], config: dict[str, Any], preset: str = "full") -> dict[str, Any]:
+    """A fidelity probe's throughput as timed (`raw`) and with its DataLoader epoch starts
+    counted at a long run's rate (`amortized`, autotune/epoch_cost.py). A probe that recorded
+    its epoch starts says both (`how` "probe"). For one from before it did, the amortized rate
+    is estimated ("estimated") from where its epoch starts fell (the plan of its steps and the
+    epoch's length) and each window's data wait over the typical of the windows without one;
+    "as timed" where no window is without one (a long run: its windows already hold the
+    starts at about their rate), none holds one, or the probe did not record its data waits."""
+    from autotune.probe import ProbeSettings, plan_steps
+
+    windows = probe["window_throughputs"]
+    if probe.get("raw_window_throughputs"):
+        return {"raw": window_rate(probe["raw_window_throughputs"])[0], "amortized": window_rate(windows)[0],
+                "how": "probe"}
+    raw = window_rate(windows)[0]
+    as_timed = {"raw": raw, "amortized": raw, "how": "as timed"}
+    accum, eff = config["accum_steps"], config["batch_size"] * config["accum_steps"]
+    _, warm, n, per = plan_steps(probe["samples_trained"], eff, ProbeSettings().warmup_steps, len(windows),
+                                 config["inverse_loss_frequency"])
+    spans = [((warm + w * per) * accum, (warm + (w + 1) * per) * accum) for w in range(n)]
+    epoch = -(-_train_set_size(preset) // config["batch_size"])
+    starts = [[b for b in range(epoch, spans[-1][1], epoch) if lo <= b < hi] for lo, hi in spans]
+    waits = probe.get("window_data_wait_s")
+    if not waits:  # the first runs did not record them
+        return as_timed
+    clean = [wait / (hi - lo) for (lo, hi), wait, inside in zip(spans, waits, starts, strict=True) if not inside]
+    if not clean or len(clean) == n:
+        return as_timed
+    typical = statistics.median(clean)
+    boundaries = [Boundary(b, (wait - typical * (hi - lo - len(inside))) / len(inside))
+                  for (lo, hi), wait, inside in zip(spans, waits, starts, strict=True) for b in inside]
+    costs = epoch_costs(spans, waits, boundaries)
+    assert costs is not None
+    seconds = [per * eff / t for t in windows]
+    adjusted = amortized_seconds(seconds, spans, costs.window_excess_s, costs.cost_s, epoch)
+    if adjusted is None:
+        return as_timed
+    return {"raw": raw, "amortized": window_rate([per * eff / t for t in adjusted])[0], "how": "estimated"}
+
+
 def fidelity_medians(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config and fidelity run with several rounds: the median short probe over the median
-    long run, and each side's spread over the rounds ((max - min) / median)."""
+    long run, and each side's spread over the rounds ((max - min) / median); the same with the
+    epoch starts amortized (`epoch_rates`)."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for p in pairs:
         groups.setdefault((p["run"], p["strategy"], p["number"]), []).append(p)
@@ -471,9 +527,11 @@ def fidelity_medians(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         sides = {side: [p[side] for p in group] for side in ("short", "long")}
         medians = {side: statistics.median(v) for side, v in sides.items()}
+        amortized = {side: statistics.median(p[f"{side}_amortized"] for p in group) for side in ("short", "long")}
         rows.append({"run": run, "strategy": strategy, "number": number, "rounds": len(group),
                      "median_short": medians["short"], "median_long": medians["long"],
                      "median_short_over_median_long": medians["short"] / medians["long"],
+                     "amortized_median_short_over_median_long": amortized["short"] / amortized["long"],
                      **{f"{side}_spread": (max(v) - min(v)) / medians[side] for side, v in sides.items()}})
     return rows
 
@@ -497,6 +555,7 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
             rows = results[c["strategy"]]["rows"] if c["strategy"] in results else []
             study = next((r["throughput"] for r in rows if r["number"] == c["number"]), None)  # None: a given config
             short_rate, long_rate = window_rate(short)[0], window_rate(long)[0]
+            rates = {side: epoch_rates(c[side], config) for side in ("short", "long")}
             pairs.append({
                 "run": path.name, "strategy": c["strategy"], "number": c["number"],
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
@@ -507,6 +566,8 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
                 "same_host_as_study": path.name not in other_host,
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
+                **{f"{side}_{k}": rates[side][k] for side in ("short", "long") for k in ("raw", "amortized", "how")},
+                "amortized_short_over_long": rates["short"]["amortized"] / rates["long"]["amortized"],
                 "study_over_long": study / long_rate if study and path.name not in other_host else None,
                 **{f"{side}_{k}": v for side in ("short", "long") for k, v in _telemetry_extremes(c[side]).items()}})
     return pairs
@@ -529,22 +590,52 @@ def _telemetry_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
 def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(11, 4.8))
+    fig, ax = plt.subplots(figsize=(14, 4.8))
     labels = [f"{p['strategy']} #{p['number']}\n{p['run'].removesuffix('.json')[-4:]}, "
               f"{'compiled' if p.get('short_compiled') else 'cached'}" for p in pairs]
     xs = range(len(pairs))
-    ax.bar([x - 0.2 for x in xs], [100 * (p["short_over_long"] - 1) for p in pairs], 0.4,
-           label="fresh short probe: timed samples / timed s")
-    ax.bar([x + 0.2 for x in xs], [100 * (p["median_short_over_long"] - 1) for p in pairs], 0.4,
+    ax.bar([x - 0.27 for x in xs], [100 * (p["median_short_over_long"] - 1) for p in pairs], 0.27,
            label="fresh short probe: median of windows")
+    ax.bar(list(xs), [100 * (p["short_over_long"] - 1) for p in pairs], 0.27,
+           label="fresh short probe: timed samples / timed s")
+    ax.bar([x + 0.27 for x in xs], [100 * (p["amortized_short_over_long"] - 1) for p in pairs], 0.27,
+           label="fresh short probe: epoch starts amortized (both sides)")
     studied = [(x, p["study_over_long"]) for x, p in zip(xs, pairs, strict=True) if p["study_over_long"]]
     ax.plot([x for x, _ in studied], [100 * (r - 1) for _, r in studied], "kD",
             label="the study's own probe (runs on the studies' host)")
     for y in (-3, 3):
         ax.axhline(y, color="grey", linestyle=":")
-    ax.set_xticks(list(xs), labels, fontsize=6)
+    ax.set_xticks(list(xs), labels, fontsize=6, rotation=60, ha="right")
     ax.set_ylabel("short probe vs 10x longer run (%)")
     ax.set_title("Probe fidelity, top configs of the tuning benchmark")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_fidelity_rounds(pairs: list[dict[str, Any]], medians: list[dict[str, Any]], path: Path) -> None:
+    """Per config of a run with several rounds: median short over median long, as timed and
+    with the epoch starts amortized, with each round's own pair as a dot."""
+    rows = medians
+    if not rows:
+        return
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    xs = range(len(rows))
+    for offset, key, label in ((-0.2, "", "as timed"), (0.2, "amortized_", "epoch starts amortized")):
+        ax.bar([x + offset for x in xs], [100 * (m[f"{key}median_short_over_median_long"] - 1) for m in rows], 0.4,
+               label=f"median short / median long, {label}")
+        for x, m in zip(xs, rows, strict=True):
+            own = [p[f"{key}short_over_long"] for p in pairs
+                   if (p["run"], p["strategy"], p["number"]) == (m["run"], m["strategy"], m["number"])]
+            ax.plot([x + offset] * len(own), [100 * (r - 1) for r in own], "k.", markersize=4)
+    for y in (-3, 3):
+        ax.axhline(y, color="grey", linestyle=":")
+    labels = [f"{m['strategy']} #{m['number']}\n{m['run'].removesuffix('.json')[-8:]}, {m['rounds']} rounds"
+              for m in rows]
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("short probe vs 10x longer run (%)")
+    ax.set_title("Probe fidelity in interleaved rounds (dots: each round's pair)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
