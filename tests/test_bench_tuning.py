@@ -86,3 +86,42 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     (repeats,) = json.loads(out.read_text())["repeats"]
     assert repeats["n"] == 3 and [p["label"] for p in repeats["probes"]] == ["cold", "warm", "cold"]
     assert repeats["spread"] >= 0 and repeats["median"] in [p["throughput"] for p in repeats["probes"]]
+
+
+def _probe_record(windows: list[float], waits: list[float], **more: object) -> dict[str, object]:
+    return {"window_throughputs": windows, "window_data_wait_s": waits, "samples_trained": 19200, **more}
+
+
+def test_epoch_rates_amortize_a_recorded_probe_and_estimate_an_older_one() -> None:
+    """bench/tuning.py's fidelity reading: a probe that recorded its epoch starts gives both
+    rates; for an older one the amortized rate is rebuilt from where its epoch start fell and
+    its windows' data waits."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tuning
+
+    from autotune.gate import window_rate
+
+    config = {"batch_size": 48, "accum_steps": 1, "inverse_loss_frequency": 4}
+    # the full preset: 19 200 samples at 48 = 400 steps, 8 warm-up, 8 windows of 48 (whole
+    # inverse-loss periods); epochs of 234 micro-batches (11 200 samples), so the one epoch start
+    # falls in window 5 (micro-batches 200-248)
+    samples = 48 * 48
+    seconds = [0.4] * 8
+    seconds[4] = 0.6
+    waits = [0.048] * 8
+    waits[4] = 0.247  # 1 ms a fetch; the epoch start's fetch took 0.2 s
+    older = tuning.epoch_rates(_probe_record([samples / s for s in seconds], waits), config)
+    excess = 0.2 - 0.001
+    amortized = [s - (excess if w == 4 else 0.0) + excess * 48 / 234 for w, s in enumerate(seconds)]
+    assert older["how"] == "estimated"
+    assert older["raw"] == pytest.approx(8 * samples / sum(seconds))
+    assert older["amortized"] == pytest.approx(8 * samples / sum(amortized))
+
+    # a long run's windows each hold epoch starts already: taken as timed
+    every = tuning.epoch_rates(_probe_record([5000.0] * 8, [0.3] * 8, samples_trained=192000), config)
+    assert every == {"raw": pytest.approx(5000.0), "amortized": pytest.approx(5000.0), "how": "as timed"}
+
+    recorded = tuning.epoch_rates(_probe_record([5900.0] * 8, waits, raw_window_throughputs=[5880.0] * 7 + [3920.0]),
+                                  config)
+    assert recorded == {"raw": pytest.approx(window_rate([5880.0] * 7 + [3920.0])[0]),
+                        "amortized": pytest.approx(5900.0), "how": "probe"}
