@@ -5,7 +5,7 @@ without `persistent_workers`, shuts the old worker processes down and starts new
 run pays that stall once every epoch. A short probe's timed windows hold a whole number of
 stalls, though, wherever the epoch boundaries happen to fall: the `ups` full preset's probe
 (19 200 samples, epochs of 11 200) times one boundary in 1.7 epochs' worth of steps, or none.
-On an H100 that made a short probe of a config without persistent workers read 2-4 % faster
+On an H100 that made a short probe of a config without persistent workers read 3–5 % faster
 than a ten times longer run of it (bench/README.md, "Probe fidelity").
 
 So the probe measures every boundary's stall (the host seconds of the call that began the
@@ -76,8 +76,7 @@ def amortized_seconds(seconds: Sequence[float], spans: Sequence[tuple[int, int]]
     time at all: its stall was not host time the window waited out (it cannot be moved)."""
     if epoch_micro_batches <= 0:
         raise ValueError(f"epoch_micro_batches must be positive, got {epoch_micro_batches}")
-    out = [s - e + cost_s * (hi - lo) / epoch_micro_batches
-           for s, (lo, hi), e in zip(seconds, spans, window_excess_s, strict=True)]
     if any(s - e <= 0 for s, e in zip(seconds, window_excess_s, strict=True)):
         return None
-    return out
+    return [s - e + cost_s * (hi - lo) / epoch_micro_batches
+            for s, (lo, hi), e in zip(seconds, spans, window_excess_s, strict=True)]

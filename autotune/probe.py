@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 from autotune.config import ConfigError, TrainConfig, parse_config
-from autotune.epoch_cost import amortized_seconds, epoch_costs
+from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
 from autotune.gate import window_rate
 from autotune.gpu_telemetry import GpuTelemetry, host_bound_note, throttle_note, window_stats
 from autotune.host_telemetry import ThreadUsage, cpu_model
@@ -261,7 +261,7 @@ def _stop_trace(profiler: torch.profiler.profile, device: torch.device, path: st
     profiler.export_chrome_trace(path)
 
 
-def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Any], spans: list[tuple[int, int]],
+def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], spans: list[tuple[int, int]],
                            seconds: list[float], window_samples: int, sync: _RankSync, cfg: TrainConfig,
                            planned_micro_batches: int) -> None:
     """Count the DataLoader's epoch starts in the windows at the rate a long run pays them

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -292,6 +293,23 @@ def test_a_two_rank_probe_reports_global_throughput_and_stops_when_pruned(job_ro
     assert 1 <= len(result["window_throughputs"]) < 5 and result["samples_trained"] < 800
     assert [c[0] for c in client.calls] == ["report", "complete"]  # rank 0 alone reports; none after the prune
     assert job_processes(job_root) == [] and list(job_root.glob("autotune-job-*")) == []
+
+
+@pytest.mark.slow
+def test_a_two_rank_probe_amortizes_the_epoch_starts_of_every_rank(job_root: Path, tiny_datasets: Any) -> None:
+    """Each rank restarts its worker at the same micro-batches; the windows take the slowest
+    rank's stall (a collective per window, which every rank must reach alike)."""
+    client = FakeClient()
+    config = {"batch_size": 2, "accum_steps": 2, "num_workers": 1, "persistent_workers": False}
+    two_rank_worker(client).run_trial(lease(samples=480).model_copy(update={"config": config}))
+    [result] = client.completed
+    assert result["failure"] is None, result["failure"]
+    # a rank's epoch: 224 samples over 2 ranks × micro-batch 2 = 56 micro-batches; 120 per rank
+    assert result["epoch_micro_batches"] == 56
+    assert [b["micro_batch"] for b in result["epoch_boundaries"]] == [56, 112]
+    assert result["epoch_cost_s"] > 0
+    assert len(result["raw_window_throughputs"]) == len(result["window_throughputs"]) == 5
+    assert result["throughput_samples_per_s"] == pytest.approx(statistics.harmonic_mean(result["window_throughputs"]))
 
 
 @pytest.mark.slow

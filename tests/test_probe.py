@@ -87,6 +87,15 @@ def test_epoch_starts_are_measured_and_counted_at_a_long_runs_rate(tiny: Workloa
     assert ProbeResult.from_dict(json.loads(json.dumps(r.to_dict()))).epoch_boundaries == r.epoch_boundaries
 
 
+def test_a_probe_inside_its_first_epoch_says_a_restart_is_not_in_its_throughput(tiny: Workload) -> None:
+    restarting = run_probe(tiny, {"num_workers": 1, "persistent_workers": False},
+                           settings=ProbeSettings(samples=SAMPLES))  # 24 micro-batches of an epoch's 56
+    assert restarting.failure is None and restarting.epoch_boundaries == []
+    assert any("inside one DataLoader epoch (24 of 56 micro-batches)" in n for n in restarting.measurement_notes)
+    kept = run_probe(tiny, {"num_workers": 1, "persistent_workers": True}, settings=ProbeSettings(samples=SAMPLES))
+    assert kept.failure is None and kept.measurement_notes == []  # persistent workers: nothing restarts
+
+
 def test_loss_curve_has_one_point_per_window(default_result: ProbeResult) -> None:
     r = default_result
     eff = r.config["effective_batch"]
