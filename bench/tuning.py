@@ -474,14 +474,15 @@ def _train_set_size(preset: str) -> int:
     return len(get_workload("ups", preset).datasets(0)[0])
 
 
-def epoch_rates(probe: dict[str, Any], config: dict[str, Any], preset: str = "full") -> dict[str, Any]:
+def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: int) -> dict[str, Any]:
     """A fidelity probe's throughput as timed (`raw`) and with its DataLoader epoch starts
     counted at a long run's rate (`amortized`, autotune/epoch_cost.py). A probe that recorded
     its epoch starts says both (`how` "probe"). For one from before it did, the amortized rate
     is estimated ("estimated") from where its epoch starts fell (the plan of its steps and the
-    epoch's length) and each window's data wait over the typical of the windows without one;
-    "as timed" where no window is without one (a long run: its windows already hold the
-    starts at about their rate), none holds one, or the probe did not record its data waits."""
+    epoch's length: `train_samples` over the micro-batch) and each window's data wait over the
+    typical of the windows without one; "as timed" where no window is without one (a long
+    run: its windows already hold the starts at about their rate), none holds one, or the
+    probe did not record its data waits."""
     from autotune.probe import ProbeSettings, plan_steps
 
     windows = probe["window_throughputs"]
@@ -494,7 +495,7 @@ def epoch_rates(probe: dict[str, Any], config: dict[str, Any], preset: str = "fu
     _, warm, n, per = plan_steps(probe["samples_trained"], eff, ProbeSettings().warmup_steps, len(windows),
                                  config["inverse_loss_frequency"])
     spans = [((warm + w * per) * accum, (warm + (w + 1) * per) * accum) for w in range(n)]
-    epoch = -(-_train_set_size(preset) // config["batch_size"])
+    epoch = -(-train_samples // config["batch_size"])
     starts = [[b for b in range(epoch, spans[-1][1], epoch) if lo <= b < hi] for lo, hi in spans]
     waits = probe.get("window_data_wait_s")
     if not waits:  # the first runs did not record them
@@ -555,7 +556,7 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
             rows = results[c["strategy"]]["rows"] if c["strategy"] in results else []
             study = next((r["throughput"] for r in rows if r["number"] == c["number"]), None)  # None: a given config
             short_rate, long_rate = window_rate(short)[0], window_rate(long)[0]
-            rates = {side: epoch_rates(c[side], config) for side in ("short", "long")}
+            rates = {side: epoch_rates(c[side], config, _train_set_size("full")) for side in ("short", "long")}
             pairs.append({
                 "run": path.name, "strategy": c["strategy"], "number": c["number"],
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
