@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -441,8 +442,8 @@ def fidelity(args: argparse.Namespace) -> None:
     from the cache."""
     configs = _fidelity_configs(args)
     out = Path(args.out)
-    doc: dict[str, Any] = {"environment": environment(args.device), "factor": args.factor, "rounds": args.rounds,
-                           "prime": [], "configs": []}
+    doc: dict[str, Any] = {"environment": environment(args.device), "preset": args.preset, "factor": args.factor,
+                           "rounds": args.rounds, "prime": [], "configs": []}
     from autotune.workloads import get_workload
 
     preset_samples = get_workload("ups", args.preset).defaults.samples
@@ -474,15 +475,16 @@ def _train_set_size(preset: str) -> int:
     return len(get_workload("ups", preset).datasets(0)[0])
 
 
-def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: int) -> dict[str, Any]:
+def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Callable[[], int]) -> dict[str, Any]:
     """A fidelity probe's throughput as timed (`raw`) and with its DataLoader epoch starts
     counted at a long run's rate (`amortized`, autotune/epoch_cost.py). A probe that recorded
     its epoch starts says both (`how` "probe"). For one from before it did, the amortized rate
     is estimated ("estimated") from where its epoch starts fell (the plan of its steps and the
-    epoch's length: `train_samples` over the micro-batch) and each window's data wait over the
+    epoch's length: `train_samples()` over the micro-batch) and each window's data wait over the
     typical of the windows without one; "as timed" where no window is without one (a long
     run: its windows already hold the starts at about their rate), none holds one, or the
-    probe did not record its data waits."""
+    probe did not record its data waits, or the config does not name its batch shape (a given
+    config left to the preset's defaults)."""
     from autotune.probe import ProbeSettings, plan_steps
 
     windows = probe["window_throughputs"]
@@ -495,11 +497,11 @@ def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: in
     _, warm, n, per = plan_steps(probe["samples_trained"], eff, ProbeSettings().warmup_steps, len(windows),
                                  config["inverse_loss_frequency"])
     spans = [((warm + w * per) * accum, (warm + (w + 1) * per) * accum) for w in range(n)]
-    epoch = -(-train_samples // config["batch_size"])
+    epoch = -(-train_samples() // config["batch_size"])
     starts = [[b for b in range(epoch, spans[-1][1], epoch) if lo <= b < hi] for lo, hi in spans]
     waits = probe.get("window_data_wait_s")
-    if not waits:  # the first runs did not record them
-        return as_timed
+    if not waits or any(k not in config for k in ("batch_size", "accum_steps", "inverse_loss_frequency")):
+        return as_timed  # the first runs did not record data waits
     clean = [wait / (hi - lo) for (lo, hi), wait, inside in zip(spans, waits, starts, strict=True) if not inside]
     if not clean or len(clean) == n:
         return as_timed
@@ -550,13 +552,15 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
     pairs = []
     for path in paths:
         doc = json.loads(path.read_text())
+        preset = doc.get("preset", "full")  # the runs before it was recorded were all on the full preset
         for c in doc["configs"]:
             short, long = c["short"]["window_throughputs"], c["long"]["window_throughputs"]
             config = c["config"]
             rows = results[c["strategy"]]["rows"] if c["strategy"] in results else []
             study = next((r["throughput"] for r in rows if r["number"] == c["number"]), None)  # None: a given config
             short_rate, long_rate = window_rate(short)[0], window_rate(long)[0]
-            rates = {side: epoch_rates(c[side], config, _train_set_size("full")) for side in ("short", "long")}
+            train_samples = functools.partial(_train_set_size, preset)
+            rates = {side: epoch_rates(c[side], config, train_samples) for side in ("short", "long")}
             pairs.append({
                 "run": path.name, "strategy": c["strategy"], "number": c["number"],
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",

@@ -110,7 +110,7 @@ def test_epoch_rates_amortize_a_recorded_probe_and_estimate_an_older_one() -> No
     seconds[4] = 0.6
     waits = [0.048] * 8
     waits[4] = 0.247  # 1 ms a fetch; the epoch start's fetch took 0.2 s
-    older = tuning.epoch_rates(_probe_record([samples / s for s in seconds], waits), config, 11200)
+    older = tuning.epoch_rates(_probe_record([samples / s for s in seconds], waits), config, lambda: 11200)
     excess = 0.2 - 0.001
     amortized = [s - (excess if w == 4 else 0.0) + excess * 48 / 234 for w, s in enumerate(seconds)]
     assert older["how"] == "estimated"
@@ -118,10 +118,10 @@ def test_epoch_rates_amortize_a_recorded_probe_and_estimate_an_older_one() -> No
     assert older["amortized"] == pytest.approx(8 * samples / sum(amortized))
 
     # a long run's windows each hold epoch starts already: taken as timed
-    every = tuning.epoch_rates(_probe_record([5000.0] * 8, [0.3] * 8, samples_trained=192000), config, 11200)
+    every = tuning.epoch_rates(_probe_record([5000.0] * 8, [0.3] * 8, samples_trained=192000), config, lambda: 11200)
     assert every == {"raw": pytest.approx(5000.0), "amortized": pytest.approx(5000.0), "how": "as timed"}
 
     recorded = tuning.epoch_rates(_probe_record([5900.0] * 8, waits, raw_window_throughputs=[5880.0] * 7 + [3920.0]),
-                                  config, 11200)
+                                  config, lambda: 11200)
     assert recorded == {"raw": pytest.approx(window_rate([5880.0] * 7 + [3920.0])[0]),
                         "amortized": pytest.approx(5900.0), "how": "probe"}
