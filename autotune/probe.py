@@ -271,9 +271,10 @@ def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], span
     result.raw_window_throughputs = list(result.window_throughputs)
     epoch = result.epoch_micro_batches
     assert epoch is not None
+    restarts = cfg.num_workers > 0 and not cfg.persistent_workers  # an epoch start restarts the workers
     costs = epoch_costs(spans, result.window_data_wait_s, boundaries)
     if costs is None:  # every rank alike: the boundaries fall at the same micro-batches
-        if cfg.num_workers > 0 and not cfg.persistent_workers and planned_micro_batches <= epoch:
+        if restarts and planned_micro_batches <= epoch:
             result.measurement_notes.append(
                 f"the probe ran inside one DataLoader epoch ({planned_micro_batches} of {epoch} micro-batches): the "
                 "cost of an epoch start (restarting the non-persistent workers) is not in this throughput")
@@ -291,7 +292,6 @@ def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], span
     if abs(amortized / raw - 1) >= AMORTIZED_NOTE:
         timed = sum(w is not None for w in costs.window_of)
         long_run = sum(hi - lo for lo, hi in spans) / epoch
-        restarts = cfg.num_workers > 0 and not cfg.persistent_workers
         start = "restarting the workers" if restarts else "refilling the queue"
         result.measurement_notes.append(
             f"an epoch start costs {cost * 1e3:.0f} ms ({start}); the windows timed {timed} where a long run pays "

@@ -493,15 +493,15 @@ def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Ca
                 "how": "probe"}
     raw = window_rate(windows)[0]
     as_timed = {"raw": raw, "amortized": raw, "how": "as timed"}
+    waits = probe.get("window_data_wait_s")
+    if not waits or any(k not in config for k in ("batch_size", "accum_steps", "inverse_loss_frequency")):
+        return as_timed  # the first runs did not record data waits
     accum, eff = config["accum_steps"], config["batch_size"] * config["accum_steps"]
     _, warm, n, per = plan_steps(probe["samples_trained"], eff, ProbeSettings().warmup_steps, len(windows),
                                  config["inverse_loss_frequency"])
     spans = [((warm + w * per) * accum, (warm + (w + 1) * per) * accum) for w in range(n)]
     epoch = -(-train_samples() // config["batch_size"])
     starts = [[b for b in range(epoch, spans[-1][1], epoch) if lo <= b < hi] for lo, hi in spans]
-    waits = probe.get("window_data_wait_s")
-    if not waits or any(k not in config for k in ("batch_size", "accum_steps", "inverse_loss_frequency")):
-        return as_timed  # the first runs did not record data waits
     clean = [wait / (hi - lo) for (lo, hi), wait, inside in zip(spans, waits, starts, strict=True) if not inside]
     if not clean or len(clean) == n:
         return as_timed
@@ -621,23 +621,22 @@ def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
 def _plot_fidelity_rounds(pairs: list[dict[str, Any]], medians: list[dict[str, Any]], path: Path) -> None:
     """Per config of a run with several rounds: median short over median long, as timed and
     with the epoch starts amortized, with each round's own pair as a dot."""
-    rows = medians
-    if not rows:
+    if not medians:
         return
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    xs = range(len(rows))
+    xs = range(len(medians))
     for offset, key, label in ((-0.2, "", "as timed"), (0.2, "amortized_", "epoch starts amortized")):
-        ax.bar([x + offset for x in xs], [100 * (m[f"{key}median_short_over_median_long"] - 1) for m in rows], 0.4,
+        ax.bar([x + offset for x in xs], [100 * (m[f"{key}median_short_over_median_long"] - 1) for m in medians], 0.4,
                label=f"median short / median long, {label}")
-        for x, m in zip(xs, rows, strict=True):
+        for x, m in zip(xs, medians, strict=True):
             own = [p[f"{key}short_over_long"] for p in pairs
                    if (p["run"], p["strategy"], p["number"]) == (m["run"], m["strategy"], m["number"])]
             ax.plot([x + offset] * len(own), [100 * (r - 1) for r in own], "k.", markersize=4)
     for y in (-3, 3):
         ax.axhline(y, color="grey", linestyle=":")
     labels = [f"{m['strategy']} #{m['number']}\n{m['run'].removesuffix('.json')[-8:]}, {m['rounds']} rounds"
-              for m in rows]
+              for m in medians]
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("short probe vs 10x longer run (%)")
     ax.set_title("Probe fidelity in interleaved rounds (dots: each round's pair)")
