@@ -13,7 +13,10 @@ This runs short probes of one config (the studies' own length), alternating two 
             sampling tick, so respawned workers follow)
 While each probe runs, it samples every thread of the probe's process tree (/proc: state and
 last CPU) and records per probe: how often the loop thread was runnable, how often it shared its
-physical core with another runnable thread of the tree, and how many CPUs it visited.
+physical core with another runnable thread of the tree, how many CPUs it visited, and how often
+it was on the CPU the isolated variant gives it (`loop_cpu`, `loop_on_loop_cpu`). These
+cover the process's whole life (start-up, data, warm-up and the timed windows), not the timed
+windows alone: the probe's own per-window readings (window_host) are the ones to read for those.
 
 Usage, on a GPU host (repository on PYTHONPATH):
   python bench/cpu_placement.py --config JSON --rounds 3 --out OUT.jsonl
@@ -23,6 +26,7 @@ Usage, on a GPU host (repository on PYTHONPATH):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -56,10 +60,8 @@ def tree(pid: int) -> list[int]:
         p = todo.pop()
         found.append(p)
         for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
+            with contextlib.suppress(OSError):  # the task ended meanwhile
                 todo.extend(int(c) for c in (task / "children").read_text().split())
-            except OSError:
-                pass
     return found
 
 
@@ -84,22 +86,21 @@ def run_probe(config: str, variant: str, preset: str, device: str, sib: dict[int
     cpus = sorted(sib)
     loop_cpu = cpus[-1]  # the loop thread's own CPU, its core kept free of the other threads
     rest = set(cpus) - sib[loop_cpu]
-    samples = runnable = shared = 0
+    samples = runnable = shared = on_own = 0
     visited: set[int] = set()
     last = None
     migrations = 0
     while proc.poll() is None:
         rows = threads(tree(proc.pid))
         if variant == "isolated":
-            for pid, tid, _, _ in rows:
-                try:
+            for _, tid, _, _ in rows:
+                with contextlib.suppress(OSError):  # the thread ended meanwhile
                     os.sched_setaffinity(tid, {loop_cpu} if tid == proc.pid else rest)
-                except OSError:
-                    pass
         main = next((r for r in rows if r[1] == proc.pid), None)
         if main is not None:
             samples += 1
             visited.add(main[3])
+            on_own += main[3] == loop_cpu
             migrations += last is not None and main[3] != last
             last = main[3]
             if main[2] == "R":
@@ -115,7 +116,7 @@ def run_probe(config: str, variant: str, preset: str, device: str, sib: dict[int
             "window_throughputs": result.get("window_throughputs"), "failure": result.get("failure"),
             "samples": samples, "loop_runnable": runnable / max(samples, 1),
             "loop_core_shared": shared / max(runnable, 1), "loop_cpus_visited": len(visited),
-            "loop_migrations": migrations}
+            "loop_migrations": migrations, "loop_cpu": loop_cpu, "loop_on_loop_cpu": on_own / max(samples, 1)}
 
 
 def main() -> None:
@@ -143,7 +144,8 @@ def main() -> None:
     for variant in ("base", "isolated"):
         t = [r["throughput"] for r in rows if r["variant"] == variant and r["throughput"]]
         if t:
-            print(f"{variant}: median {statistics.median(t):.0f}, spread {(max(t) - min(t)) / statistics.median(t):.1%}")
+            median = statistics.median(t)
+            print(f"{variant}: median {median:.0f}, spread {(max(t) - min(t)) / median:.1%}")
 
 
 if __name__ == "__main__":

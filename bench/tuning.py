@@ -46,6 +46,7 @@ import functools
 import json
 import os
 import platform
+import random
 import signal
 import statistics
 import subprocess
@@ -306,9 +307,15 @@ def analyze(args: argparse.Namespace) -> None:
         doc["fidelity_medians"] = fidelity_medians(doc["fidelity"])
         for m in doc["fidelity_medians"]:
             print(f"fidelity over {m['rounds']} rounds {m['strategy']} #{m['number']} ({m['run']}): median short / "
-                  f"median long {m['median_short_over_median_long']:.3f}, epoch starts amortized "
+                  f"median long {m['raw_median_short_over_median_long']:.3f} as timed, epoch starts amortized "
                   f"{m['amortized_median_short_over_median_long']:.3f} (spreads {m['short_spread']:.1%} short, "
                   f"{m['long_spread']:.1%} long)")
+        doc["fidelity_bias"] = bias = fidelity_bias(doc["fidelity"])
+        if bias:
+            print(f"the probe's bias over {bias['pairs']} pairs: short/long median "
+                  f"{bias['median_short_over_long']:.3f} "
+                  f"(95 % CI {bias['ci95'][0]:.3f}-{bias['ci95'][1]:.3f}; quartiles {bias['quartiles'][0]:.3f}-"
+                  f"{bias['quartiles'][1]:.3f})")
         if args.png:
             _plot_fidelity(doc["fidelity"], Path(args.png).with_name(Path(args.png).stem + "_fidelity.png"))
             _plot_fidelity_rounds(doc["fidelity"], doc["fidelity_medians"],
@@ -519,8 +526,10 @@ def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Ca
 
 def fidelity_medians(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config and fidelity run with several rounds: the median short probe over the median
-    long run, and each side's spread over the rounds ((max - min) / median); the same with the
-    epoch starts amortized (`epoch_rates`)."""
+    long run (`median_short_over_median_long`: the throughputs the probes reported), and each
+    side's spread over the rounds ((max - min) / median); the same as timed (`raw_`) and with
+    the epoch starts amortized (`amortized_`, `epoch_rates`: for a probe that recorded its epoch
+    starts, what it reported)."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for p in pairs:
         groups.setdefault((p["run"], p["strategy"], p["number"]), []).append(p)
@@ -530,13 +539,40 @@ def fidelity_medians(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         sides = {side: [p[side] for p in group] for side in ("short", "long")}
         medians = {side: statistics.median(v) for side, v in sides.items()}
+        raw = {side: statistics.median(p[f"{side}_raw"] for p in group) for side in ("short", "long")}
         amortized = {side: statistics.median(p[f"{side}_amortized"] for p in group) for side in ("short", "long")}
         rows.append({"run": run, "strategy": strategy, "number": number, "rounds": len(group),
                      "median_short": medians["short"], "median_long": medians["long"],
                      "median_short_over_median_long": medians["short"] / medians["long"],
+                     "raw_median_short_over_median_long": raw["short"] / raw["long"],
                      "amortized_median_short_over_median_long": amortized["short"] / amortized["long"],
                      **{f"{side}_spread": (max(v) - min(v)) / medians[side] for side, v in sides.items()}})
     return rows
+
+
+def fidelity_bias(pairs: list[dict[str, Any]], resamples: int = 2000) -> dict[str, Any] | None:
+    """The probe's systematic error, pooled over configs: every pair whose short probe recorded
+    its epoch starts (`short_how` "probe": the probe as it now measures), its short/long ratio as
+    reported. Each pair is one config, short then long back to back on one host, so the ratio
+    leaves the host's drift over minutes out; what is left is the probe's bias plus the spread
+    from process to process. Returns the median ratio with a 95 % bootstrap interval (a seeded
+    resampling of the pairs: the same pairs give the same interval), the quartiles (that spread),
+    and the same per config; None without such pairs."""
+    own = [p for p in pairs if p["short_how"] == "probe"]
+    if not own:
+        return None
+    ratios = [p["short_over_long"] for p in own]
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    configs: dict[tuple[str, int], list[float]] = {}
+    for p in own:
+        configs.setdefault((p["strategy"], p["number"]), []).append(p["short_over_long"])
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"pairs": len(ratios), "median_short_over_long": statistics.median(ratios),
+            "ci95": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
+            "quartiles": [quartiles[0], quartiles[2]],
+            "per_config": [{"strategy": k[0], "number": k[1], "pairs": len(v), "median_short_over_long":
+                            statistics.median(v), "min": min(v), "max": max(v)} for k, v in configs.items()]}
 
 
 COMPILED_WARMUP_S = 20.0  # a warm-up this long compiled (cold: 38-92 s on the H100 host); from the cache: 4-10 s
@@ -572,6 +608,7 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
                 **{f"{side}_{k}": rates[side][k] for side in ("short", "long") for k in ("raw", "amortized", "how")},
+                "raw_short_over_long": rates["short"]["raw"] / rates["long"]["raw"],
                 "amortized_short_over_long": rates["short"]["amortized"] / rates["long"]["amortized"],
                 "study_over_long": study / long_rate if study and path.name not in other_host else None,
                 **{f"{side}_{k}": v for side in ("short", "long") for k, v in _telemetry_extremes(c[side]).items()}})
@@ -601,8 +638,8 @@ def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
     xs = range(len(pairs))
     ax.bar([x - 0.27 for x in xs], [100 * (p["median_short_over_long"] - 1) for p in pairs], 0.27,
            label="fresh short probe: median of windows")
-    ax.bar(list(xs), [100 * (p["short_over_long"] - 1) for p in pairs], 0.27,
-           label="fresh short probe: timed samples / timed s")
+    ax.bar(list(xs), [100 * (p["raw_short_over_long"] - 1) for p in pairs], 0.27,
+           label="fresh short probe: timed samples / timed s, as timed")
     ax.bar([x + 0.27 for x in xs], [100 * (p["amortized_short_over_long"] - 1) for p in pairs], 0.27,
            label="fresh short probe: epoch starts amortized (both sides)")
     studied = [(x, p["study_over_long"]) for x, p in zip(xs, pairs, strict=True) if p["study_over_long"]]
@@ -624,9 +661,9 @@ def _plot_fidelity_rounds(pairs: list[dict[str, Any]], medians: list[dict[str, A
     if not medians:
         return
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(max(10.0, 1.1 * len(medians)), 5.0))
     xs = range(len(medians))
-    for offset, key, label in ((-0.2, "", "as timed"), (0.2, "amortized_", "epoch starts amortized")):
+    for offset, key, label in ((-0.2, "raw_", "as timed"), (0.2, "amortized_", "epoch starts amortized")):
         ax.bar([x + offset for x in xs], [100 * (m[f"{key}median_short_over_median_long"] - 1) for m in medians], 0.4,
                label=f"median short / median long, {label}")
         for x, m in zip(xs, medians, strict=True):
@@ -635,9 +672,10 @@ def _plot_fidelity_rounds(pairs: list[dict[str, Any]], medians: list[dict[str, A
             ax.plot([x + offset] * len(own), [100 * (r - 1) for r in own], "k.", markersize=4)
     for y in (-3, 3):
         ax.axhline(y, color="grey", linestyle=":")
-    labels = [f"{m['strategy']} #{m['number']}\n{m['run'].removesuffix('.json')[-8:]}, {m['rounds']} rounds"
+    labels = [f"{m['strategy']} #{m['number']}\n{m['run'].removesuffix('.json').removeprefix('fidelity_')}, "
+              f"{m['rounds']} rounds"
               for m in medians]
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_xticks(list(xs), labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("short probe vs 10x longer run (%)")
     ax.set_title("Probe fidelity in interleaved rounds (dots: each round's pair)")
     ax.legend(fontsize=7)

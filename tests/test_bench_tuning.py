@@ -125,3 +125,39 @@ def test_epoch_rates_amortize_a_recorded_probe_and_estimate_an_older_one() -> No
                                   config, lambda: 11200)
     assert recorded == {"raw": pytest.approx(window_rate([5880.0] * 7 + [3920.0])[0]),
                         "amortized": pytest.approx(5900.0), "how": "probe"}
+
+
+def _pair(strategy: str, number: int, short: float, long: float, how: str = "probe", run: str = "r.json",
+          raw_short: float | None = None) -> dict[str, object]:
+    raw = raw_short or short
+    return {"run": run, "strategy": strategy, "number": number, "short": short, "long": long,
+            "short_over_long": short / long, "short_raw": raw, "long_raw": long, "short_amortized": short,
+            "long_amortized": long, "short_how": how}
+
+
+def test_fidelity_bias_pools_the_pairs_of_probes_that_recorded_their_epoch_starts() -> None:
+    """The pooled reading: the median short/long ratio over the pairs measured by the probe as it
+    now measures (older pairs, whose epoch starts were only estimated, are left out), with a
+    reproducible bootstrap interval that holds the median, and per config."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tuning
+
+    ratios = [0.90, 0.96, 0.99, 1.00, 1.01, 1.04, 1.10]
+    pairs = [_pair("autotune", 3 if i < 4 else 4, 1000.0 * r, 1000.0) for i, r in enumerate(ratios)]
+    pairs.append(_pair("oracle", 5, 2000.0, 1000.0, how="estimated"))  # an older run's pair: not pooled
+    bias = tuning.fidelity_bias(pairs)
+    assert bias is not None and bias["pairs"] == 7
+    assert bias["median_short_over_long"] == pytest.approx(1.00)
+    low, high = bias["ci95"]
+    assert min(ratios) <= low <= 1.00 <= high <= max(ratios)
+    assert tuning.fidelity_bias(pairs) == bias  # seeded: the same pairs give the same interval
+    assert [(c["number"], c["pairs"]) for c in bias["per_config"]] == [(3, 4), (4, 3)]
+    assert bias["per_config"][0]["median_short_over_long"] == pytest.approx(0.975)
+    assert tuning.fidelity_bias([p for p in pairs if p["short_how"] == "estimated"]) is None
+
+    # the per-run medians: as the probes reported (amortized), and as timed
+    rounds = [_pair("autotune", 3, 950.0, 1000.0, raw_short=1050.0), _pair("autotune", 3, 970.0, 1000.0,
+                                                                            raw_short=1070.0)]
+    (medians,) = tuning.fidelity_medians(rounds)
+    assert medians["median_short_over_median_long"] == pytest.approx(0.96)
+    assert medians["raw_median_short_over_median_long"] == pytest.approx(1.06)
