@@ -4,7 +4,8 @@ Roles (user attr ``role``): the study's first `baseline_seeds` trials are *basel
 the user's config (probe seeds seed, seed+1, …), then *search* trials, then, once the search
 is done, *remeasure* trials (user attrs ``remeasure_of``: the trial number re-measured, and
 ``remeasure_round``: 0, 1, … up to spec.remeasure.rounds - 1; every target's round r is
-created before any target's round r + 1, so the rounds interleave).
+created before any target's round r + 1, so the rounds interleave, and every other round runs
+its targets in reverse: `remeasure_plan`).
 
 Retries: a trial *lost* with its worker (Optuna FAIL, failure_kind "lost": the reaper saw no
 heartbeat) is re-run as a new trial of the same role, config and probe, carrying user attrs
@@ -335,8 +336,12 @@ def remeasure_key(trial: TrialRecord) -> tuple[int, int] | None:
 
 
 def remeasure_plan(spec: StudySpec, targets: Sequence[TrialRecord]) -> list[tuple[TrialRecord, int]]:
-    """Every (target, round) the study re-measures, in creation order: round by round."""
-    return [(t, r) for r in range(spec.remeasure.rounds) for t in targets]
+    """Every (target, round) the study re-measures, in creation order: round by round, every
+    other round in reverse (A B C, C B A, A B C, …). Over each pair of rounds every target's
+    re-measurements then sit at the same mean place in the sequence, so a host whose speed
+    drifts steadily while they run favours none of them; in plain rotation (A B C A B C) the
+    first target would always run before the others and gain from a host that slows down."""
+    return [(t, r) for r in range(spec.remeasure.rounds) for t in (targets if r % 2 == 0 else targets[::-1])]
 
 
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:

@@ -120,8 +120,9 @@ class RemeasureSpec(Strict):
     windows: int = Field(16, ge=5, le=100, description="timed windows of the re-measurement")
     seed_offset: int = Field(1000, ge=0, le=2**30, description="probe seed + this offset")
     rounds: int = Field(1, ge=1, le=10, description="re-measurements per config, in interleaved rounds (every "
-                        "config once, then again): they count together, so a host whose speed drifts over minutes "
-                        "favours no config; 2-3 where repeated runs of one config differ by more than the configs do")
+                        "config once, then again in reverse order: A B C C B A): they count together, so a host whose "
+                        "speed drifts over minutes favours no config; 2-3 where repeated runs of one config differ "
+                        "by more than the configs do")
 
 
 class QualitySpec(Strict):

@@ -444,13 +444,18 @@ def fidelity(args: argparse.Namespace) -> None:
     """Short probe (the studies' own) against a --factor × longer run, for the top configs:
     each config runs short then long, back to back in fresh processes on the same GPU. With
     --rounds N, every config's pair runs once per round, round after round (interleaved, so a
-    host's drift over minutes reaches every config alike); with --prime, each config first
-    compiles in a probe of its own (kept apart), so that every measured probe loads its kernels
-    from the cache."""
+    host's drift over minutes reaches every config alike). --order mirrored (the default) runs
+    every other round as the mirror image of the one before: the configs in reverse, each
+    long run before its short probe. So over two rounds a steady drift reaches short and long
+    alike, and each short probe follows its own config's long run once in two rounds (an order
+    effect the lent hosts may have: bench/README.md, probe fidelity);
+    "rotation" repeats the first round's order (the runs before 2026-11-21's last ones). With
+    --prime, each config first compiles in a probe of its own (kept apart), so that every
+    measured probe loads its kernels from the cache."""
     configs = _fidelity_configs(args)
     out = Path(args.out)
     doc: dict[str, Any] = {"environment": environment(args.device), "preset": args.preset, "factor": args.factor,
-                           "rounds": args.rounds, "prime": [], "configs": []}
+                           "rounds": args.rounds, "order": args.order, "prime": [], "configs": []}
     from autotune.workloads import get_workload
 
     preset_samples = get_workload("ups", args.preset).defaults.samples
@@ -460,13 +465,17 @@ def fidelity(args: argparse.Namespace) -> None:
                                                         args.device, args.preset)})
             out.write_text(json.dumps(doc, indent=1))
     for r in range(args.rounds):
-        for i, row in enumerate(configs):
+        mirrored = args.order == "mirrored" and r % 2 == 1
+        sides = ("long", "short") if mirrored else ("short", "long")
+        for i, row in (reversed(list(enumerate(configs))) if mirrored else enumerate(configs)):
             samples = row["samples"] or preset_samples
-            short = _probe(row["config"], samples, args.device, args.preset)
-            long = _probe(row["config"], samples * args.factor, args.device, args.preset)
+            runs = {side: _probe(row["config"], samples * (args.factor if side == "long" else 1), args.device,
+                                 args.preset) for side in sides}  # in the order of `sides`
+            short, long = runs["short"], runs["long"]
             ratio = (short["throughput_samples_per_s"] / long["throughput_samples_per_s"]
                      if short["throughput_samples_per_s"] and long["throughput_samples_per_s"] else None)
-            doc["configs"].append({**row, "round": r, "short": short, "long": long, "short_over_long": ratio})
+            doc["configs"].append({**row, "round": r, "first": sides[0], "short": short, "long": long,
+                                   "short_over_long": ratio})
             out.write_text(json.dumps(doc, indent=1))  # after every pair: a cut-off run keeps what it measured
             study = "-" if row["throughput"] is None else f"{row['throughput']:.0f}"  # None: a given config
             print(f"[round {r + 1}, {i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study "
@@ -755,6 +764,9 @@ def main() -> None:
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
     f.add_argument("--rounds", type=int, default=1, help="pairs per config, interleaved round by round")
+    f.add_argument("--order", choices=("mirrored", "rotation"), default="mirrored",
+                   help="mirrored: every other round reversed, long run first (default); rotation: every round "
+                        "in the first one's order")
     f.add_argument("--prime", action="store_true", help="compile each config in a probe of its own first, so that "
                                                         "every measured probe loads its kernels from the cache")
     k = sub.add_parser("cache-states", help="short probes of the top configs, each compiled cold or loaded warm")

@@ -65,6 +65,9 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     assert (pair["short"]["samples_trained"], pair["long"]["samples_trained"]) == (640, 1280)
     assert pair["short"]["window_gpu"] == [] and pair["short"]["started"] < pair["long"]["started"]
     assert doc["prime"][0]["probe"]["started"] < pair["short"]["started"] < again["short"]["started"]
+    # mirrored rounds (the default): the second round runs its long run first
+    assert doc["order"] == "mirrored" and (pair["first"], again["first"]) == ("short", "long")
+    assert pair["long"]["started"] < again["long"]["started"] < again["short"]["started"]
     _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--fidelity", str(fidelity)], tmp_path)
     analysis = json.loads(out.read_text())
     row = analysis["fidelity"][0]
