@@ -442,14 +442,14 @@ def cache_states(args: argparse.Namespace) -> None:
 
 def fidelity(args: argparse.Namespace) -> None:
     """Short probe (the studies' own) against a --factor × longer run, for the top configs:
-    each config runs short then long, back to back in fresh processes on the same GPU. With
+    each config runs a short probe and a long run, back to back in fresh processes on the same GPU. With
     --rounds N, every config's pair runs once per round, round after round (interleaved, so a
     host's drift over minutes reaches every config alike). --order mirrored (the default) runs
     every other round as the mirror image of the one before: the configs in reverse, each
     long run before its short probe. So over two rounds a steady drift reaches short and long
     alike, and each short probe follows its own config's long run once in two rounds (an order
     effect the lent hosts may have: bench/README.md, probe fidelity);
-    "rotation" repeats the first round's order (the runs before 2026-11-21's last ones). With
+    "rotation" repeats the first round's order (as every run made before `order` was recorded). With
     --prime, each config first compiles in a probe of its own (kept apart), so that every
     measured probe loads its kernels from the cache."""
     configs = _fidelity_configs(args)
@@ -562,7 +562,7 @@ def fidelity_medians(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def fidelity_bias(pairs: list[dict[str, Any]], resamples: int = 2000) -> dict[str, Any] | None:
     """The probe's systematic error, pooled over configs: every pair whose short probe recorded
     its epoch starts (`short_how` "probe": the probe as it now measures), its short/long ratio as
-    reported. Each pair is one config, short then long back to back on one host, so the ratio
+    reported. Each pair is one config's short probe and long run, back to back on one host, so the ratio
     leaves the host's drift over minutes out; what is left is the probe's bias plus the spread
     from process to process. Returns the median ratio with a 95 % bootstrap interval (a seeded
     resampling of the pairs: the same pairs give the same interval), the quartiles (that spread),
