@@ -20,7 +20,7 @@ install: $(VENV)/.installed
 
 lint: install
 	$(BIN)/ruff check autotune api tests bench
-	$(BIN)/mypy autotune
+	$(BIN)/mypy autotune api bench
 
 test: install lint
 	$(BIN)/python -m pytest -q

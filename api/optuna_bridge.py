@@ -27,12 +27,12 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 import optuna
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
-from optuna.storages import RDBStorage
+from optuna.storages import BaseStorage, RDBStorage
 from optuna.storages._rdb import models as rdb_models
 from optuna.storages._rdb.storage import _create_scoped_session
 from optuna.study import StudyDirection
@@ -320,7 +320,7 @@ class OptunaBridge:
         if ctx.spec.sampler != "tpe":
             return _Handle(study)
         snapshot = _AskSnapshot(self.storage, self._rdb)
-        study._storage = snapshot  # only this Study object (the sampler's) reads through it
+        study._storage = cast(BaseStorage, snapshot)  # a stand-in (duck-typed); only this Study object reads through it
         return _Handle(study, snapshot=snapshot)
 
     def _grid(self, ctx: StudyContext, handle: _Handle) -> list[dict[str, Any]]:
@@ -452,7 +452,7 @@ class OptunaBridge:
             return
         with _create_scoped_session(self._rdb.scoped_session, True) as session:
             trial = rdb_models.TrialModel.find_or_raise_by_id(trial_id, session)
-            self._rdb.check_trial_is_updatable(trial_id, trial.state)
+            self._rdb.check_trial_is_updatable(trial_id, cast(TrialState, trial.state))  # the column's value
             self._upsert_user_attrs(session, trial_id, attrs)
 
     def _upsert_user_attrs(self, session: Any, trial_id: int, attrs: Mapping[str, Any]) -> None:
@@ -520,7 +520,7 @@ class OptunaBridge:
                 # attrs, values and state in one transaction (Optuna's tell takes one per attr, plus one)
                 with _create_scoped_session(self._rdb.scoped_session, True) as session:
                     row = rdb_models.TrialModel.find_or_raise_by_id(trial_id, session, for_update=True)
-                    self._rdb.check_trial_is_updatable(trial_id, row.state)
+                    self._rdb.check_trial_is_updatable(trial_id, cast(TrialState, row.state))  # the column's value
                     self._upsert_user_attrs(session, trial_id, attrs or {})
                     for key, value in buffered.attrs.items():
                         self._rdb._set_trial_attr_without_commit(session, rdb_models.TrialSystemAttributeModel,

@@ -189,7 +189,7 @@ def pg_server_version() -> str | None:
 
         with psycopg.connect(pg_psycopg_url(PG_ADMIN_URL), autocommit=True, connect_timeout=3) as conn:
             row = conn.execute("SELECT version()").fetchone()
-            settings = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name IN "
+            settings: dict[str, str] = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name IN "
                                          "('synchronous_commit', 'fsync', 'max_connections', 'shared_buffers')"
                                          ).fetchall())
         return f"{row[0] if row else '?'} ({', '.join(f'{k}={v}' for k, v in sorted(settings.items()))})"
@@ -608,17 +608,17 @@ def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, An
     recoveries = []
     unrecovered = []
     for kill in chaos.kills:
-        t = trials.get(kill["trial_id"])
+        killed = trials.get(kill["trial_id"])
         lease = leases.get(kill["trial_id"])
-        chain = sorted(slots[root(t)], key=lambda x: x["number"]) if t is not None else []
+        chain = sorted(slots[root(killed)], key=lambda x: x["number"]) if killed is not None else []
         winner = next((x for x in chain if x["state"] == "COMPLETE"), None)
         retry = next((x for x in chain if x["attrs"].get("retry_of") == kill["number"]), None)
         retry_lease = leases.get(retry["trial_id"]) if retry is not None else None
-        ok = (t is not None and t["state"] == "FAIL" and t["attrs"].get("failure_kind") == "lost"
+        ok = (killed is not None and killed["state"] == "FAIL" and killed["attrs"].get("failure_kind") == "lost"
               and lease is not None and lease["outcome"] == "lost" and lease["worker"] == kill["worker"]
               and winner is not None and winner["attrs"].get("worker_id") != kill["worker"] and retry is not None)
         if not ok:
-            unrecovered.append({"kill": {k: v for k, v in kill.items() if k != "at"}, "trial": t, "lease_outcome":
+            unrecovered.append({"kill": {k: v for k, v in kill.items() if k != "at"}, "trial": killed, "lease_outcome":
                                 lease["outcome"] if lease else None})
             continue
         killed_at = datetime.fromtimestamp(kill["at"], timezone.utc).replace(tzinfo=None)

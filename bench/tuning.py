@@ -54,10 +54,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
@@ -198,7 +198,7 @@ def strategy_result(path: Path) -> dict[str, Any]:
     state = json.loads((path / "state.json").read_text())
     spec = state["spec"]
     study = optuna.load_study(study_name=spec["name"], storage=f"sqlite:///{path / 'study.db'}")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for t in study.get_trials(deepcopy=False):
         attrs = t.user_attrs
         windows = [w for w in attrs.get("window_throughputs") or [] if w and w > 0]
@@ -488,7 +488,7 @@ def fidelity(args: argparse.Namespace) -> None:
 def _train_set_size(preset: str) -> int:
     from autotune.workloads import get_workload
 
-    return len(get_workload("ups", preset).datasets(0)[0])
+    return len(cast(Sized, get_workload("ups", preset).datasets(0)[0]))  # a map-style dataset
 
 
 def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Callable[[], int]) -> dict[str, Any]:
