@@ -411,6 +411,11 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
     run = runs[-1]  # the latest measurement: its notes and peak memory
     windows = [w for r in runs for w in _windows(r)]
     ci = Estimate.for_rate(windows) if len(windows) >= 2 else None  # throughput: the windows' rate
+    rounds = sorted(runs, key=lambda r: ((remeasure_key(r) or (0, 0))[1], r.number)) if run is not best else []
+    round_rates = [thr for r in rounds if (thr := metric(r, spec, "throughput_samples_per_s")) is not None]
+    notes = [str(n) for n in run.user_attrs.get("measurement_notes") or []]
+    if ci is not None and len(round_rates) >= 2 and (min(round_rates) < ci.low or max(round_rates) > ci.high):
+        notes.append(_rounds_note(round_rates, throughput))
     config = best.user_attrs.get("config") or {}
     peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
     base_thr = summary.throughput
@@ -428,10 +433,21 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         peak_mem_reserved_bytes=int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None,
         throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
         remeasured=run is not best, remeasure_rounds=len(runs) if run is not best else 0,
+        round_throughputs=round_rates,
         baseline_val_nrmse_std=summary.quality.std if nrmse else None,
         baseline_seeds=summary.quality.n,
-        measurement_notes=[str(n) for n in run.user_attrs.get("measurement_notes") or []],
+        measurement_notes=notes,
     )
+
+
+def _rounds_note(rates: Sequence[float], pooled: float) -> str:
+    """Said when a config's re-measurements differ by more than the interval over their windows
+    (which sees the spread inside each process, not between processes)."""
+    spread = (max(rates) - min(rates)) / pooled
+    return (f"its {len(rates)} re-measurements ran at {', '.join(f'{r:,.0f}' for r in rates)} samples/s, "
+            f"{spread * 100:.0f} % apart: more than the 95 % interval over their windows, which leaves out how much the "
+            f"host's speed varies from process to process; configs closer than that are ranked by the host's state "
+            f"at the time (more remeasure.rounds pool more of it)")
 
 
 def _pooled_throughput(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:

@@ -299,6 +299,9 @@ def recommendation_table(rec: Recommendation) -> Table:
         table.add_row("95% CI", f"{rec.throughput_ci_low:,.1f} – {rec.throughput_ci_high:,.1f} samples/s "
                       + (f"(re-measured{_times(rec.remeasure_rounds)} with a longer probe)" if rec.remeasured
                          else "(over the trial's windows)"))
+    if len(rec.round_throughputs) >= 2:
+        table.add_row("re-measurements", ", ".join(f"{r:,.1f}" for r in rec.round_throughputs)
+                      + " samples/s (round by round)")
     table.add_row("speedup", "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline")
     name = "val NRMSE" if rec.quality_metric == "val_nrmse" else rec.quality_metric
     if rec.baseline_quality is None or rec.quality is None:

@@ -402,6 +402,9 @@ class Recommendation(BaseModel):
     throughput_ci_high: float | None = None
     remeasured: bool = False
     remeasure_rounds: int = Field(0, description="the re-measurements the throughput pools (0: the search trial's own)")
+    round_throughputs: list[float] = Field(default_factory=list, description="each re-measurement's own throughput, "
+                                           "round by round (empty: not re-measured): how much the config's speed "
+                                           "varied from process to process")
     baseline_val_nrmse_std: float | None = None
     baseline_seeds: int = 0
     measurement_notes: list[str] = Field(default_factory=list, description="what qualifies the recommended "

@@ -181,12 +181,19 @@ def test_remeasure_rounds_interleave_and_the_recommendation_pools_them(client: T
     assert best["trial_number"] == b and best["remeasured"] is True and best["remeasure_rounds"] == 2
     assert best["throughput_samples_per_s"] == pytest.approx(statistics.harmonic_mean(measured[b]))
     assert best["throughput_ci_low"] < best["throughput_samples_per_s"] < best["throughput_ci_high"]
+    # each round's own rate, round by round; they differ by more than the windows' interval: a note says so
+    assert best["round_throughputs"] == pytest.approx([303.0 * 0.95, 303.0 * 0.90])
+    assert best["throughput_ci_high"] < 303.0 * 0.95 and best["throughput_ci_low"] > 303.0 * 0.90
+    (note,) = [n for n in best["measurement_notes"] if "re-measurements ran at" in n]
+    assert "288, 273 samples/s, 5 % apart" in note and "remeasure.rounds" in note
     rotation = {n: statistics.harmonic_mean([true_speed[n] * (1 - 0.05 * i)
                                              for i in ((0, 2) if n == a else (1, 3))]) for n in (a, b)}
     assert rotation[a] > 1.04 * rotation[b]  # what plain rotation would have recommended: A
     console = Console(width=300, record=True, file=io.StringIO())
     console.print(recommendation_table(Recommendation.model_validate(best)))  # what `autotune best`/the demo show
-    assert "(re-measured twice with a longer probe)" in console.export_text()
+    shown = console.export_text()
+    assert "(re-measured twice with a longer probe)" in shown
+    assert "re-measurements" in shown and "287.8, 272.7 samples/s (round by round)" in shown, shown
 
 
 def test_a_config_whose_remeasure_round_fails_is_not_recommended(client: TestClient,
@@ -206,6 +213,8 @@ def test_a_config_whose_remeasure_round_fails_is_not_recommended(client: TestCli
             _complete_with_windows(client, got, f"r{i}", 300.0, [300.0] * 5)
     best = client.get("/v1/studies/s/best").json()
     assert best["trial_number"] == numbers[1] and best["remeasure_rounds"] == 2
+    assert best["round_throughputs"] == [300.0, 300.0]  # rounds that agree: no note about them
+    assert not [n for n in best["measurement_notes"] if "re-measurements ran at" in n]
 
 
 def test_without_remeasurement_the_ci_comes_from_the_trial(client: TestClient, make_study: StudyFactory) -> None:
