@@ -445,9 +445,9 @@ def _rounds_note(rates: Sequence[float], pooled: float) -> str:
     (which sees the spread inside each process, not between processes)."""
     spread = (max(rates) - min(rates)) / pooled
     return (f"its {len(rates)} re-measurements ran at {', '.join(f'{r:,.0f}' for r in rates)} samples/s, "
-            f"{spread * 100:.0f} % apart: more than the 95 % interval over their windows, which leaves out how much the "
-            f"host's speed varies from process to process; configs closer than that are ranked by the host's state "
-            f"at the time (more remeasure.rounds pool more of it)")
+            f"{spread * 100:.0f} % apart: more than the 95 % interval over their windows, which leaves out how much "
+            f"the host's speed varies from process to process; configs closer than that are ranked by the host's "
+            f"state at the time (more remeasure.rounds pool more of it)")
 
 
 def _pooled_throughput(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:
