@@ -654,14 +654,8 @@ def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
     studied = [(x, p["study_over_long"]) for x, p in zip(xs, pairs, strict=True) if p["study_over_long"]]
     ax.plot([x for x, _ in studied], [100 * (r - 1) for _, r in studied], "kD",
             label="the study's own probe (runs on the studies' host)")
-    for y in (-3, 3):
-        ax.axhline(y, color="grey", linestyle=":")
-    ax.set_xticks(list(xs), labels, fontsize=6, rotation=60, ha="right")
-    ax.set_ylabel("short probe vs 10x longer run (%)")
-    ax.set_title("Probe fidelity, top configs of the tuning benchmark")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _finish_fidelity_plot(fig, ax, labels, "Probe fidelity, top configs of the tuning benchmark", path,
+                          fontsize=6, rotation=60)
 
 
 def _plot_fidelity_rounds(pairs: list[dict[str, Any]], medians: list[dict[str, Any]], path: Path) -> None:
@@ -679,14 +673,21 @@ def _plot_fidelity_rounds(pairs: list[dict[str, Any]], medians: list[dict[str, A
             own = [p[f"{key}short_over_long"] for p in pairs
                    if (p["run"], p["strategy"], p["number"]) == (m["run"], m["strategy"], m["number"])]
             ax.plot([x + offset] * len(own), [100 * (r - 1) for r in own], "k.", markersize=4)
-    for y in (-3, 3):
-        ax.axhline(y, color="grey", linestyle=":")
     labels = [f"{m['strategy']} #{m['number']}\n{m['run'].removesuffix('.json').removeprefix('fidelity_')}, "
               f"{m['rounds']} rounds"
               for m in medians]
-    ax.set_xticks(list(xs), labels, fontsize=7, rotation=30, ha="right")
+    _finish_fidelity_plot(fig, ax, labels, "Probe fidelity in interleaved rounds (dots: each round's pair)", path,
+                          fontsize=7, rotation=30)
+
+
+def _finish_fidelity_plot(fig: Any, ax: Any, labels: list[str], title: str, path: Path, fontsize: int,
+                          rotation: int) -> None:
+    """The fidelity plots' common frame: the ±3 % target, one tick label per bar group, and save."""
+    for y in (-3, 3):
+        ax.axhline(y, color="grey", linestyle=":")
+    ax.set_xticks(list(range(len(labels))), labels, fontsize=fontsize, rotation=rotation, ha="right")
     ax.set_ylabel("short probe vs 10x longer run (%)")
-    ax.set_title("Probe fidelity in interleaved rounds (dots: each round's pair)")
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
