@@ -464,10 +464,19 @@ def fidelity(args: argparse.Namespace) -> None:
             doc["prime"].append({**row, "probe": _probe(row["config"], row["samples"] or preset_samples,
                                                         args.device, args.preset)})
             out.write_text(json.dumps(doc, indent=1))
+    started = time.time()
     for r in range(args.rounds):
         mirrored = args.order == "mirrored" and r % 2 == 1
         sides = ("long", "short") if mirrored else ("short", "long")
         for i, row in (reversed(list(enumerate(configs))) if mirrored else enumerate(configs)):
+            if args.deadline_s is not None and not _pair_fits(doc["configs"], row, time.time() - started,
+                                                              args.deadline_s):
+                doc["stopped"] = {"round": r, "strategy": row["strategy"], "number": row["number"],
+                                  "reason": f"its pair would not end within --deadline-s {args.deadline_s:g}"}
+                out.write_text(json.dumps(doc, indent=1))
+                print(f"stopped before round {r + 1}'s pair of {row['strategy']} #{row['number']}: it would not end "
+                      f"within --deadline-s {args.deadline_s:g} (judged by the longest pair so far)", flush=True)
+                return
             samples = row["samples"] or preset_samples
             runs = {side: _probe(row["config"], samples * (args.factor if side == "long" else 1), args.device,
                                  args.preset) for side in sides}  # in the order of `sides`
@@ -482,6 +491,17 @@ def fidelity(args: argparse.Namespace) -> None:
                   f"{study}, short {short['throughput_samples_per_s'] or 0:.0f}, long "
                   f"{long['throughput_samples_per_s'] or 0:.0f} samples/s (short/long {ratio or float('nan'):.3f})",
                   flush=True)
+
+
+def _pair_fits(done: list[dict[str, Any]], row: dict[str, Any], elapsed_s: float, deadline_s: float) -> bool:
+    """Whether a fidelity pair of `row`'s config should start: its expected seconds (the longest
+    pair of that config so far, else of any config; none yet: it starts) end by the deadline."""
+    def seconds(pairs: list[dict[str, Any]]) -> float | None:
+        return max((p["short"]["wall_s"] + p["long"]["wall_s"] for p in pairs), default=None)
+
+    same = [p for p in done if (p["strategy"], p["number"]) == (row["strategy"], row["number"])]
+    expected = seconds(same) or seconds(done)
+    return expected is None or elapsed_s + expected <= deadline_s
 
 
 @functools.cache
@@ -765,6 +785,9 @@ def main() -> None:
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
     f.add_argument("--rounds", type=int, default=1, help="pairs per config, interleaved round by round")
+    f.add_argument("--deadline-s", type=float, help="start no pair that would end later than this many seconds "
+                   "after the rounds began (judged by the longest pair so far): a run under a time limit ends whole "
+                   "instead of being cut off mid-pair")
     f.add_argument("--order", choices=("mirrored", "rotation"), default="mirrored",
                    help="mirrored: every other round reversed, long run first (default); rotation: every round "
                         "in the first one's order")

@@ -68,6 +68,15 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     # mirrored rounds (the default): the second round runs its long run first
     assert doc["order"] == "mirrored" and (pair["first"], again["first"]) == ("short", "long")
     assert pair["long"]["started"] < again["long"]["started"] < again["short"]["started"]
+    # under a deadline no pair starts that would end after it: here, none after the first (the
+    # deadline is shorter than any pair), and the run says where it stopped
+    cut = tmp_path / "fidelity_cut.json"
+    stopped = _run(["fidelity", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "640", "--factor",
+                    "2", "--rounds", "3", "--deadline-s", "1", "--out", str(cut), "--device", "cpu", "--preset",
+                    "tiny"], tmp_path)
+    cut_doc = json.loads(cut.read_text())
+    assert [p["round"] for p in cut_doc["configs"]] == [0]
+    assert cut_doc["stopped"]["round"] == 1 and "stopped before round 2" in stopped.stdout
     _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--fidelity", str(fidelity)], tmp_path)
     analysis = json.loads(out.read_text())
     row = analysis["fidelity"][0]
