@@ -69,7 +69,10 @@ RESULTS = ROOT / "bench" / "results"
 PG_ADMIN_URL = os.environ.get("AUTOTUNE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 LOCKED = "database is locked"
 HARDWARE = "bench"
-SPACE: dict[str, Any] = {"params": {"batch_size": {"choices": [4, 8, 16, 32]}, "accum_steps": {"choices": [1, 2]}}}
+# lr is a float range so that no draw repeats a measured config: the service tells a repeat the
+# earlier trial's result without a lease (OptunaBridge.ask), and every trial here is to be leased
+SPACE: dict[str, Any] = {"params": {"batch_size": {"choices": [4, 8, 16, 32]}, "accum_steps": {"choices": [1, 2]},
+                                    "lr": {"low": 1.0e-4, "high": 1.0e-2, "log": True}}}
 CALLS = ("lease", "report", "complete", "round_trip")
 
 
@@ -388,10 +391,14 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
     by_id = {t["trial_id"]: t for t in trial_list}
     not_complete = sorted(tid for tid in level.leases if by_id.get(tid, {}).get("state") != "COMPLETE")
     wrong_worker = sorted(tid for tid, w in level.completed.items() if by_id.get(tid, {}).get("worker_id") != w)
-    never_leased = sorted(set(by_id) - set(level.leases))
+    repeats = sorted(tid for tid, t in by_id.items() if t.get("repeat_of") is not None)  # told, never leased
+    never_leased = sorted(set(by_id) - set(level.leases) - set(repeats))
     counts = info.get("counts", {})
+    # n_trials counts the baseline and search configs; the study then re-measures its top ones (more trials)
+    configs = [t for t in trial_list if t.get("role") in ("baseline", "search")]
     ok = (not multi and not repeated and not lost and not not_complete and not wrong_worker and not never_leased
-          and counts.get("COMPLETE") == n_trials and sum(counts.values()) == n_trials and not level.gave_up)
+          and not repeats and len(configs) == n_trials and counts.get("COMPLETE") == len(trial_list)
+          and sum(counts.values()) == len(trial_list) and not level.gave_up)
     run = {
         "backend": backend, "sampler": sampler, "workers": workers, "n_trials": n_trials, "server": args.server,
         "probe_ms": args.probe_ms, "wall_s": round(wall, 3),
@@ -407,8 +414,8 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
         "checks": {"ok": ok, "leased": len(level.leases), "completed": len(level.completed),
                    "duplicate_leases": len(multi), "re_leased": len(repeated), "lost": len(lost),
                    "not_complete_in_study": len(not_complete), "wrong_worker": len(wrong_worker),
-                   "never_leased": len(never_leased), "workers_gave_up": len(level.gave_up),
-                   "study_counts": counts, "study_trials": len(trial_list),
+                   "never_leased": len(never_leased), "repeats": len(repeats), "workers_gave_up": len(level.gave_up),
+                   "study_counts": counts, "study_trials": len(trial_list), "configurations": len(configs),
                    "examples": {"duplicate": list(multi.items())[:5], "lost": lost[:10]}},
         "cpu_s": {"server": round(cpu_server, 3), "client": round(cpu_client, 3)},
         "cpu_util": {"server": round(cpu_server / wall, 3), "client": round(cpu_client / wall, 3)},
@@ -1207,8 +1214,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in doc["targets"]:
         print(f"- {line}")
-    print(f"\nwrote {args.out} and {png} ({total:.0f} s)")
-    return 0 if all(r["checks"]["ok"] for r in runs) else 1
+    failed = [f"{r['backend']}/{r['sampler']}/{r['workers']} workers" for r in runs if not r["checks"]["ok"]]
+    print(f"\nwrote {args.out} and {png} ({total:.0f} s); checks "
+          + (f"FAILED in {', '.join(failed)} (see their checks in the JSON)" if failed else "ok"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
