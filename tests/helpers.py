@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +15,17 @@ from autotune.config import TrainConfig
 from autotune.workloads import Workload
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(script: str, *args: str, cwd: Path | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run bench/`script` with `args` in a fresh Python process (the repository on its path) and
+    require it to exit 0; its output is in the assertion message otherwise."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def micro_batches(items: list[dict[str, torch.Tensor]], batch_size: int) -> list[dict[str, torch.Tensor]]:

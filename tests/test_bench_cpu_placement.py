@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import run_bench
 
 
 @pytest.mark.slow
@@ -19,12 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
                     reason="needs Linux CPU affinity and at least 2 CPUs")
 def test_isolated_probes_run_their_loop_on_its_own_cpu(tmp_path: Path) -> None:
     out = tmp_path / "placement.jsonl"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_placement.py"), "--config",
-                           '{"batch_size": 8, "num_workers": 1}', "--rounds", "1", "--out", str(out),
-                           "--preset", "tiny", "--device", "cpu"],
-                          capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_bench("cpu_placement.py", "--config", '{"batch_size": 8, "num_workers": 1}', "--rounds", "1", "--out",
+              str(out), "--preset", "tiny", "--device", "cpu", timeout=240)
     topology, base, isolated = (json.loads(line) for line in out.read_text().splitlines())
     assert set(topology["topology"]) == {str(c) for c in os.sched_getaffinity(0)}
     assert (base["variant"], isolated["variant"]) == ("base", "isolated")

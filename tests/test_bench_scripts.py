@@ -5,22 +5,17 @@ with report_probe.py, and pruning.py's study and analysis."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
 def _run(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return run_bench(script, *args, cwd=cwd)
 
 
 def test_probe_configs_probes_each_config_in_its_own_process_and_reports_them(tmp_path: Path) -> None:

@@ -5,23 +5,17 @@ one cut off), and `analyze` reads it back. The GPU numbers come from the same co
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import optuna
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-TUNING = [sys.executable, str(ROOT / "bench" / "tuning.py")]
+from helpers import ROOT, run_bench
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([*TUNING, *args], capture_output=True, text=True, env=env, timeout=240, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    return run_bench("tuning.py", *args, timeout=240)
 
 
 @pytest.mark.slow

@@ -8,23 +8,18 @@ benchmark run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bench
 from sqlalchemy import Engine
-
-ROOT = Path(__file__).resolve().parents[2]
-LOAD = [sys.executable, str(ROOT / "bench" / "service_load.py")]
 
 pytestmark = pytest.mark.slow
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([*LOAD, *args], capture_output=True, text=True, env=env, timeout=300, check=False)
+    return run_bench("service_load.py", *args)  # requires exit 0 (every check of the script held)
 
 
 def test_concurrent_workers_get_every_config_exactly_once(tmp_path: Path, pg_admin: Engine) -> None:
