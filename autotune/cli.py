@@ -110,7 +110,8 @@ def _epoch_summary(result: Any) -> str:
 
 def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
     """The training loop's thread over the timed windows (autotune.host_telemetry): its busy
-    range, page faults, preemptions and sleeps in all; and the host's CPU ("-": nothing recorded)."""
+    range, page faults, preemptions and sleeps in all; the whole host's busy range; and the
+    host's CPU ("-": nothing recorded)."""
     from autotune.gpu_telemetry import window_range
 
     parts = []
@@ -120,6 +121,9 @@ def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
         parts += [f"{sum(w.get(key) or 0 for w in windows):,} {label}"
                   for key, label in (("minor_faults", "page faults"), ("involuntary_switches", "preemptions"),
                                      ("voluntary_switches", "sleeps"))]
+    host = window_range(windows, "host_busy_fraction")
+    if host is not None:
+        parts.append(f"host CPUs busy {host[0]:.0%}" + ("" if host[0] == host[1] else f"–{host[1]:.0%}"))
     if cpu:
         parts.append(cpu)
     return ", ".join(parts) or "-"

@@ -18,10 +18,18 @@ start and end of every timed window and records, per window:
                           thread wanted it): preemption, e.g. by busy DataLoader workers.
 ``voluntary_switches``    times the thread went to sleep: waiting on a lock (the GIL, when
                           another thread of the process holds it), a queue or a blocking sync.
+``host_busy_fraction``    the whole host's CPUs (/proc/stat, Linux): the fraction of their time
+                          spent busy (not idle, waiting on I/O or stolen), whoever ran. A
+                          host-bound loop runs at one thread's speed, which the rest of the
+                          host's load can slow (shared caches, memory bandwidth, clocks): a
+                          single-thread speedometer ran 3–10 % slower around short probes of
+                          such a config (bench/README.md, probe fidelity).
+``host_steal_fraction``   the fraction of the host's CPU time a hypervisor gave to others.
 
 Best effort, like the GPU's telemetry: where RUSAGE_THREAD does not exist (macOS, Windows)
-nothing is recorded. The host's CPU model (`cpu_model`) goes with the result, since
-host-bound throughputs compare only between like CPUs.
+nothing is recorded, and without /proc/stat the host's two fractions are None. The host's
+CPU model (`cpu_model`) goes with the result, since host-bound throughputs compare only
+between like CPUs.
 """
 
 from __future__ import annotations
@@ -34,6 +42,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
+_PROC_STAT = Path("/proc/stat")
+
+
+def parse_proc_stat(text: str) -> tuple[int, int, int] | None:
+    """The host's CPU time so far, from /proc/stat's aggregate line: (busy, steal, total) in
+    clock ticks. Busy is everything but idle, iowait and steal; guest time is already inside
+    user and nice, so it is not counted twice. None when the line is not there."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            ticks = [int(x) for x in fields[1:9]] + [0] * (8 - len(fields[1:9]))
+            user, nice, system, idle, iowait, irq, softirq, steal = ticks
+            busy = user + nice + system + irq + softirq
+            return busy, steal, busy + idle + iowait + steal
+    return None
+
+
+def host_cpu_ticks() -> tuple[int, int, int] | None:
+    """`parse_proc_stat` of this host now; None where there is no /proc/stat."""
+    try:
+        return parse_proc_stat(_PROC_STAT.read_text())
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,7 @@ class ThreadUsage:
     minor_faults: int
     involuntary_switches: int
     voluntary_switches: int
+    host_ticks: tuple[int, int, int] | None = None  # the whole host's (busy, steal, total) CPU ticks
 
     @classmethod
     def read(cls) -> ThreadUsage | None:
@@ -53,17 +85,24 @@ class ThreadUsage:
             return None
         usage = resource.getrusage(_RUSAGE_THREAD)
         return cls(at=time.perf_counter(), cpu_s=usage.ru_utime + usage.ru_stime, minor_faults=usage.ru_minflt,
-                   involuntary_switches=usage.ru_nivcsw, voluntary_switches=usage.ru_nvcsw)
+                   involuntary_switches=usage.ru_nivcsw, voluntary_switches=usage.ru_nvcsw,
+                   host_ticks=host_cpu_ticks())
 
 
 def window_stats(start: ThreadUsage, end: ThreadUsage) -> dict[str, float | int | None]:
     """One window's readings (the module docstring says what each means)."""
     seconds = end.at - start.at
     busy = (end.cpu_s - start.cpu_s) / seconds if seconds > 0 else None
+    host_busy = host_steal = None
+    if start.host_ticks and end.host_ticks and end.host_ticks[2] > start.host_ticks[2]:
+        total = end.host_ticks[2] - start.host_ticks[2]
+        host_busy = round((end.host_ticks[0] - start.host_ticks[0]) / total, 4)
+        host_steal = round((end.host_ticks[1] - start.host_ticks[1]) / total, 4)
     return {"busy_fraction": None if busy is None else round(min(busy, 1.0), 4),
             "minor_faults": end.minor_faults - start.minor_faults,
             "involuntary_switches": end.involuntary_switches - start.involuntary_switches,
-            "voluntary_switches": end.voluntary_switches - start.voluntary_switches}
+            "voluntary_switches": end.voluntary_switches - start.voluntary_switches,
+            "host_busy_fraction": host_busy, "host_steal_fraction": host_steal}
 
 
 @functools.cache  # fixed for the process: read once, however many probes and workers ask

@@ -217,27 +217,32 @@ def classify_exception(exc: BaseException) -> tuple[str, str]:
     return "error", short
 
 
-class _Clock:
+class Clock:
     """Window timer: CUDA events on a GPU, the host clock on a CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
     def start(self) -> Any:
+        """A point on the device's timeline, now (no sync)."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
 
+    def seconds(self, start: Any, end: Any, wait: bool = True) -> float:
+        """Seconds from point `start` to point `end`; `wait`: sync on `end` first (else it must
+        be done already, e.g. a later point was synced on)."""
+        if not self.cuda:
+            return float(end - start)
+        if wait:
+            end.synchronize()  # sync: the window's kernels must finish before reading the events
+        return float(start.elapsed_time(end)) / 1e3
+
     def stop(self, started: Any) -> float:
         """Seconds since `started`. On a GPU this waits for the window's work (a sync point)."""
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()  # sync: the window's kernels must finish before reading the events
-            return started.elapsed_time(end) / 1e3
-        return time.perf_counter() - started
+        return self.seconds(started, self.start())
 
 
 TRACE_STEP, TRACE_DATA = "autotune.step", "autotune.data"  # the traced steps' named ranges
@@ -431,6 +436,59 @@ def run_probe(
     return result
 
 
+@dataclass
+class Training:
+    """What a probe trains, built by `build_training`."""
+
+    plain_model: torch.nn.Module  # the unwrapped module: its state_dict has clean keys
+    loader: Any  # the DataLoader
+    data: EpochIterator
+    trainer: Trainer
+    sync: _RankSync
+    val_set: Any
+    eff: int  # global samples per optimizer step
+    rank: int
+    world: int
+
+
+def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSettings, notes: Notes,
+                   total: int, phase: Callable[[str], None] = lambda name: None) -> Training:
+    """Apply the knobs in the documented order (autotune/knobs.py) and build the model, data and
+    trainer of `total` optimizer steps (the LR schedule's length); `phase(name)` is called as
+    each part is built (the probe's setup breakdown)."""
+    apply_backend_flags(cfg, dev, notes)
+    train_set, val_set = wl.datasets(settings.seed)
+    phase("data")
+    torch.manual_seed(settings.seed)  # same initial weights for every probe of a study (per device type)
+    with dev:  # initialise directly on the device: faster than building on the host and copying
+        model = wl.build_model()
+    apply_checkpointing(model, cfg.checkpoint, notes) if cfg.checkpoint != "none" else notes.setdefault(
+        "checkpoint", "none")
+    model.to(dev)
+    model.train()
+    model = apply_fp8(model, cfg, dev, notes)
+    phase("model")
+    plain_model = model  # the unwrapped module: its state_dict has clean keys
+    world = world_size()
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    parallel = apply_ddp(model, cfg, notes, dev)  # before compile: dynamo then sees DDP's buckets
+    phase("parallel")  # DDP/FSDP2 wrapping: the initial broadcast of the weights, the reducer
+    model = apply_compile(parallel, cfg.compile, notes, backend=settings.compile_backend)
+    phase("compile_wrap")  # torch.compile is lazy: this is import and wrapper cost, not compilation
+    optimizer = build_optimizer(plain_model, cfg, wl.defaults.weight_decay, notes)
+    loader = build_loader(train_set, cfg, dev, settings.seed, notes, rank, world)
+    data = EpochIterator(loader, dev)
+    d = wl.defaults
+    eff = cfg.effective_batch * world  # global samples per optimizer step
+    schedule = Schedule(total * eff, d.warmup_fraction, d.final_lr_fraction)
+    trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule,
+                      parallel=parallel if world > 1 else None, world=world)
+    notes["lr"] = (f"{cfg.lr:g}, warm-up {d.warmup_fraction:.0%} of samples, cosine to "
+                   f"{d.final_lr_fraction:g}×")
+    phase("optimizer_data_loader")
+    return Training(plain_model, loader, data, trainer, _RankSync(dev, world), val_set, eff, rank, world)
+
+
 def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSettings, result: ProbeResult,
          notes: Notes, on_report: ReportCallback | None, t_begin: float, total: int, warm: int, n_windows: int,
          per: int) -> None:
@@ -464,43 +522,15 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             raise ProbeError("unsupported", reason)
 
     # --- setup: the knobs, in the documented order (autotune/knobs.py) ---
-    apply_backend_flags(cfg, dev, notes)
-    train_set, val_set = wl.datasets(settings.seed)
-    phase("data")
-    torch.manual_seed(settings.seed)  # same initial weights for every probe of a study (per device type)
-    with dev:  # initialise directly on the device: faster than building on the host and copying
-        model = wl.build_model()
-    apply_checkpointing(model, cfg.checkpoint, notes) if cfg.checkpoint != "none" else notes.setdefault(
-        "checkpoint", "none")
-    model.to(dev)
-    model.train()
-    model = apply_fp8(model, cfg, dev, notes)
-    phase("model")
-    plain_model = model  # the unwrapped module: its state_dict has clean keys
-    world = world_size()
-    rank = torch.distributed.get_rank() if world > 1 else 0
-    parallel = apply_ddp(model, cfg, notes, dev)  # before compile: dynamo then sees DDP's buckets
-    phase("parallel")  # DDP/FSDP2 wrapping: the initial broadcast of the weights, the reducer
-    model = apply_compile(parallel, cfg.compile, notes, backend=settings.compile_backend)
-    phase("compile_wrap")  # torch.compile is lazy: this is import and wrapper cost, not compilation
-    optimizer = build_optimizer(plain_model, cfg, wl.defaults.weight_decay, notes)
-    loader = build_loader(train_set, cfg, dev, settings.seed, notes, rank, world)
-    data = EpochIterator(loader, dev)
-    d = wl.defaults
-    eff = cfg.effective_batch * world  # global samples per optimizer step
-    schedule = Schedule(total * eff, d.warmup_fraction, d.final_lr_fraction)
-    trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule,
-                      parallel=parallel if world > 1 else None, world=world)
-    sync = _RankSync(dev, world)
-    notes["lr"] = (f"{cfg.lr:g}, warm-up {d.warmup_fraction:.0%} of samples, cosine to "
-                   f"{d.final_lr_fraction:g}×")
-    phase("optimizer_data_loader")
+    t = build_training(wl, cfg, dev, settings, notes, total, phase)
+    plain_model, loader, data, trainer, sync, val_set = t.plain_model, t.loader, t.data, t.trainer, t.sync, t.val_set
+    eff, rank, world = t.eff, t.rank, t.world
     result.setup_s = time.perf_counter() - t_begin
     check_deadline("setup")
 
     accum = cfg.accum_steps
     assert accum is not None
-    clock = _Clock(dev)
+    clock = Clock(dev)
     data_wait = 0.0
 
     def next_micro_batches() -> list[dict[str, torch.Tensor]]:

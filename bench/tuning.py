@@ -316,6 +316,11 @@ def analyze(args: argparse.Namespace) -> None:
                   f"{bias['median_short_over_long']:.3f} "
                   f"(95 % CI {bias['ci95'][0]:.3f}-{bias['ci95'][1]:.3f}; quartiles {bias['quartiles'][0]:.3f}-"
                   f"{bias['quartiles'][1]:.3f})")
+        doc["fidelity_fine"] = fidelity_fine([Path(p) for p in args.fidelity])
+        for f in doc["fidelity_fine"]:
+            print(f"fine windows {f['strategy']} #{f['number']} ({f['run']}, round {f['round'] + 1}): "
+                  f"{f['fine_windows']} windows / 8 {f['fine_over_long']:.3f}, first windows / later "
+                  f"{f['early_over_late']:.3f}, short / first windows {f['short_over_early']:.3f}")
         if args.png:
             _plot_fidelity(doc["fidelity"], Path(args.png).with_name(Path(args.png).stem + "_fidelity.png"))
             _plot_fidelity_rounds(doc["fidelity"], doc["fidelity_medians"],
@@ -379,11 +384,13 @@ def top_configs(root: Path, top: int) -> list[dict[str, Any]]:
 
 
 def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str,
-           env: dict[str, str] | None = None) -> dict[str, Any]:
+           env: dict[str, str] | None = None, windows: int | None = None) -> dict[str, Any]:
     knobs = {k: v for k, v in config.items() if k != "effective_batch"}
     cmd = [*CLI, "probe", "--preset", preset, "--device", device, "--config", json.dumps(knobs), "--json"]
     if samples:
         cmd += ["--samples", str(samples)]
+    if windows:
+        cmd += ["--windows", str(windows)]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if not proc.stdout.strip():
@@ -392,7 +399,7 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
     keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
             "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "window_gpu", "window_host", "host_cpu",
             "raw_window_throughputs", "epoch_micro_batches", "epoch_boundaries", "epoch_cost_s",
-            "measurement_notes", "failure")
+            "window_steps", "measurement_notes", "failure")
     # started: to line up a run's own telemetry (nvidia-smi, vmstat) with its probes
     return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}
 
@@ -456,6 +463,7 @@ def fidelity(args: argparse.Namespace) -> None:
     out = Path(args.out)
     doc: dict[str, Any] = {"environment": environment(args.device), "preset": args.preset, "factor": args.factor,
                            "rounds": args.rounds, "order": args.order, "prime": [], "configs": []}
+    started = time.time()  # --deadline-s counts from here: priming included
     from autotune.workloads import get_workload
 
     preset_samples = get_workload("ups", args.preset).defaults.samples
@@ -464,10 +472,10 @@ def fidelity(args: argparse.Namespace) -> None:
             doc["prime"].append({**row, "probe": _probe(row["config"], row["samples"] or preset_samples,
                                                         args.device, args.preset)})
             out.write_text(json.dumps(doc, indent=1))
-    started = time.time()
     for r in range(args.rounds):
         mirrored = args.order == "mirrored" and r % 2 == 1
-        sides = ("long", "short") if mirrored else ("short", "long")
+        sides = ("short", "long", "fine") if args.fine else ("short", "long")
+        sides = sides[::-1] if mirrored else sides
         for i, row in (reversed(list(enumerate(configs))) if mirrored else enumerate(configs)):
             if args.deadline_s is not None and not _pair_fits(doc["configs"], row, time.time() - started,
                                                               args.deadline_s):
@@ -478,13 +486,15 @@ def fidelity(args: argparse.Namespace) -> None:
                       f"within --deadline-s {args.deadline_s:g} (judged by the longest pair so far)", flush=True)
                 return
             samples = row["samples"] or preset_samples
-            runs = {side: _probe(row["config"], samples * (args.factor if side == "long" else 1), args.device,
-                                 args.preset) for side in sides}  # in the order of `sides`
+            # fine: the long run again, in windows the short probe's size (--fine)
+            runs = {side: _probe(row["config"], samples * (1 if side == "short" else args.factor), args.device,
+                                 args.preset, windows=args.fine if side == "fine" else None)
+                    for side in sides}  # in the order of `sides`
             short, long = runs["short"], runs["long"]
             ratio = (short["throughput_samples_per_s"] / long["throughput_samples_per_s"]
                      if short["throughput_samples_per_s"] and long["throughput_samples_per_s"] else None)
             doc["configs"].append({**row, "round": r, "first": sides[0], "short": short, "long": long,
-                                   "short_over_long": ratio})
+                                   "short_over_long": ratio, **({"fine": runs["fine"]} if args.fine else {})})
             out.write_text(json.dumps(doc, indent=1))  # after every pair: a cut-off run keeps what it measured
             study = "-" if row["throughput"] is None else f"{row['throughput']:.0f}"  # None: a given config
             print(f"[round {r + 1}, {i + 1}/{len(configs)}] {row['strategy']} #{row['number']}: study "
@@ -497,7 +507,8 @@ def _pair_fits(done: list[dict[str, Any]], row: dict[str, Any], elapsed_s: float
     """Whether a fidelity pair of `row`'s config should start: its expected seconds (the longest
     pair of that config so far, else of any config; none yet: it starts) end by the deadline."""
     def seconds(pairs: list[dict[str, Any]]) -> float | None:
-        return max((p["short"]["wall_s"] + p["long"]["wall_s"] for p in pairs), default=None)
+        return max((sum(p[side]["wall_s"] for side in ("short", "long", "fine") if side in p) for p in pairs),
+                   default=None)
 
     same = [p for p in done if (p["strategy"], p["number"]) == (row["strategy"], row["number"])]
     expected = seconds(same) or seconds(done)
@@ -604,6 +615,32 @@ def fidelity_bias(pairs: list[dict[str, Any]], resamples: int = 2000) -> dict[st
                             statistics.median(v), "min": min(v), "max": max(v)} for k, v in configs.items()]}
 
 
+def fidelity_fine(paths: list[Path]) -> list[dict[str, Any]]:
+    """The pairs of fidelity runs with ``--fine``, per pair:
+    - `fine_over_long`: the long run in fine windows (each the short probe's size) against the
+      long run in 8: what the windows' own bookkeeping costs, paid per step as often as a
+      short probe pays it;
+    - `early_over_late`: the fine run's first windows (as many as the short probe has, over the
+      same steps) against its later ones: whether the part of a process's life that a short
+      probe times runs slower than the rest;
+    - `short_over_early`: the short probe against those first windows: what is left when both
+      time the same steps of a process's life."""
+    rows = []
+    for path in paths:
+        for c in json.loads(path.read_text())["configs"]:
+            if "fine" not in c:
+                continue
+            short, long, fine = (c[side]["window_throughputs"] for side in ("short", "long", "fine"))
+            k = len(short)
+            early, late = window_rate(fine[:k])[0], window_rate(fine[k:])[0]
+            rates = {side: window_rate(w)[0] for side, w in (("short", short), ("long", long), ("fine", fine))}
+            rows.append({"run": path.name, "strategy": c["strategy"], "number": c["number"], "round": c["round"],
+                         "first": c["first"], "fine_windows": len(fine), **rates,
+                         "fine_over_long": rates["fine"] / rates["long"], "early_over_late": early / late,
+                         "short_over_early": rates["short"] / early, "short_over_long": rates["short"] / rates["long"]})
+    return rows
+
+
 COMPILED_WARMUP_S = 20.0  # a warm-up this long compiled (cold: 38-92 s on the H100 host); from the cache: 4-10 s
 
 
@@ -646,16 +683,17 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
 
 def _telemetry_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
     """A probe's lowest SM clock and GPU utilization, highest temperature and most throttled
-    window, and its loop thread's lowest busy fraction and most page faults in a window (None:
-    no telemetry, e.g. runs before the probe recorded it)."""
+    window, its loop thread's lowest busy fraction and most page faults in a window, and the
+    whole host's busiest window (None: no telemetry, e.g. runs before the probe recorded it)."""
     windows, host = probe.get("window_gpu") or [], probe.get("window_host") or []
     clock, temperature, throttled, utilization = (window_range(windows, k) for k in (
         "sm_clock_mhz", "temperature_c", "throttled_fraction", "utilization_percent"))
-    busy, faults = (window_range(host, k) for k in ("busy_fraction", "minor_faults"))
+    busy, faults, host_busy = (window_range(host, k) for k in ("busy_fraction", "minor_faults", "host_busy_fraction"))
     return {"min_sm_clock_mhz": clock and clock[0], "max_temperature_c": temperature and temperature[1],
             "max_throttled_fraction": throttled and throttled[1],
             "min_utilization_percent": utilization and utilization[0],
-            "min_busy_fraction": busy and busy[0], "max_minor_faults": faults and faults[1]}
+            "min_busy_fraction": busy and busy[0], "max_minor_faults": faults and faults[1],
+            "max_host_busy_fraction": host_busy and host_busy[1]}
 
 
 def _plot_fidelity(pairs: list[dict[str, Any]], path: Path) -> None:
@@ -786,8 +824,12 @@ def main() -> None:
     f.add_argument("--factor", type=int, default=10, help="the long run's samples = the short probe's × this")
     f.add_argument("--rounds", type=int, default=1, help="pairs per config, interleaved round by round")
     f.add_argument("--deadline-s", type=float, help="start no pair that would end later than this many seconds "
-                   "after the rounds began (judged by the longest pair so far): a run under a time limit ends whole "
-                   "instead of being cut off mid-pair")
+                   "after the command started, priming included (judged by the longest pair so far): a run under a "
+                   "time limit ends whole instead of being cut off mid-pair")
+    f.add_argument("--fine", type=int, metavar="N",
+                   help="each pair also runs the long run in N windows (8 × --factor: windows the size of the short "
+                        "probe's), to see where in a long process the windows run fast, and what the windows' own "
+                        "bookkeeping costs")
     f.add_argument("--order", choices=("mirrored", "rotation"), default="mirrored",
                    help="mirrored: every other round reversed, long run first (default); rotation: every round "
                         "in the first one's order")

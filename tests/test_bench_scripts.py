@@ -1,15 +1,17 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
-with report_probe.py, and pruning.py's study and analysis."""
+with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py and warmup_length.sh."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_bench
+from helpers import ROOT, run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -43,3 +45,60 @@ def test_pruning_study_runs_on_the_service_and_is_analyzed(tmp_path: Path) -> No
     assert summary["trials"] == len(doc["trials"]) >= 5 and summary["failed"] == 0
     assert len(summary["baseline_nrmse"]) == 3 and summary["gate_nrmse"] > 0
     assert summary["pruned"] == len(doc["pruned"]) and summary["gpu_s_spent"] > 0
+
+
+def test_window_cost_times_the_same_steps_each_way_in_mirrored_rounds(tmp_path: Path) -> None:
+    out = tmp_path / "window_cost.jsonl"
+    _run("window_cost.py", ["--config", '{"batch_size": 8, "accum_steps": 1}', "--preset", "tiny", "--device", "cpu",
+                            "--rounds", "2", "--windows", "3", "--per", "4", "--out", str(out)], tmp_path)
+    env, result = (json.loads(line) for line in out.read_text().splitlines())
+    assert env["environment"]["device"] == "cpu"
+    blocks = result["blocks"]
+    order = ["one", "windows", "sync", "events"]
+    assert [b["variant"] for b in blocks] == order + order[::-1]  # the second round mirrored
+    assert all(b["steps"] == 12 and b["seconds"] > 0 for b in blocks)
+    # every variant but `one` times each window, and the windows add up to the block
+    for b in blocks:
+        assert len(b["window_s"]) == (0 if b["variant"] == "one" else 3)
+        assert b["window_s"] == [] or abs(sum(b["window_s"]) - b["seconds"]) < 1e-9
+    assert result["over_one"]["one"] == 1.0 and set(result["paired_over_one"]) == set(order)
+    assert result["rates"]["windows"] == 2 * 12 * 8 / sum(b["seconds"] for b in blocks if b["variant"] == "windows")
+
+
+def test_host_speed_samples_the_host_and_sets_each_probe_beside_it(tmp_path: Path) -> None:
+    speed = tmp_path / "speed.jsonl"
+    _run("host_speed.py", ["sample", "--seconds", "0.5", "--every", "0.05", "--chunk", "1000", "--out", str(speed)],
+         tmp_path)
+    samples = [json.loads(line) for line in speed.read_text().splitlines()]
+    assert len(samples) >= 5 and all(s["s"] > 0 for s in samples)
+    assert [s["t"] for s in samples] == sorted(s["t"] for s in samples)
+    # a fidelity run's probes, by when they ran: one over the first samples, one after them all
+    t0, t1 = samples[0]["t"], samples[-1]["t"]
+    probe = {"throughput_samples_per_s": 100.0}
+    doc = {"prime": [{"probe": {**probe, "started": t0, "wall_s": t1 - t0}}],
+           "configs": [{"round": 0, "short": {**probe, "started": t1 + 10, "wall_s": 1.0},
+                        "long": {**probe, "started": t0, "wall_s": (t1 - t0) / 2}}]}
+    fidelity = tmp_path / "fidelity.json"
+    fidelity.write_text(json.dumps(doc))
+    lines = _run("host_speed.py", ["beside", "--speed", str(speed), "--fidelity", str(fidelity)], tmp_path).stdout
+    prime, short, long = lines.splitlines()
+    assert prime.startswith("prime") and "host chunk" in prime and " ms (second half " in prime
+    assert short.startswith("short  round 0") and "host chunk - (second half -)" in short  # no sample then
+    assert long.startswith("long   round 0") and "host chunk -" not in long
+
+
+def test_warmup_length_times_the_same_windows_later_in_the_process(tmp_path: Path) -> None:
+    out = tmp_path / "warmup.jsonl"
+    env = {**os.environ, "PRESET": "tiny", "DEVICE": "cpu", "SAMPLES": "320", "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "warmup_length.sh"), str(out), '{"batch_size": 8}', "1", "20"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["variant"], r["round"]) for r in rows] == [("prime", -1), ("default", 0), ("late", 0)]
+    prime, default, late = (r["result"] for r in rows)
+    assert prime["warmup_steps"] == default["warmup_steps"] < late["warmup_steps"] == 20
+    # the same timed windows, later: as many windows of as many steps
+    assert (late["window_steps"], len(late["window_throughputs"])) == (
+        default["window_steps"], len(default["window_throughputs"]))
+    assert late["samples_trained"] == 320 + (20 - default["warmup_steps"]) * default["config"]["effective_batch"]

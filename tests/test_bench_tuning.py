@@ -66,17 +66,28 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     # deadline is shorter than any pair), and the run says where it stopped
     cut = tmp_path / "fidelity_cut.json"
     stopped = _run(["fidelity", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "640", "--factor",
-                    "2", "--rounds", "3", "--deadline-s", "1", "--out", str(cut), "--device", "cpu", "--preset",
-                    "tiny"], tmp_path)
+                    "2", "--rounds", "3", "--deadline-s", "1", "--fine", "16", "--out", str(cut), "--device", "cpu",
+                    "--preset", "tiny"], tmp_path)
     cut_doc = json.loads(cut.read_text())
     assert [p["round"] for p in cut_doc["configs"]] == [0]
     assert cut_doc["stopped"]["round"] == 1 and "stopped before round 2" in stopped.stdout
-    _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--fidelity", str(fidelity)], tmp_path)
+    # --fine: the long run once more, in windows the short probe's size, after the long one
+    (fine_pair,) = cut_doc["configs"]
+    short, long, fine = (fine_pair[side] for side in ("short", "long", "fine"))
+    assert (len(short["window_throughputs"]), len(long["window_throughputs"])) == (8, 8)
+    assert len(fine["window_throughputs"]) == 16 and fine["samples_trained"] == long["samples_trained"] == 1280
+    assert fine["window_steps"] == short["window_steps"] < long["window_steps"]
+    assert short["started"] < long["started"] < fine["started"]
+    _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--fidelity", str(fidelity), str(cut)],
+         tmp_path)
     analysis = json.loads(out.read_text())
+    (fine_row,) = analysis["fidelity_fine"]
+    assert fine_row["fine_windows"] == 16 and fine_row["fine_over_long"] > 0 and fine_row["early_over_late"] > 0
     row = analysis["fidelity"][0]
-    assert len(analysis["fidelity"]) == 2
+    assert len(analysis["fidelity"]) == 3
     assert row["strategy"] == "given" and row["short_over_long"] > 0 and row["study_over_long"] is None
     assert row["long_min_sm_clock_mhz"] is None and row["short_max_throttled_fraction"] is None  # no GPU here
+    assert 0 < row["short_max_host_busy_fraction"] <= 1  # the host's CPUs, read by the probe
     (medians,) = analysis["fidelity_medians"]
     assert medians["rounds"] == 2 and medians["median_short_over_median_long"] > 0
 

@@ -62,11 +62,12 @@ def test_the_table_shows_the_gpu_windows_and_the_measurement_notes(tiny_datasets
     table = render(result)
     assert "MHz" not in table  # a CPU: no GPU telemetry, but the loop thread's own readings and the CPU
     assert "loop thread busy" in table and "page faults" in table and result.host_cpu and result.host_cpu in table
+    assert "host CPUs busy" in table  # read from this host's /proc/stat
     assert "none (an epoch is 56 micro-batches)" in table  # FAST's probe stays inside one epoch
     result.window_gpu = [{"sm_clock_mhz": c, "temperature_c": t, "power_w": 600.0, "throttled_fraction": f,
                           "utilization_percent": u} for c, t, f, u in ((1980, 60, 0.0, 97), (1410, 84, 0.4, 55))]
-    result.window_host = [{"busy_fraction": b, "minor_faults": 1200, "involuntary_switches": 3, "voluntary_switches": 9}
-                          for b in (0.91, 0.995)]
+    result.window_host = [{"busy_fraction": b, "minor_faults": 1200, "involuntary_switches": 3, "voluntary_switches": 9,
+                           "host_busy_fraction": h} for b, h in ((0.91, 0.25), (0.995, 0.4))]
     result.measurement_notes = ["the driver held the GPU's clocks down (power or heat): window 2 40%"]
     result.epoch_boundaries = [{"micro_batch": 234, "stall_s": 0.24, "excess_s": 0.22, "window": 4},
                                {"micro_batch": 468, "stall_s": 0.21, "excess_s": 0.20, "window": None}]
@@ -74,7 +75,7 @@ def test_the_table_shows_the_gpu_windows_and_the_measurement_notes(tiny_datasets
     table = render(result)
     assert "2 (1 in the windows), 210 ms each; counted once per 234 micro-batches" in table
     assert "1410–1980 MHz SM, 60–84 °C, 600 W, 55–97 % busy" in table
-    assert "loop thread busy 91%–100%, 2,400 page faults, 6 preemptions, 18 sleeps" in table
+    assert "loop thread busy 91%–100%, 2,400 page faults, 6 preemptions, 18 sleeps, host CPUs busy 25%–40%" in table
     assert "window 2 40%" in table
 
 

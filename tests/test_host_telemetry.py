@@ -1,15 +1,19 @@
 """autotune.host_telemetry: the training loop thread's own counters per window, read for real
-from this thread (Linux's getrusage(RUSAGE_THREAD)), and the host's CPU model."""
+from this thread (Linux's getrusage(RUSAGE_THREAD)), the whole host's CPU time (/proc/stat),
+and the host's CPU model."""
 
 from __future__ import annotations
 
+import os
 import resource
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from autotune.host_telemetry import ThreadUsage, cpu_model, window_stats
+from autotune.host_telemetry import ThreadUsage, cpu_model, parse_proc_stat, window_stats
 
 pytestmark = pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="per-thread usage is Linux-only")
 
@@ -63,3 +67,37 @@ def test_the_counters_are_the_calling_threads_own() -> None:
 def test_the_cpu_model_is_named() -> None:
     model = cpu_model()
     assert model and model != "unknown"
+
+
+def test_proc_stat_splits_the_hosts_cpu_time_into_busy_steal_and_total() -> None:
+    text = "cpu  100 5 20 800 30 2 3 40 7 0\ncpu0 50 2 10 400 15 1 1 20 3 0\nintr 12345\n"
+    # busy: user + nice + system + irq + softirq (guest time is inside user already)
+    assert parse_proc_stat(text) == (130, 40, 1000)
+    assert parse_proc_stat("cpu  1 2 3 4\n") == (6, 0, 10)  # an old kernel's four columns
+    assert parse_proc_stat("intr 1\n") is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="/proc/stat is Linux-only")
+def test_the_hosts_busy_fraction_sees_other_processes_load() -> None:
+    """Processes that spin on every CPU make the host busy in a window where this thread sleeps."""
+    cpus = os.cpu_count() or 1
+    # Each spinner says so once it is spinning, and spins until it is stopped: a slow interpreter
+    # start (a loaded CI host) cannot leave the measured window short of load.
+    code = (
+        "import sys, time\nend = time.perf_counter() + 60\nsys.stdout.write('spinning\\n'); sys.stdout.flush()\n"
+        "while time.perf_counter() < end: pass"
+    )
+    spinners = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(cpus)]
+    try:
+        for proc in spinners:
+            assert proc.stdout is not None and proc.stdout.readline() == "spinning\n"
+        loaded = measure(lambda: time.sleep(0.4))
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+    quiet = measure(lambda: time.sleep(0.4))
+    assert loaded["busy_fraction"] is not None and loaded["busy_fraction"] < 0.1  # this thread slept
+    assert loaded["host_busy_fraction"] is not None and quiet["host_busy_fraction"] is not None
+    assert loaded["host_busy_fraction"] > 0.7 and loaded["host_busy_fraction"] > quiet["host_busy_fraction"] + 0.3
+    assert 0.0 <= loaded["host_steal_fraction"] <= 1.0  # type: ignore[operator]

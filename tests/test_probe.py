@@ -55,6 +55,10 @@ def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> Non
     for window in r.window_host:
         assert window["busy_fraction"] is not None and 0 < window["busy_fraction"] <= 1
         assert min(window["minor_faults"], window["involuntary_switches"], window["voluntary_switches"]) >= 0
+    # the whole host during each window (/proc/stat counts in 10-ms ticks: a window shorter than
+    # one tick may read none)
+    host = [w["host_busy_fraction"] for w in r.window_host if w["host_busy_fraction"] is not None]
+    assert host and all(0 <= h <= 1 for h in host) and max(host) > 0  # this probe's own loop was busy
     assert r.host_cpu
     assert r.peak_mem_reserved_bytes is not None and r.peak_mem_reserved_bytes > 0
     assert r.steps == SAMPLES // 8 and r.warmup_steps == 5 and r.window_steps == 1
