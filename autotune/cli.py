@@ -145,6 +145,10 @@ def probe(
                                                "the host's and the GPU's time goes in a step. The timed windows "
                                                "are not traced.")] = None,
     trace_steps: Annotated[int, typer.Option(help="Steps to trace (more: raise --warmup-steps too).", min=1)] = 5,
+    keep_compile_workers: Annotated[bool, typer.Option(
+        "--keep-compile-workers", help="Leave TorchInductor's idle compile workers running beside the timed "
+                                       "windows (by default they are stopped after the warm-up, as TorchInductor "
+                                       "itself stops them after a minute idle).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
     list_knobs: Annotated[bool, typer.Option("--list-knobs", help="List the knobs and their allowed values.")] = False,
 ) -> None:
@@ -169,7 +173,8 @@ def probe(
     try:
         cfg = parse_config(load_config_arg(config))
         settings = ProbeSettings(samples=samples, seed=seed, warmup_steps=warmup_steps, windows=windows,
-                                 timeout_s=timeout, trace_path=str(trace) if trace else None, trace_steps=trace_steps)
+                                 timeout_s=timeout, trace_path=str(trace) if trace else None, trace_steps=trace_steps,
+                                 quiesce_compile_workers=not keep_compile_workers)
         result = run_probe(workload, cfg, preset=preset, device=device, settings=settings)
     except ConfigError as e:
         raise usage_error(str(e)) from None

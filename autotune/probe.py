@@ -5,7 +5,9 @@ Phases of `run_probe`:
 setup     build the workload, data, model; apply the knobs (see autotune/knobs.py)
 warm-up   the first optimizer steps (compilation, CUDA-graph recording, cudnn autotuning,
           allocator growth, DataLoader worker start). Timed and reported apart as
-          ``warmup_s``; never part of the throughput.
+          ``warmup_s``; never part of the throughput. After it, TorchInductor's idle compile
+          workers are stopped (``compile_workers``; autotune/compile_workers.py), as
+          TorchInductor itself stops them after a minute: a long run trains without them.
 timed     the remaining steps split into equal windows (>= 5). Each window is timed with
           CUDA events on a GPU, or with the host clock on a CPU (where every op is
           synchronous). Throughput is the timed samples over the timed seconds (the
@@ -74,6 +76,8 @@ from typing import Any
 
 import torch
 
+from autotune.compile_workers import describe as describe_compile_workers
+from autotune.compile_workers import quiesce_compile_workers
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
 from autotune.gate import window_rate
@@ -118,6 +122,9 @@ class ProbeSettings:
     compile_backend: str = "inductor"
     trace_path: str | None = None  # a Chrome trace (torch.profiler) of the warm-up's last steps
     trace_steps: int = 5  # at most; never more than half the warm-up (its first steps compile)
+    # stop TorchInductor's idle compile workers before timing (autotune.compile_workers); False
+    # keeps them beside the timed windows, as a process's first minute has them
+    quiesce_compile_workers: bool = True
 
 
 @dataclass
@@ -156,6 +163,9 @@ class ProbeResult:
     epoch_boundaries: list[dict[str, Any]] = field(default_factory=list)
     epoch_cost_s: float | None = None  # the mean excess: what one epoch start costs
     traced_steps: int = 0  # warm-up steps in the trace (ProbeSettings.trace_path)
+    # TorchInductor's compile workers stopped before the timed windows: workers, worker_cpu_s,
+    # wait_s, left (autotune.compile_workers); None when there were none or they were kept
+    compile_workers: dict[str, Any] | None = None
     host_cpu: str | None = None  # the host's CPU model: host-bound throughputs compare only between like CPUs
     measurement_notes: list[str] = field(default_factory=list)  # what qualifies the throughput (e.g. throttling)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
@@ -572,6 +582,11 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         result.warmup_s = time.perf_counter() - t0
         check_finite(stacked, warm)
         result.loss_curve.append((warm * eff, sync.mean(float(stacked[-1]))))
+        if settings.quiesce_compile_workers:
+            result.compile_workers = quiesce_compile_workers()
+            note = describe_compile_workers(result.compile_workers)
+            if note:
+                result.measurement_notes.append(note)
 
         # --- timed windows ---
         # Move every object alive now (torch's modules, the dataset, the model) out of the

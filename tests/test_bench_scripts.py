@@ -1,6 +1,6 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
-with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py and warmup_length.sh."""
+with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh and compile_pool.sh."""
 
 from __future__ import annotations
 
@@ -102,3 +102,19 @@ def test_warmup_length_times_the_same_windows_later_in_the_process(tmp_path: Pat
     assert (late["window_steps"], len(late["window_throughputs"])) == (
         default["window_steps"], len(default["window_throughputs"]))
     assert late["samples_trained"] == 320 + (20 - default["warmup_steps"]) * default["config"]["effective_batch"]
+
+
+def test_compile_pool_runs_its_three_variants(tmp_path: Path) -> None:
+    out = tmp_path / "pool.jsonl"
+    env = {**os.environ, "PRESET": "tiny", "DEVICE": "cpu", "SAMPLES": "320", "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "compile_pool.sh"), str(out), '{"batch_size": 8}', "1"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["variant"], r["round"]) for r in rows] == [
+        ("prime", -1), ("keep", 0), ("quiesce", 0), ("threads1", 0)]
+    for r in rows:
+        assert r["result"]["failure"] is None and r["result"]["samples_trained"] == 320
+        assert all(w["host_busy_fraction"] is not None for w in r["result"]["window_host"])
+    assert "keep 0" in proc.stdout and "host busy" in proc.stdout

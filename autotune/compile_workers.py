@@ -1,0 +1,109 @@
+"""TorchInductor's compile workers, sent away before a probe's timed windows.
+
+At a process's first ``torch.compile`` on a host with Triton, TorchInductor starts a pool of
+compile workers: a sidecar process (``torch/_inductor/compile_worker/__main__.py``) that forks
+one worker per CPU (up to 32). It does so even when every kernel comes from the compile cache
+and the pool never compiles anything. A long training run does not see the pool: TorchInductor
+quiesces it (the workers exit) once it has been idle for a minute. A probe's timed windows,
+though, fall in that first minute, beside the pool's start-up and its idle processes, on a
+host whose single training-loop thread may be what bounds a config (autotune.host_telemetry).
+
+So after the warm-up (the last compile a probe expects), the probe asks each pool to quiesce
+now, as TorchInductor would a minute later, and waits until the workers have exited before
+it times anything. Nothing is lost: a later compile (a recompile in a timed window) starts
+the workers again. What was done is recorded with the result (``ProbeResult.compile_workers``).
+
+Linux only (the workers are found through /proc); elsewhere, and where no pool was started
+(no Triton, CPU probes, ``TORCHINDUCTOR_COMPILE_THREADS=1``), nothing is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_PROC = Path("/proc")
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc; [] elsewhere or once `pid` is gone)."""
+    found: list[int] = []
+    try:
+        for entry in _PROC.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    except OSError:
+        return []
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user + system CPU seconds `pid` has used so far (0 once it is gone)."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def _pools() -> list[Any]:
+    """TorchInductor's live subprocess pools in this process (none when TorchInductor never made one)."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    pools = getattr(module, "_pool_set", None) if module is not None else None
+    return [p for p in (pools or ()) if hasattr(p, "quiesce") and getattr(p, "running", False)
+            and getattr(p, "process", None) is not None]
+
+
+def quiesce_compile_workers(timeout_s: float = 30.0, poll_s: float = 0.05) -> dict[str, Any] | None:
+    """Ask every TorchInductor compile pool of this process to quiesce and wait, at most
+    `timeout_s`, until its workers have exited. Returns what was done, or None when there was
+    no pool: ``workers`` (processes found), ``worker_cpu_s`` (the CPU seconds they had used),
+    ``wait_s``, ``left`` (workers still alive at the timeout)."""
+    pools = _pools()
+    if not pools or not _PROC.is_dir():
+        return None
+    sidecars = [p.process.pid for p in pools]
+    workers = [w for s in sidecars for w in children(s)]
+    used = sum(cpu_seconds(w) for w in workers)
+    t0 = time.perf_counter()
+    for pool in pools:
+        try:
+            pool.quiesce()
+        except Exception as exc:  # a private API of torch's: never let it fail a probe
+            log.warning("could not quiesce TorchInductor's compile workers: %s", exc)
+            return {"workers": len(workers), "worker_cpu_s": round(used, 3), "wait_s": 0.0,
+                    "left": len(workers), "error": str(exc)}
+    left = workers
+    while left and time.perf_counter() - t0 < timeout_s:
+        time.sleep(poll_s)
+        left = [w for s in sidecars for w in children(s)]
+    return {"workers": len(workers), "worker_cpu_s": round(used, 3),
+            "wait_s": round(time.perf_counter() - t0, 3), "left": len(left)}
+
+
+def describe(done: dict[str, Any] | None) -> str | None:
+    """A measurement note for what `quiesce_compile_workers` did (None: nothing to say)."""
+    if not done or not done["workers"]:
+        return None
+    text = (f"TorchInductor's {done['workers']} compile workers (idle after the warm-up's compiles; "
+            f"{done['worker_cpu_s']:g} CPU-s so far) were stopped before the timed windows "
+            f"in {done['wait_s']:g} s")
+    if done["left"]:
+        text += f"; {done['left']} still ran when the probe stopped waiting, beside the windows"
+    return text

@@ -1,0 +1,123 @@
+"""autotune.compile_workers: TorchInductor's compile-worker pool, started as TorchInductor
+starts it at a first compile, is quiesced (its worker processes exit) and comes back for a
+later job. Real processes: the sidecar and its forked workers, found through /proc."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from autotune.compile_workers import children, cpu_seconds, describe, quiesce_compile_workers
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="workers are found through /proc (Linux)")
+
+# TorchInductor's own start-up of the pool (torch/_dynamo/backends/inductor.py → maybe_warm_pool,
+# less its "is Triton installed" check: the pool is what is under test, not Triton), then the
+# probe's quiesce, then a compile job after it.
+SCRIPT = r"""
+import json, os, time
+import torch._inductor.config as config
+config.compile_threads = 3
+from torch._inductor.async_compile import AsyncCompile
+from autotune.compile_workers import children, quiesce_compile_workers
+
+AsyncCompile.warm_pool()
+AsyncCompile.wakeup()
+pool = AsyncCompile.process_pool()
+sidecar = pool.process.pid
+deadline = time.time() + 60
+while len(children(sidecar)) < 3 and time.time() < deadline:
+    time.sleep(0.05)
+before = len(children(sidecar))
+done = quiesce_compile_workers(timeout_s=60)
+after = len(children(sidecar))
+later = pool.submit(os.getpid).result(timeout=60)  # a compile after the windows: the pool comes back
+print(json.dumps({"before": before, "done": done, "after": after, "later_pid": later,
+                  "sidecar": sidecar, "again": len(children(sidecar))}))
+"""
+
+
+def test_the_compile_pool_is_quiesced_and_comes_back_for_a_later_job() -> None:
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "3"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["before"] == 3  # one sidecar, three forked workers
+    done = r["done"]
+    assert done["workers"] == 3 and done["left"] == 0 and r["after"] == 0
+    assert done["worker_cpu_s"] >= 0 and done["wait_s"] >= 0
+    assert r["later_pid"] != r["sidecar"] and r["again"] >= 1  # a worker of a new pool ran it
+
+
+def test_without_a_pool_nothing_is_done() -> None:
+    assert quiesce_compile_workers() is None  # this process never compiled
+    assert describe(None) is None
+    assert describe({"workers": 0, "worker_cpu_s": 0, "wait_s": 0, "left": 0}) is None
+
+
+def test_the_note_says_what_was_stopped_and_what_was_left() -> None:
+    note = describe({"workers": 16, "worker_cpu_s": 4.5, "wait_s": 0.31, "left": 0})
+    assert note is not None and "16 compile workers" in note and "4.5 CPU-s" in note and "0.31 s" in note
+    assert "still ran" not in note
+    late = describe({"workers": 16, "worker_cpu_s": 4.5, "wait_s": 30, "left": 2})
+    assert late is not None and "2 still ran" in late
+
+
+def test_children_and_cpu_seconds_read_real_processes() -> None:
+    code = "import time\nwhile time.process_time() < 0.5: pass\ntime.sleep(60)"  # half a CPU-second, then idle
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    try:
+        deadline = time.time() + 30
+        while any(cpu_seconds(p.pid) < 0.3 for p in procs) and time.time() < deadline:
+            time.sleep(0.05)
+        assert set(children(os.getpid())) >= {p.pid for p in procs}
+        assert all(cpu_seconds(p.pid) >= 0.3 for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert not {p.pid for p in procs} & set(children(os.getpid()))  # reaped: gone from /proc
+    assert cpu_seconds(procs[0].pid) == 0.0
+
+
+PROBE_SCRIPT = r"""
+import json, sys, time
+import torch._inductor.config as config
+config.compile_threads = 2
+from torch._inductor.async_compile import AsyncCompile
+from autotune.compile_workers import children
+from autotune.config import parse_config
+from autotune.probe import ProbeSettings, run_probe
+
+AsyncCompile.warm_pool()  # as a first compile on a host with Triton starts it
+AsyncCompile.wakeup()
+sidecar = AsyncCompile.process_pool().process.pid
+deadline = time.time() + 60
+while len(children(sidecar)) < 2 and time.time() < deadline:
+    time.sleep(0.05)
+settings = ProbeSettings(samples=320, windows=5, quiesce_compile_workers=sys.argv[1] == "quiesce")
+r = run_probe("ups", parse_config({"batch_size": 16, "accum_steps": 1}), preset="tiny", device="cpu", settings=settings)
+print(json.dumps({"ok": r.ok, "compile_workers": r.compile_workers, "notes": r.measurement_notes,
+                  "alive_after": len(children(sidecar))}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiesce", "keep"])
+def test_a_probe_stops_the_compile_workers_before_its_windows_unless_told_to_keep_them(mode: str) -> None:
+    out = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, mode], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ok"]
+    if mode == "quiesce":
+        assert r["compile_workers"]["workers"] == 2 and r["compile_workers"]["left"] == 0
+        assert r["alive_after"] == 0
+        assert any("2 compile workers" in n for n in r["notes"])
+    else:
+        assert r["compile_workers"] is None and r["alive_after"] == 2
+        assert not any("compile workers" in n for n in r["notes"])
