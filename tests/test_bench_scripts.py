@@ -1,6 +1,7 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
-with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh and compile_pool.sh."""
+with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh
+and compile_pool.sh."""
 
 from __future__ import annotations
 
