@@ -16,6 +16,7 @@ from rich.markup import escape as rich_escape
 from rich.table import Table
 
 from autotune.client import DEFAULT_API, ApiError, Client, Conflict, Invalid, NotFound, ServiceUnavailable
+from autotune.compile_workers import summary as compile_workers_summary
 from autotune.config import KNOBS, ConfigError, load_config_arg, parse_config
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def print_probe_result(result: Any, console: Console) -> None:
          f"{len(result.window_throughputs)} windows × {result.window_steps} steps)"),
         (result.quality_metric, "-" if result.quality is None else f"{result.quality:.4f}"),
         ("warm-up", "-" if result.warmup_s is None else f"{result.warmup_s:.2f} s ({result.warmup_steps} steps)"),
+        ("compile workers", compile_workers_summary(result.compile_workers)),
         ("setup", "-" if result.setup_s is None else f"{result.setup_s:.2f} s"),
         ("data wait", "-" if result.data_wait_fraction is None else f"{result.data_wait_fraction:.1%}"),
         ("GPU", _gpu_summary(result.window_gpu)),

@@ -11,7 +11,8 @@ host whose single training-loop thread may be what bounds a config (autotune.hos
 So after the warm-up (the last compile a probe expects), the probe asks each pool to quiesce
 now, as TorchInductor would a minute later, and waits until the workers have exited before
 it times anything. Nothing is lost: a later compile (a recompile in a timed window) starts
-the workers again. What was done is recorded with the result (``ProbeResult.compile_workers``).
+the workers again. What was done is recorded with the result (``ProbeResult.compile_workers``,
+a row of ``autotune probe``'s table); workers left running add a measurement note.
 
 Linux only (the workers are found through /proc); elsewhere, and where no pool was started
 (no Triton, CPU probes, ``TORCHINDUCTOR_COMPILE_THREADS=1``), nothing is done.
@@ -97,13 +98,20 @@ def quiesce_compile_workers(timeout_s: float = 30.0, poll_s: float = 0.05) -> di
             "wait_s": round(time.perf_counter() - t0, 3), "left": len(left)}
 
 
-def describe(done: dict[str, Any] | None) -> str | None:
-    """A measurement note for what `quiesce_compile_workers` did (None: nothing to say)."""
+def summary(done: dict[str, Any] | None) -> str:
+    """One line for a probe's table: what `quiesce_compile_workers` did ("-": no pool)."""
     if not done or not done["workers"]:
+        return "-"
+    text = f"{done['workers']} stopped after the warm-up in {done['wait_s']:g} s ({done['worker_cpu_s']:g} CPU-s used)"
+    return text + (f"; {done['left']} still running" if done["left"] else "")
+
+
+def note(done: dict[str, Any] | None) -> str | None:
+    """A measurement note, only when compile workers were left beside the timed windows (the
+    wait ran out, or torch refused the quiesce); None otherwise."""
+    if not done or not done["left"]:
         return None
-    text = (f"TorchInductor's {done['workers']} compile workers (idle after the warm-up's compiles; "
-            f"{done['worker_cpu_s']:g} CPU-s so far) were stopped before the timed windows "
-            f"in {done['wait_s']:g} s")
-    if done["left"]:
-        text += f"; {done['left']} still ran when the probe stopped waiting, beside the windows"
-    return text
+    why = f"torch refused to quiesce them ({done['error']})" if done.get("error") else (
+        f"still running {done['wait_s']:g} s after they were asked to stop")
+    return (f"{done['left']} of TorchInductor's {done['workers']} compile workers ran beside the timed windows: "
+            f"{why}; on a host-bound config they may slow it")

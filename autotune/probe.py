@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from autotune.compile_workers import describe as describe_compile_workers
+from autotune.compile_workers import note as compile_workers_note
 from autotune.compile_workers import quiesce_compile_workers
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
@@ -584,9 +584,9 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         result.loss_curve.append((warm * eff, sync.mean(float(stacked[-1]))))
         if settings.quiesce_compile_workers:
             result.compile_workers = quiesce_compile_workers()
-            note = describe_compile_workers(result.compile_workers)
-            if note:
-                result.measurement_notes.append(note)
+            left = compile_workers_note(result.compile_workers)
+            if left:
+                result.measurement_notes.append(left)
 
         # --- timed windows ---
         # Move every object alive now (torch's modules, the dataset, the model) out of the
