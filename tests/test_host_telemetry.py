@@ -34,9 +34,15 @@ def spin() -> None:
 
 
 def test_a_thread_that_computes_reads_busy_and_one_that_sleeps_does_not() -> None:
-    busy, idle = measure(spin), measure(lambda: time.sleep(0.3))
+    # the share of a CPU the spinning thread gets depends on the host's load: check the reading
+    # against the thread's own CPU clock over the same window
+    t0, c0 = time.perf_counter(), time.thread_time()
+    busy = measure(spin)
+    share = (time.thread_time() - c0) / (time.perf_counter() - t0)
+    idle = measure(lambda: time.sleep(0.3))
     assert busy["busy_fraction"] is not None and idle["busy_fraction"] is not None
-    assert busy["busy_fraction"] > 0.3 > 0.1 > idle["busy_fraction"]
+    assert busy["busy_fraction"] == pytest.approx(share, abs=0.05)
+    assert busy["busy_fraction"] > 0.1 > idle["busy_fraction"]
 
 
 def test_touching_new_memory_counts_page_faults() -> None:
@@ -99,5 +105,7 @@ def test_the_hosts_busy_fraction_sees_other_processes_load() -> None:
     quiet = measure(lambda: time.sleep(0.4))
     assert loaded["busy_fraction"] is not None and loaded["busy_fraction"] < 0.1  # this thread slept
     assert loaded["host_busy_fraction"] is not None and quiet["host_busy_fraction"] is not None
-    assert loaded["host_busy_fraction"] > 0.7 and loaded["host_busy_fraction"] > quiet["host_busy_fraction"] + 0.3
+    assert loaded["host_busy_fraction"] > 0.85  # every CPU spun, while this thread slept
+    if quiet["host_busy_fraction"] < 0.5:  # a host the rest of the world leaves quiet: the load is what moved it
+        assert loaded["host_busy_fraction"] > quiet["host_busy_fraction"] + 0.3
     assert 0.0 <= loaded["host_steal_fraction"] <= 1.0  # type: ignore[operator]
