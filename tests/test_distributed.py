@@ -6,6 +6,7 @@ tests launch real torchrun probes of the tiny preset (a few seconds each on two 
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -203,6 +204,12 @@ def _ddp_steps(rank: int, world: int, port: int, out: str, data_dir: str) -> Non
         report["static_graph_with_no_sync"] = e.kind
     if rank == 0:
         (Path(out) / "calls.json").write_text(json.dumps(report))
+    # tear down in order: the last DDP wrapper (its reducer holds the group) before the group, and
+    # the group only once both ranks are done with it (a rank that tore down early has aborted
+    # its peer in gloo's threads: "terminate called without an active exception")
+    del ddp, trainer, data
+    gc.collect()
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
