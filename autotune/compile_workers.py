@@ -1,12 +1,14 @@
 """TorchInductor's compile workers, sent away before a probe's timed windows.
 
-At a process's first ``torch.compile`` on a host with Triton, TorchInductor starts a pool of
-compile workers: a sidecar process (``torch/_inductor/compile_worker/__main__.py``) that forks
-one worker per CPU (up to 32). It does so even when every kernel comes from the compile cache
-and the pool never compiles anything. A long training run does not see the pool: TorchInductor
-quiesces it (the workers exit) once it has been idle for a minute. A probe's timed windows,
-though, fall in that first minute, beside the pool's start-up and its idle processes, on a
-host whose single training-loop thread may be what bounds a config (autotune.host_telemetry).
+When a process's compiled code loads its first Triton kernel (on a GPU), TorchInductor starts
+a pool of compile workers: a sidecar process (``torch/_inductor/compile_worker/__main__.py``)
+that forks one worker per CPU (up to 32). It does so even when every kernel comes from the
+compile cache and the pool never compiles anything (``AsyncCompile.triton`` asks whether the
+pool is ready, which starts it; the ``inductor`` backend of ``torch._dynamo`` warms it up
+too). A long training run does not see the pool: TorchInductor quiesces it (the workers exit)
+once it has been idle for a minute. A probe's timed windows, though, fall in that first
+minute, beside the pool's start-up and its idle processes, on a host whose single
+training-loop thread may be what bounds a config (autotune.host_telemetry).
 
 So after the warm-up (the last compile a probe expects), the probe asks each pool to quiesce
 now, as TorchInductor would a minute later, and waits until the workers have exited before

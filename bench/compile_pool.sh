@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Do TorchInductor's compile workers slow a host-bound config's short probe (bench/README.md,
-# probe fidelity)? At a process's first compile, even one served wholly from the compile cache,
+# probe fidelity)? When a process loads its first Triton kernel, even from the compile cache,
 # TorchInductor starts a sidecar process that forks a worker per CPU; it stops them only after
 # a minute idle, so they sit beside a short probe's timed windows but not a long run's. Short
 # probes of one config (the studies' own length) under three variants, in interleaved rounds,

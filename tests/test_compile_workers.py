@@ -1,5 +1,5 @@
 """autotune.compile_workers: TorchInductor's compile-worker pool, started as TorchInductor
-starts it at a first compile, is quiesced (its worker processes exit) and comes back for a
+starts it when a process loads its first Triton kernel, is quiesced (its worker processes exit) and comes back for a
 later job. Real processes: the sidecar and its forked workers, found through /proc."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from autotune.compile_workers import children, cpu_seconds, note, quiesce_compil
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="workers are found through /proc (Linux)")
 
 # TorchInductor's own start-up of the pool (torch/_dynamo/backends/inductor.py → maybe_warm_pool,
-# less its "is Triton installed" check: the pool is what is under test, not Triton), then the
+# less its "is Triton installed" check: the pool is what is under test, not Triton; this
+# machine's CPU build has no Triton kernels to load), then the
 # probe's quiesce, then a compile job after it.
 SCRIPT = r"""
 import json, os, time
@@ -99,7 +100,7 @@ from autotune.compile_workers import children
 from autotune.config import parse_config
 from autotune.probe import ProbeSettings, run_probe
 
-AsyncCompile.warm_pool()  # as a first compile on a host with Triton starts it
+AsyncCompile.warm_pool()  # as loading a first Triton kernel starts it on a GPU host
 AsyncCompile.wakeup()
 sidecar = AsyncCompile.process_pool().process.pid
 deadline = time.time() + 60
