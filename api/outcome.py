@@ -52,7 +52,7 @@ from autotune.samplers import CONSTRAINT_ATTR
 RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
                 "peak_mem_allocated_bytes", "data_wait_fraction", "samples_trained", "throughput_samples_per_s",
                 "val_nrmse", "window_throughputs", "raw_window_throughputs", "epoch_cost_s", "window_data_wait_s",
-                "window_gpu", "window_host", "host_cpu",
+                "window_gpu", "window_host", "host_cpu", "compile_workers",
                 "measurement_notes", "loss_curve", "quality_metric")
 MAX_MESSAGE = 2000
 # Failures that say nothing about the trial's config: the worker refused its workload (not on
