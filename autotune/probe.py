@@ -587,6 +587,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             left = compile_workers_note(result.compile_workers)
             if left:
                 result.measurement_notes.append(left)
+            check_deadline("stopping the compile workers")
 
         # --- timed windows ---
         # Move every object alive now (torch's modules, the dataset, the model) out of the
