@@ -15,6 +15,7 @@ accumulation).
 
     python bench/ddp.py --out bench/results/ddp_h200.json                  # 2 GPUs (cuda:0,1)
     python bench/ddp.py --device cpu --preset tiny --out /tmp/ddp_cpu.json  # smoke test: gloo, CPU
+    python bench/ddp.py --only 1gpu-accum4,2gpu-accum4-bucket25 --out F.json  # some cases only
 
 The defaults keep a 2×H200 run under ~9 minutes (9 probes of 17 280 samples each, eager; the
 dataset is generated once before the first probe). ``--compile default`` compiles every
@@ -168,6 +169,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: torch's; cpu: 1)")
     p.add_argument("--timeout", type=float, default=240.0, help="per probe, seconds")
     p.add_argument("--budget", type=float, default=500.0, help="start no probe after this many seconds")
+    p.add_argument("--only", default=None,
+                   help="comma-separated case names to run (default: all; e.g. 1gpu-accum1,2gpu-accum1-bucket25)")
     p.add_argument("--out", type=Path, required=True, help="JSON path; the PNG goes next to it")
     args = p.parse_args()
 
@@ -187,12 +190,20 @@ def main() -> int:
               2: DeviceGroup((f"cuda:{first}", f"cuda:{second}") if cuda else ("cpu", "cpu"))}
     probe = {"samples": samples, "windows": 8, "warmup_steps": 5, "timeout_s": args.timeout}
 
+    todo = cases(base)
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(wanted) - {c["name"] for c in todo})
+        if unknown:
+            p.error(f"--only: no case named {', '.join(unknown)}; the cases are {', '.join(c['name'] for c in todo)}")
+        todo = [c for c in todo if c["name"] in wanted]
+
     t_start = time.perf_counter()
     data_s = prepare_data(args.workload, args.preset)
     print(f"dataset ready in {data_s:.1f} s", flush=True)
     rows: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
-    for case in cases(base):
+    for case in todo:
         if time.perf_counter() - t_start > args.budget:
             print(f"budget of {args.budget:g} s spent: skipping {case['name']}", flush=True)
             continue

@@ -1,7 +1,7 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
-with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh
-and compile_pool.sh."""
+with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh,
+compile_pool.sh and ddp.py."""
 
 from __future__ import annotations
 
@@ -120,3 +120,21 @@ def test_compile_pool_runs_its_three_variants(tmp_path: Path) -> None:
         assert r["result"]["failure"] is None and r["result"]["samples_trained"] == 320
         assert all(w["host_busy_fraction"] is not None for w in r["result"]["window_host"])
     assert "keep 0" in proc.stdout and "host busy" in proc.stdout
+
+
+def test_ddp_runs_one_and_two_rank_probes_as_the_worker_launches_them(tmp_path: Path) -> None:
+    out = tmp_path / "ddp.json"
+    _run("ddp.py", ["--device", "cpu", "--preset", "tiny", "--only", "1gpu-accum1,2gpu-accum1-bucket25",
+                    "--out", str(out)], tmp_path)
+    doc = json.loads(out.read_text())
+    assert [(r["name"], r["gpus"]) for r in doc["rows"]] == [("1gpu-accum1", 1), ("2gpu-accum1-bucket25", 2)]
+    one, two = (r["result"] for r in doc["results"])
+    assert (one["world_size"], two["world_size"]) == (1, 2) and two["knobs"]["parallel"] == "ddp: 2 ranks (gloo)"
+    assert two["config"]["bucket_cap_mb"] == 25.0 and one["samples_trained"] == two["samples_trained"] == 384
+    single, pair = doc["rows"]
+    assert pair["scaling_efficiency"] == pytest.approx(pair["throughput"] / (2 * single["throughput"]), abs=1e-4)
+    assert out.with_suffix(".png").stat().st_size > 0
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "ddp.py"), "--only", "3gpu", "--out",
+                              str(tmp_path / "x.json")], capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120, check=False)
+    assert refused.returncode == 2 and "--only: no case named 3gpu; the cases are 1gpu-accum1," in refused.stderr
