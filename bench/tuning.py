@@ -298,7 +298,8 @@ def analyze(args: argparse.Namespace) -> None:
                for name, r in results.items()}
     doc: dict[str, Any] = {"summary": summary, "strategies": results}
     if args.fidelity:
-        doc["fidelity"] = fidelity_summary([Path(p) for p in args.fidelity], results, set(args.other_host or ()))
+        runs = load_runs([Path(p) for p in args.fidelity])  # each file read once
+        doc["fidelity"] = fidelity_summary(runs, results, set(args.other_host or ()))
         for p in doc["fidelity"]:
             print(f"fidelity {p['strategy']} #{p['number']} ({p['run']}): short/long {p['short_over_long']:.3f} "
                   f"(median {p['median_short_over_long']:.3f}; epoch starts amortized "
@@ -316,7 +317,7 @@ def analyze(args: argparse.Namespace) -> None:
                   f"{bias['median_short_over_long']:.3f} "
                   f"(95 % CI {bias['ci95'][0]:.3f}-{bias['ci95'][1]:.3f}; quartiles {bias['quartiles'][0]:.3f}-"
                   f"{bias['quartiles'][1]:.3f})")
-        doc["fidelity_fine"] = fidelity_fine([Path(p) for p in args.fidelity])
+        doc["fidelity_fine"] = fidelity_fine(runs)
         for f in doc["fidelity_fine"]:
             print(f"fine windows {f['strategy']} #{f['number']} ({f['run']}, round {f['round'] + 1}): "
                   f"{f['fine_windows']} windows / 8 {f['fine_over_long']:.3f}, first windows / later "
@@ -615,7 +616,12 @@ def fidelity_bias(pairs: list[dict[str, Any]], resamples: int = 2000) -> dict[st
                             statistics.median(v), "min": min(v), "max": max(v)} for k, v in configs.items()]}
 
 
-def fidelity_fine(paths: list[Path]) -> list[dict[str, Any]]:
+def load_runs(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
+    """Fidelity runs as (file name, document), in the order given."""
+    return [(path.name, json.loads(path.read_text())) for path in paths]
+
+
+def fidelity_fine(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """The pairs of fidelity runs with ``--fine``, per pair:
     - `fine_over_long`: the long run in fine windows (each the short probe's size) against the
       long run in 8: what the windows' own bookkeeping costs, paid per step as often as a
@@ -626,15 +632,15 @@ def fidelity_fine(paths: list[Path]) -> list[dict[str, Any]]:
     - `short_over_early`: the short probe against those first windows: what is left when both
       time the same steps of a process's life."""
     rows = []
-    for path in paths:
-        for c in json.loads(path.read_text())["configs"]:
+    for name, doc in runs:
+        for c in doc["configs"]:
             if "fine" not in c:
                 continue
             short, long, fine = (c[side]["window_throughputs"] for side in ("short", "long", "fine"))
             k = len(short)
             early, late = window_rate(fine[:k])[0], window_rate(fine[k:])[0]
             rates = {side: window_rate(w)[0] for side, w in (("short", short), ("long", long), ("fine", fine))}
-            rows.append({"run": path.name, "strategy": c["strategy"], "number": c["number"], "round": c["round"],
+            rows.append({"run": name, "strategy": c["strategy"], "number": c["number"], "round": c["round"],
                          "first": c["first"], "fine_windows": len(fine), **rates,
                          "fine_over_long": rates["fine"] / rates["long"], "early_over_late": early / late,
                          "short_over_early": rates["short"] / early, "short_over_long": rates["short"] / rates["long"]})
@@ -644,7 +650,7 @@ def fidelity_fine(paths: list[Path]) -> list[dict[str, Any]]:
 COMPILED_WARMUP_S = 20.0  # a warm-up this long compiled (cold: 38-92 s on the H100 host); from the cache: 4-10 s
 
 
-def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
+def fidelity_summary(runs: list[tuple[str, dict[str, Any]]], results: dict[str, dict[str, Any]],
                      other_host: set[str] = frozenset()) -> list[dict[str, Any]]:  # type: ignore[assignment]
     """Every short/long pair of the fidelity runs, with both statistics: the probe's rate (timed
     samples over timed seconds) and the windows' median (what the probe reported before); and
@@ -652,8 +658,7 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
     except for runs named in `other_host` (file names: runs on another host than the studies',
     whose host-bound throughputs do not compare with the studies')."""
     pairs = []
-    for path in paths:
-        doc = json.loads(path.read_text())
+    for name, doc in runs:
         preset = doc.get("preset", "full")  # the runs before it was recorded were all on the full preset
         for c in doc["configs"]:
             short, long = c["short"]["window_throughputs"], c["long"]["window_throughputs"]
@@ -664,19 +669,19 @@ def fidelity_summary(paths: list[Path], results: dict[str, dict[str, Any]],
             train_samples = functools.partial(_train_set_size, preset)
             rates = {side: epoch_rates(c[side], config, train_samples) for side in ("short", "long")}
             pairs.append({
-                "run": path.name, "strategy": c["strategy"], "number": c["number"],
+                "run": name, "strategy": c["strategy"], "number": c["number"],
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
                                                                   "checkpoint", "persistent_workers")
                                   if k in config),  # a given config names only the knobs it sets
                 "study": study, "short_warmup_s": c["short"]["warmup_s"], "host_cpu": c["short"].get("host_cpu"),
                 "short_compiled": (c["short"]["warmup_s"] or 0) >= COMPILED_WARMUP_S,
-                "same_host_as_study": path.name not in other_host,
+                "same_host_as_study": name not in other_host,
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
                 **{f"{side}_{k}": rates[side][k] for side in ("short", "long") for k in ("raw", "amortized", "how")},
                 "raw_short_over_long": rates["short"]["raw"] / rates["long"]["raw"],
                 "amortized_short_over_long": rates["short"]["amortized"] / rates["long"]["amortized"],
-                "study_over_long": study / long_rate if study and path.name not in other_host else None,
+                "study_over_long": study / long_rate if study and name not in other_host else None,
                 **{f"{side}_{k}": v for side in ("short", "long") for k, v in _telemetry_extremes(c[side]).items()}})
     return pairs
 
