@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import httpx
 
+from autotune.compile_workers import children
+
 T = TypeVar("T")
 CLI = [sys.executable, "-m", "autotune.cli"]
 CHILD_MODULE = "autotune.probe_child"
@@ -73,28 +75,12 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
-def parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and parent_pid(int(entry)) == pid:
-            out.append(int(entry))
-    return out
 
 
 def probe_children(worker_pid: int) -> list[int]:
