@@ -35,34 +35,36 @@ _PROC = Path("/proc")
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def process_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/`pid`/stat after the command name, from the state on (``[0]`` the
+    state, ``[1]`` the parent pid, ``[11:13]`` user and system ticks, ``[19]`` the start time);
+    None when the process is gone or there is no /proc. The name may hold spaces and
+    parentheses, so the fields are split after its last ")"."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()
+
+
 def children(pid: int) -> list[int]:
     """The live child processes of `pid` (Linux /proc; [] elsewhere or once `pid` is gone)."""
-    found: list[int] = []
     try:
-        for entry in _PROC.iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
-            fields = stat[stat.rfind(")") + 2:].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry.name))
+        entries = [e.name for e in _PROC.iterdir() if e.name.isdigit()]
     except OSError:
         return []
+    found = []
+    for name in entries:
+        fields = process_stat(name)
+        if fields and int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(name))
     return found
 
 
 def cpu_seconds(pid: int) -> float:
     """The user + system CPU seconds `pid` has used so far (0 once it is gone)."""
-    try:
-        stat = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+    fields = process_stat(pid)
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S if fields else 0.0
 
 
 def _pools() -> list[Any]:

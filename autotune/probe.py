@@ -77,7 +77,7 @@ from typing import Any
 import torch
 
 from autotune.compile_workers import note as compile_workers_note
-from autotune.compile_workers import quiesce_compile_workers
+from autotune.compile_workers import process_stat, quiesce_compile_workers
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
 from autotune.gate import window_rate
@@ -205,10 +205,10 @@ def device_name(device: torch.device) -> str:
 def seconds_since_process_start() -> float | None:
     """Wall seconds since this process started (Linux /proc), for the fixed-overhead figure."""
     try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as up:
-            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        fields = process_stat("self")
+        with open("/proc/uptime") as up:
             uptime = float(up.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK") if fields else None
     except (OSError, ValueError, IndexError):
         return None
 
