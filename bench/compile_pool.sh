@@ -11,6 +11,8 @@
 #   threads1  TORCHINDUCTOR_COMPILE_THREADS=1: no pool at all
 # Each probe records the host's busy fraction per window (window_host.host_busy_fraction).
 # Usage, from the repository root on a GPU host: bench/compile_pool.sh OUT.jsonl CONFIG_JSON [ROUNDS]
+# TOP=1: each probe runs under bench/host_top.py, which writes OUT.top.VARIANT.ROUND.jsonl (the
+# processes and threads that used the host's CPUs, second by second).
 # (PRESET=tiny DEVICE=cpu SAMPLES=640: a CPU smoke run; no Triton there, so no pool to stop)
 set -euo pipefail
 out=${1:?OUT.jsonl}; config=${2:?CONFIG_JSON}; rounds=${3:-3}
@@ -22,7 +24,9 @@ probe() {  # variant, round
     local args=() env=()
     [[ $variant == keep ]] && args=(--keep-compile-workers)
     [[ $variant == threads1 ]] && env=(TORCHINDUCTOR_COMPILE_THREADS=1)
-    line=$(env "${env[@]}" python3 -m autotune.cli probe --preset "${PRESET:-full}" --device "${DEVICE:-cuda}" \
+    local top=()
+    [[ -n ${TOP:-} ]] && top=(python3 "$(dirname "$0")/host_top.py" --out "${out%.jsonl}.top.$variant.$round.jsonl" --)
+    line=$(env "${env[@]}" "${top[@]}" python3 -m autotune.cli probe --preset "${PRESET:-full}" --device "${DEVICE:-cuda}" \
         --config "$config" --json "${samples[@]}" "${args[@]}" | tail -1)
     printf '{"variant": "%s", "round": %s, "result": %s}\n' "$variant" "$round" "$line" >> "$out"
     python3 -c '

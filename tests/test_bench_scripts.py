@@ -1,7 +1,7 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
 with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh,
-compile_pool.sh and ddp.py."""
+compile_pool.sh, host_top.py and ddp.py."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_warmup_length_times_the_same_windows_later_in_the_process(tmp_path: Pat
 def test_compile_pool_runs_its_three_variants(tmp_path: Path) -> None:
     out = tmp_path / "pool.jsonl"
     env = {**os.environ, "PRESET": "tiny", "DEVICE": "cpu", "SAMPLES": "320", "PYTHONPATH": str(ROOT),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "TOP": "1"}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "compile_pool.sh"), str(out), '{"batch_size": 8}', "1"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -120,6 +120,34 @@ def test_compile_pool_runs_its_three_variants(tmp_path: Path) -> None:
         assert r["result"]["failure"] is None and r["result"]["samples_trained"] == 320
         assert all(w["host_busy_fraction"] is not None for w in r["result"]["window_host"])
     assert "keep 0" in proc.stdout and "host busy" in proc.stdout
+    for variant, rnd in [("prime", -1), ("keep", 0), ("quiesce", 0), ("threads1", 0)]:  # TOP=1: under host_top
+        summary = json.loads((tmp_path / f"pool.top.{variant}.{rnd}.jsonl").read_text().splitlines()[-1])
+        assert any(r["relation"] == "self" and "autotune.cli probe" in r["command"] for r in summary["summary"])
+
+
+def test_host_top_names_the_processes_and_threads_that_used_the_cpus(tmp_path: Path) -> None:
+    """A command whose child process spins and whose own second thread spins: both are seen,
+    as the command's descendant and as a thread of it, with the CPU time they used."""
+    out = tmp_path / "top.jsonl"
+    script = ("import subprocess, sys, threading, time\n"
+              "def spin(s):\n    t = time.time()\n    while time.time() - t < s: pass\n"
+              "threading.Thread(target=spin, args=(2.5,), name='spinner').start()\n"
+              "subprocess.run([sys.executable, '-c', 'import time\\nt = time.time()\\n"
+              "while time.time() - t < 2.5: pass'])\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "host_top.py"), "--out", str(out),
+                           "--interval", "0.5", "--", sys.executable, "-c", script],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    samples, summary = lines[:-1], lines[-1]["summary"]
+    child = [r for r in summary if r["relation"] == "descendant"]
+    assert child and child[0]["cpu_s"] >= 1.0, summary
+    command = next(r["pid"] for r in summary if r["relation"] == "self")
+    assert any(t["pid"] == command and t["tid"] != command and t["cpus"] >= 0.5  # the spinning thread
+               for s in samples for t in s["threads"]), samples
+    assert any(s["host_busy_cpus"] >= 1.0 for s in samples)
+    assert "CPU-s  descendant" in proc.stderr
 
 
 def test_ddp_runs_one_and_two_rank_probes_as_the_worker_launches_them(tmp_path: Path) -> None:
