@@ -148,9 +148,10 @@ def probe(
                                                "are not traced.")] = None,
     trace_steps: Annotated[int, typer.Option(help="Steps to trace (more: raise --warmup-steps too).", min=1)] = 5,
     keep_compile_workers: Annotated[bool, typer.Option(
-        "--keep-compile-workers", help="Leave TorchInductor's idle compile workers running beside the timed "
-                                       "windows (by default they are stopped after the warm-up, as TorchInductor "
-                                       "itself stops them after a minute idle).")] = False,
+        "--keep-compile-workers", help="Leave TorchInductor's compile pool to TorchInductor: started at the first "
+                                       "compile and its idle workers running beside the timed windows (by default "
+                                       "a compiling GPU probe starts it at setup and stops the workers after the "
+                                       "warm-up, as TorchInductor itself stops them after a minute idle).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
     list_knobs: Annotated[bool, typer.Option("--list-knobs", help="List the knobs and their allowed values.")] = False,
 ) -> None:

@@ -1,20 +1,25 @@
-"""TorchInductor's compile workers, sent away before a probe's timed windows.
+"""TorchInductor's compile workers, started early and sent away before a probe's timed windows.
 
 When a process's compiled code loads its first Triton kernel (on a GPU), TorchInductor starts
 a pool of compile workers: a sidecar process (``torch/_inductor/compile_worker/__main__.py``)
-that forks one worker per CPU (up to 32). It does so even when every kernel comes from the
-compile cache and the pool never compiles anything (``AsyncCompile.triton`` asks whether the
-pool is ready, which starts it; the ``inductor`` backend of ``torch._dynamo`` warms it up
-too). A long training run does not see the pool: TorchInductor quiesces it (the workers exit)
-once it has been idle for a minute. A probe's timed windows, though, fall in that first
-minute, beside the pool's start-up and its idle processes, on a host whose single
-training-loop thread may be what bounds a config (autotune.host_telemetry).
+that imports torch and then forks one worker per CPU (up to 32). It does so even when every
+kernel comes from the compile cache and the pool never compiles anything (the ``inductor``
+backend of ``torch._dynamo`` warms it up at the first compile; ``AsyncCompile.triton`` asks
+whether it is ready). A long training run hardly sees the pool: TorchInductor quiesces it (the
+workers exit) once it has been idle for a minute. A short probe's timed windows fall in that
+first minute, and on a lent H100 host (bench/README.md, probe fidelity: host_top) the
+sidecar's start-up, one CPU busy importing torch for about 10 s, began at the first warm-up
+step of a cached config and ran through most of its timed windows.
 
-So after the warm-up (the last compile a probe expects), the probe asks each pool to quiesce
-now, as TorchInductor would a minute later, and waits until the workers have exited before
-it times anything. Nothing is lost: a later compile (a recompile in a timed window) starts
-the workers again. What was done is recorded with the result (``ProbeResult.compile_workers``,
-a row of ``autotune probe``'s table); workers left running add a measurement note.
+So a compiling probe on a GPU starts the pool itself, at the start of its setup
+(`start_compile_pool`: what TorchInductor does at its first compile, some seconds earlier),
+so that the sidecar's start-up overlaps the setup and warm-up. After the warm-up (the last
+compile a probe expects) it waits until the pool is up (its workers forked), asks it to
+quiesce, as TorchInductor would a minute later, and waits until the workers have exited
+(`quiesce_compile_workers`). Nothing is lost: a later compile (a recompile in a timed window)
+starts the workers again. What was done is recorded with the result
+(``ProbeResult.compile_workers``, a row of ``autotune probe``'s table); workers left running
+add a measurement note.
 
 Linux only (the workers are found through /proc); elsewhere, and where no pool was started
 (no Triton, CPU probes, ``TORCHINDUCTOR_COMPILE_THREADS=1``), nothing is done.
@@ -75,31 +80,99 @@ def _pools() -> list[Any]:
             and getattr(p, "process", None) is not None]
 
 
-def quiesce_compile_workers(timeout_s: float = 30.0, poll_s: float = 0.05) -> dict[str, Any] | None:
+def start_compile_pool() -> int | None:
+    """Start TorchInductor's compile pool now, as its ``inductor`` backend does at the first
+    compile: the sidecar process, and a request that it fork its workers. Returns the
+    sidecar's pid, or None where TorchInductor would start no pool (one compile thread,
+    ``TORCH_WARM_POOL=0``, no process pools allowed here) or could not."""
+    if os.environ.get("TORCH_WARM_POOL", "1") != "1":
+        return None
+    try:
+        from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+        if get_compile_threads() <= 1:
+            return None
+        AsyncCompile.warm_pool()  # the sidecar process starts (it imports torch)
+        AsyncCompile.wakeup()  # ... and forks its workers once it is up
+    except Exception as exc:  # a private API of torch's: never let it fail a probe
+        log.warning("could not start TorchInductor's compile workers early: %s", exc)
+        return None
+    pools = _pools()
+    return pools[-1].process.pid if pools else None
+
+
+def _expected_workers(sidecar: int) -> int:
+    """How many workers the sidecar forks (its ``--workers=N`` argument; 0 if unknown)."""
+    try:
+        args = (_PROC / str(sidecar) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return 0
+    for arg in args:
+        if arg.startswith(b"--workers="):
+            return int(arg.split(b"=", 1)[1] or 0)
+    return 0
+
+
+def _wait_until_up(sidecars: list[int], timeout_s: float, poll_s: float, idle_s: float = 0.5) -> None:
+    """Wait, at most `timeout_s`, while a sidecar is still starting: it has forked fewer
+    workers than it will and it used CPU in the last `idle_s` (importing torch). An idle
+    sidecar short of workers is up but was never asked for them, or has quiesced them
+    already: nothing to wait for."""
+    t0 = time.perf_counter()
+    busy_at = {s: (cpu_seconds(s), t0) for s in sidecars}
+    expected = {s: _expected_workers(s) for s in sidecars}
+    while time.perf_counter() - t0 < timeout_s:
+        now = time.perf_counter()
+        starting = False
+        for s in sidecars:
+            used = cpu_seconds(s)
+            if used != busy_at[s][0]:
+                busy_at[s] = (used, now)
+            if len(children(s)) < expected[s] and now - busy_at[s][1] < idle_s:
+                starting = True
+        if not starting:
+            return
+        time.sleep(poll_s)
+
+
+def quiesce_compile_workers(timeout_s: float = 30.0, poll_s: float = 0.05,
+                            wait_ready: bool = False) -> dict[str, Any] | None:
     """Ask every TorchInductor compile pool of this process to quiesce and wait, at most
-    `timeout_s`, until its workers have exited. Returns what was done, or None when there was
-    no pool: ``workers`` (processes found), ``worker_cpu_s`` (the CPU seconds they had used),
-    ``wait_s``, ``left`` (workers still alive at the timeout)."""
+    `timeout_s` in all, until its workers have exited. With `wait_ready` (a pool this process
+    asked to start, `start_compile_pool`), first wait until each sidecar has forked all its
+    workers: a sidecar still starting up would go on, beside what follows, importing torch and
+    forking workers. Returns what was done, or None when there was no pool: ``workers``
+    (processes found), ``worker_cpu_s`` (the CPU seconds they had used), ``sidecar_cpu_s``
+    (the sidecars' own, their start-up mostly), ``ready_wait_s``, ``wait_s``, ``left``
+    (workers still alive at the timeout)."""
     pools = _pools()
     if not pools or not _PROC.is_dir():
         return None
     sidecars = [p.process.pid for p in pools]
+    t_ready = time.perf_counter()
+    if wait_ready:
+        _wait_until_up(sidecars, timeout_s, poll_s)
+    ready_wait = time.perf_counter() - t_ready
     workers = [w for s in sidecars for w in children(s)]
     used = sum(cpu_seconds(w) for w in workers)
+    sidecar_used = sum(cpu_seconds(s) for s in sidecars)
     t0 = time.perf_counter()
+    timeout_s = max(timeout_s - ready_wait, 1.0)
     for pool in pools:
         try:
             pool.quiesce()
         except Exception as exc:  # a private API of torch's: never let it fail a probe
             log.warning("could not quiesce TorchInductor's compile workers: %s", exc)
-            return {"workers": len(workers), "worker_cpu_s": round(used, 3), "wait_s": 0.0,
-                    "left": len(workers), "error": str(exc)}
+            return {"workers": len(workers), "worker_cpu_s": round(used, 3),
+                    "sidecar_cpu_s": round(sidecar_used, 3), "ready_wait_s": round(ready_wait, 3),
+                    "wait_s": 0.0, "left": len(workers), "error": str(exc)}
     left = workers
     while left and time.perf_counter() - t0 < timeout_s:
         time.sleep(poll_s)
         left = [w for s in sidecars for w in children(s)]
-    return {"workers": len(workers), "worker_cpu_s": round(used, 3),
-            "wait_s": round(time.perf_counter() - t0, 3), "left": len(left)}
+    return {"workers": len(workers), "worker_cpu_s": round(used, 3), "sidecar_cpu_s": round(sidecar_used, 3),
+            "ready_wait_s": round(ready_wait, 3), "wait_s": round(time.perf_counter() - t0, 3),
+            "left": len(left)}
 
 
 def summary(done: dict[str, Any] | None) -> str:
@@ -107,6 +180,8 @@ def summary(done: dict[str, Any] | None) -> str:
     if not done or not done["workers"]:
         return "-"
     text = f"{done['workers']} stopped after the warm-up in {done['wait_s']:g} s ({done['worker_cpu_s']:g} CPU-s used)"
+    if done.get("ready_wait_s", 0) >= 0.05:
+        text += f", {done['ready_wait_s']:g} s waited for them to start"
     return text + (f"; {done['left']} still running" if done["left"] else "")
 
 

@@ -5,8 +5,9 @@ Phases of `run_probe`:
 setup     build the workload, data, model; apply the knobs (see autotune/knobs.py)
 warm-up   the first optimizer steps (compilation, CUDA-graph recording, cudnn autotuning,
           allocator growth, DataLoader worker start). Timed and reported apart as
-          ``warmup_s``; never part of the throughput. After it, TorchInductor's idle compile
-          workers are stopped (``compile_workers``; autotune/compile_workers.py), as
+          ``warmup_s``; never part of the throughput. A compiling probe on a GPU starts
+          TorchInductor's compile pool at the start of its setup, and after the warm-up
+          stops its idle workers (``compile_workers``; autotune/compile_workers.py), as
           TorchInductor itself stops them after a minute: a long run trains without them.
 timed     the remaining steps split into equal windows (>= 5). Each window is timed with
           CUDA events on a GPU, or with the host clock on a CPU (where every op is
@@ -77,7 +78,7 @@ from typing import Any
 import torch
 
 from autotune.compile_workers import note as compile_workers_note
-from autotune.compile_workers import process_stat, quiesce_compile_workers
+from autotune.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
 from autotune.gate import window_rate
@@ -122,8 +123,9 @@ class ProbeSettings:
     compile_backend: str = "inductor"
     trace_path: str | None = None  # a Chrome trace (torch.profiler) of the warm-up's last steps
     trace_steps: int = 5  # at most; never more than half the warm-up (its first steps compile)
-    # stop TorchInductor's idle compile workers before timing (autotune.compile_workers); False
-    # keeps them beside the timed windows, as a process's first minute has them
+    # start TorchInductor's compile pool early and stop its idle workers before timing
+    # (autotune.compile_workers); False leaves the pool to TorchInductor: started at the first
+    # compile, beside the timed windows as a process's first minute has it
     quiesce_compile_workers: bool = True
 
 
@@ -524,6 +526,12 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         torch.cuda.reset_peak_memory_stats(dev)
         torch.empty(1, device=dev)  # create the CUDA context here, so its cost has a name
     phase("device_init")
+    # TorchInductor's compile pool: started now rather than at the first compile, so that its
+    # sidecar's start-up (importing torch) overlaps the setup and warm-up, not the timed windows
+    early_pool = None
+    if settings.quiesce_compile_workers and cfg.compile != "none" and dev.type == "cuda":
+        early_pool = start_compile_pool()
+        phase("compile_pool")
     if cfg.precision == "fp8":  # fail fast, before data and model are built
         from autotune.knobs import fp8_supported
 
@@ -583,7 +591,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         check_finite(stacked, warm)
         result.loss_curve.append((warm * eff, sync.mean(float(stacked[-1]))))
         if settings.quiesce_compile_workers:
-            result.compile_workers = quiesce_compile_workers()
+            result.compile_workers = quiesce_compile_workers(wait_ready=early_pool is not None)
             left = compile_workers_note(result.compile_workers)
             if left:
                 result.measurement_notes.append(left)

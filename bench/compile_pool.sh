@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Do TorchInductor's compile workers slow a host-bound config's short probe (bench/README.md,
 # probe fidelity)? When a process loads its first Triton kernel, even from the compile cache,
-# TorchInductor starts a sidecar process that forks a worker per CPU; it stops them only after
-# a minute idle, so they sit beside a short probe's timed windows but not a long run's. Short
-# probes of one config (the studies' own length) under three variants, in interleaved rounds,
-# every other round in reverse order, on a warm TorchInductor cache (a first probe fills it and
-# is recorded as variant "prime"):
-#   keep      the workers left running (autotune probe --keep-compile-workers): as before
-#   quiesce   the probe stops them after its warm-up (the default; autotune/compile_workers.py)
+# TorchInductor starts a sidecar process that imports torch and forks a worker per CPU; it stops
+# them only after a minute idle, so they sit beside a short probe's timed windows but not a long
+# run's. Short probes of one config (the studies' own length) under three variants, in
+# interleaved rounds, every other round in reverse order, on a warm TorchInductor cache (a first
+# probe fills it and is recorded as variant "prime"):
+#   keep      the pool left to TorchInductor (autotune probe --keep-compile-workers): started at
+#             the first compile, workers left running
+#   quiesce   the default: the probe starts the pool at its setup, and after its warm-up waits
+#             for the workers to be up and stops them (autotune/compile_workers.py)
 #   threads1  TORCHINDUCTOR_COMPILE_THREADS=1: no pool at all
 # Each probe records the host's busy fraction per window (window_host.host_busy_fraction).
 # Usage, from the repository root on a GPU host: bench/compile_pool.sh OUT.jsonl CONFIG_JSON [ROUNDS]

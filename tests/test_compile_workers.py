@@ -65,6 +65,7 @@ def test_without_a_pool_nothing_is_done() -> None:
 def test_the_table_says_what_was_stopped_and_a_note_says_what_was_left() -> None:
     stopped = {"workers": 16, "worker_cpu_s": 4.5, "wait_s": 0.31, "left": 0}
     assert summary(stopped) == "16 stopped after the warm-up in 0.31 s (4.5 CPU-s used)"
+    assert summary({**stopped, "ready_wait_s": 2.5}).endswith("used), 2.5 s waited for them to start")
     assert note(stopped) is None  # nothing qualifies the windows
     late = {"workers": 16, "worker_cpu_s": 4.5, "wait_s": 30, "left": 2}
     assert summary(late).endswith("; 2 still running")
@@ -133,3 +134,47 @@ def test_a_probe_stops_the_compile_workers_before_its_windows_unless_told_to_kee
         assert r["compile_workers"] is None and r["alive_after"] == 2
         assert re.search(r"compile workers\s+│ - ", r["table"]), r["table"]
     assert not any("compile workers" in n for n in r["notes"])  # none left beside the windows: nothing to note
+
+
+EARLY_SCRIPT = r"""
+import json, sys
+import torch._inductor.config as config
+from torch._inductor.async_compile import AsyncCompile
+from autotune.compile_workers import children, quiesce_compile_workers, start_compile_pool
+
+if sys.argv[1] == "early":  # the probe's way: started at setup, waited for, then quiesced
+    sidecar = start_compile_pool()
+    done = quiesce_compile_workers(timeout_s=120, wait_ready=True)
+else:  # a sidecar started but never asked for workers: up, idle, nothing to wait for
+    AsyncCompile.warm_pool()
+    sidecar = AsyncCompile.process_pool().process.pid
+    done = quiesce_compile_workers(timeout_s=120, wait_ready=True)
+print(json.dumps({"sidecar": sidecar, "done": done, "after": len(children(sidecar)) if sidecar else None}))
+"""
+
+
+def _early(mode: str, **env: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", EARLY_SCRIPT, mode], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "3", **env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_pool_started_early_is_waited_for_until_its_workers_are_up_then_stopped() -> None:
+    r = _early("early")
+    done = r["done"]
+    assert r["sidecar"] and done["workers"] == 3 and done["left"] == 0 and r["after"] == 0
+    assert done["sidecar_cpu_s"] > 0.2  # its start-up: importing torch, in the sidecar, not beside the windows
+    assert done["ready_wait_s"] > 0 and done["wait_s"] >= 0
+
+
+def test_an_idle_sidecar_short_of_workers_is_not_waited_for_until_the_timeout() -> None:
+    done = _early("idle")["done"]
+    assert done["workers"] == 0 and done["left"] == 0
+    assert done["ready_wait_s"] < 100  # it went idle once up: the 120 s timeout was not waited out
+
+
+@pytest.mark.parametrize("env", [{"TORCH_WARM_POOL": "0"}, {"TORCHINDUCTOR_COMPILE_THREADS": "1"}])
+def test_no_pool_is_started_where_torchinductor_would_start_none(env: dict[str, str]) -> None:
+    r = _early("early", **env)
+    assert r["sidecar"] is None and r["done"] is None
