@@ -55,6 +55,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sized
+from collections.abc import Set as AbstractSet
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
@@ -299,7 +300,8 @@ def analyze(args: argparse.Namespace) -> None:
     doc: dict[str, Any] = {"summary": summary, "strategies": results}
     if args.fidelity:
         runs = load_runs([Path(p) for p in args.fidelity])  # each file read once
-        doc["fidelity"] = fidelity_summary(runs, results, set(args.other_host or ()))
+        doc["fidelity"] = fidelity_summary(runs, results, set(args.other_host or ()),
+                                           set(args.compile_pool_at_setup or ()))
         for p in doc["fidelity"]:
             print(f"fidelity {p['strategy']} #{p['number']} ({p['run']}): short/long {p['short_over_long']:.3f} "
                   f"(median {p['median_short_over_long']:.3f}; epoch starts amortized "
@@ -317,6 +319,9 @@ def analyze(args: argparse.Namespace) -> None:
                   f"{bias['median_short_over_long']:.3f} "
                   f"(95 % CI {bias['ci95'][0]:.3f}-{bias['ci95'][1]:.3f}; quartiles {bias['quartiles'][0]:.3f}-"
                   f"{bias['quartiles'][1]:.3f})")
+            for c in bias["per_config_and_pool"]:
+                print(f"  {c['strategy']} #{c['number']}, compile pool {c['compile_pool']}: median pair "
+                      f"{c['median_short_over_long']:.3f} over {c['pairs']} ({c['min']:.3f}-{c['max']:.3f})")
         doc["fidelity_fine"] = fidelity_fine(runs)
         for f in doc["fidelity_fine"]:
             print(f"fine windows {f['strategy']} #{f['number']} ({f['run']}, round {f['round'] + 1}): "
@@ -400,7 +405,7 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
     keep = ("throughput_samples_per_s", "throughput_spread", "window_throughputs", "val_nrmse", "samples_trained",
             "warmup_s", "train_s", "data_wait_fraction", "window_data_wait_s", "window_gpu", "window_host", "host_cpu",
             "raw_window_throughputs", "epoch_micro_batches", "epoch_boundaries", "epoch_cost_s",
-            "window_steps", "measurement_notes", "failure")
+            "window_steps", "measurement_notes", "failure", "compile_workers", "setup_phases")
     # started: to line up a run's own telemetry (nvidia-smi, vmstat) with its probes
     return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}
 
@@ -598,7 +603,7 @@ def fidelity_bias(pairs: list[dict[str, Any]], resamples: int = 2000) -> dict[st
     leaves the host's drift over minutes out; what is left is the probe's bias plus the spread
     from process to process. Returns the median ratio with a 95 % bootstrap interval (a seeded
     resampling of the pairs: the same pairs give the same interval), the quartiles (that spread),
-    and the same per config; None without such pairs."""
+    and the same per config, and per config and compile-pool treatment; None without such pairs."""
     own = [p for p in pairs if p["short_how"] == "probe"]
     if not own:
         return None
@@ -606,14 +611,33 @@ def fidelity_bias(pairs: list[dict[str, Any]], resamples: int = 2000) -> dict[st
     rng = random.Random(0)
     boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     configs: dict[tuple[str, int], list[float]] = {}
+    versions: dict[tuple[str, int, str], list[float]] = {}
     for p in own:
         configs.setdefault((p["strategy"], p["number"]), []).append(p["short_over_long"])
+        versions.setdefault((p["strategy"], p["number"], p.get("compile_pool", "torch")), []).append(
+            p["short_over_long"])
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {"pairs": len(ratios), "median_short_over_long": statistics.median(ratios),
             "ci95": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
             "quartiles": [quartiles[0], quartiles[2]],
             "per_config": [{"strategy": k[0], "number": k[1], "pairs": len(v), "median_short_over_long":
-                            statistics.median(v), "min": min(v), "max": max(v)} for k, v in configs.items()]}
+                            statistics.median(v), "min": min(v), "max": max(v)} for k, v in configs.items()],
+            # the same, apart for each way the short probe treated the compile pool (compile_pool_mode)
+            "per_config_and_pool": [{"strategy": k[0], "number": k[1], "compile_pool": k[2], "pairs": len(v),
+                                     "median_short_over_long": statistics.median(v), "min": min(v), "max": max(v)}
+                                    for k, v in versions.items()]}
+
+
+def compile_pool_mode(probe: dict[str, Any]) -> str:
+    """How a probe treated TorchInductor's compile pool (autotune/compile_workers.py): "setup"
+    (the probe started it at its setup and stopped its workers after the warm-up, waiting for
+    them to be up: the probe as it now measures), "after warm-up" (stopped after the warm-up
+    only, where the sidecar may still have been starting), or "torch" (left to TorchInductor:
+    probes before either, or ``--keep-compile-workers``)."""
+    done = probe.get("compile_workers")
+    if not done:
+        return "torch"
+    return "setup" if "ready_wait_s" in done else "after warm-up"
 
 
 def load_runs(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
@@ -651,12 +675,14 @@ COMPILED_WARMUP_S = 20.0  # a warm-up this long compiled (cold: 38-92 s on the H
 
 
 def fidelity_summary(runs: list[tuple[str, dict[str, Any]]], results: dict[str, dict[str, Any]],
-                     other_host: set[str] = frozenset()) -> list[dict[str, Any]]:  # type: ignore[assignment]
+                     other_host: AbstractSet[str] = frozenset(),
+                     pool_at_setup: AbstractSet[str] = frozenset()) -> list[dict[str, Any]]:
     """Every short/long pair of the fidelity runs, with both statistics: the probe's rate (timed
     samples over timed seconds) and the windows' median (what the probe reported before); and
     the study's own measurement of the config (its rate, from `results`: strategy_result's),
     except for runs named in `other_host` (file names: runs on another host than the studies',
-    whose host-bound throughputs do not compare with the studies')."""
+    whose host-bound throughputs do not compare with the studies'). `pool_at_setup` names runs
+    whose probes started the compile pool at setup before the runs recorded it (compile_pool_mode)."""
     pairs = []
     for name, doc in runs:
         preset = doc.get("preset", "full")  # the runs before it was recorded were all on the full preset
@@ -676,6 +702,7 @@ def fidelity_summary(runs: list[tuple[str, dict[str, Any]]], results: dict[str, 
                 "study": study, "short_warmup_s": c["short"]["warmup_s"], "host_cpu": c["short"].get("host_cpu"),
                 "short_compiled": (c["short"]["warmup_s"] or 0) >= COMPILED_WARMUP_S,
                 "same_host_as_study": name not in other_host,
+                "compile_pool": "setup" if name in pool_at_setup else compile_pool_mode(c["short"]),
                 "short": short_rate, "long": long_rate, "short_over_long": short_rate / long_rate,
                 "median_short_over_long": statistics.median(short) / statistics.median(long),
                 **{f"{side}_{k}": rates[side][k] for side in ("short", "long") for k in ("raw", "amortized", "how")},
@@ -823,6 +850,9 @@ def main() -> None:
     a.add_argument("--fidelity", nargs="*", help="fidelity JSONs (the fidelity step's) to summarise")
     a.add_argument("--other-host", nargs="*", help="fidelity JSONs (file names) run on another host than the "
                                                    "studies: their study-probe comparison is left out")
+    a.add_argument("--compile-pool-at-setup", nargs="*", help="fidelity JSONs (file names) whose probes started "
+                                                             "TorchInductor's compile pool at setup, from runs "
+                                                             "that did not record it yet")
     a.add_argument("--repeats", nargs="*", help="cache-states JSONs or host_bound.sh JSONLs: repeated probes "
                                                 "of one config on one host")
     f = sub.add_parser("fidelity", help="short probe against a longer run for the top configs")

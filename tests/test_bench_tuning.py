@@ -175,6 +175,17 @@ def test_fidelity_bias_pools_the_pairs_of_probes_that_recorded_their_epoch_start
     assert [(c["number"], c["pairs"]) for c in bias["per_config"]] == [(3, 4), (4, 3)]
     assert bias["per_config"][0]["median_short_over_long"] == pytest.approx(0.975)
     assert tuning.fidelity_bias([p for p in pairs if p["short_how"] == "estimated"]) is None
+    # apart by how the short probe treated TorchInductor's compile pool: config 3's last two pairs
+    # come from the probe that starts it at setup
+    pairs[2]["compile_pool"] = pairs[3]["compile_pool"] = "setup"
+    split = tuning.fidelity_bias(pairs)["per_config_and_pool"]
+    assert [(c["number"], c["compile_pool"], c["pairs"]) for c in split] == [
+        (3, "torch", 2), (3, "setup", 2), (4, "torch", 3)]
+    assert split[1]["median_short_over_long"] == pytest.approx(0.995)
+    assert [tuning.compile_pool_mode(p) for p in (
+        {}, {"compile_workers": None}, {"compile_workers": {"workers": 16, "wait_s": 0.1}},
+        {"compile_workers": {"workers": 16, "wait_s": 0.1, "ready_wait_s": 0.0}})] == [
+        "torch", "torch", "after warm-up", "setup"]
 
     # the per-run medians: as the probes reported (amortized), and as timed
     rounds = [_pair("autotune", 3, 950.0, 1000.0, raw_short=1050.0), _pair("autotune", 3, 970.0, 1000.0,
