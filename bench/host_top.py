@@ -79,7 +79,7 @@ def snapshot() -> tuple[dict[int, dict], dict[tuple[int, int], dict]]:
 
 
 def relation(pid: int, root: int, procs: dict[int, dict]) -> str:
-    seen = set()
+    seen: set[int] = set()
     while pid and pid not in seen:
         if pid == root:
             return "self" if not seen else "descendant"
