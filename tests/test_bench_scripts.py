@@ -1,7 +1,7 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
 with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh,
-compile_pool.sh, host_top.py and ddp.py."""
+compile_pool.sh, host_top.py, probe_speed.py and ddp.py."""
 
 from __future__ import annotations
 
@@ -148,6 +148,18 @@ def test_host_top_names_the_processes_and_threads_that_used_the_cpus(tmp_path: P
                for s in samples for t in s["threads"]), samples
     assert any(s["host_busy_cpus"] >= 1.0 for s in samples)
     assert "CPU-s  descendant" in proc.stderr
+
+
+def test_probe_speed_times_fixed_host_work_around_each_probe_process(tmp_path: Path) -> None:
+    out = tmp_path / "speed.jsonl"
+    proc = _run("probe_speed.py", ["--config", '{"batch_size": 8}', "--preset", "tiny", "--device", "cpu",
+                                   "--samples", "320", "--runs", "2", "--out", str(out)], tmp_path)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["run"], r["prime"]) for r in rows] == [(0, True), (1, False)]
+    for r in rows:
+        assert r["failure"] is None and r["throughput"] > 0
+        assert all(r[side][k] > 0 for side in ("before", "after") for k in ("python_ms", "copy_ms"))
+    assert "run 1: " in proc.stdout and "(before/after)" in proc.stdout
 
 
 def test_ddp_runs_one_and_two_rank_probes_as_the_worker_launches_them(tmp_path: Path) -> None:

@@ -1,0 +1,100 @@
+"""Is a slow probe process slow at everything? (bench/README.md, probe fidelity)
+
+Some short probes of a host-bound config run slow from their first timed window to their
+last, with the training-loop thread as busy as in a fast one: the same host work takes longer
+in them. This runs one config's probe in N fresh processes, one after another, and in each
+process times fixed host work in the thread that then trains, before the probe (after torch
+is imported) and after it:
+  python_ms  pure-Python integer work (host_speed.chunk), the median of 5
+  copy_ms    copying a 64 MiB buffer (memory bandwidth), the median of 5
+If the slow processes are slow at these too, their host runs them slower (their CPU, their
+memory, their neighbours); if not, it is something in the process's training state.
+
+Usage (repository root, a GPU host; the first run compiles and is marked "prime"):
+  python bench/probe_speed.py --config JSON --runs 8 --out F.jsonl [--preset full --device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from host_speed import chunk
+
+COPY_BYTES = 64 << 20
+
+
+def calibrate() -> dict[str, float]:
+    """Fixed host work, timed in this thread: the median of 5 of each, in milliseconds."""
+    src = bytearray(COPY_BYTES)
+    py, copy = [], []
+    for _ in range(5):
+        py.append(chunk(100_000) * 1e3)
+        t0 = time.perf_counter()
+        bytes(src)
+        copy.append((time.perf_counter() - t0) * 1e3)
+    return {"python_ms": round(statistics.median(py), 3), "copy_ms": round(statistics.median(copy), 3)}
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch  # noqa: F401  (imported before the first calibration: its import is not what is timed)
+
+    from autotune.config import parse_config
+    from autotune.probe import ProbeSettings, run_probe
+
+    before = calibrate()
+    settings = ProbeSettings(samples=args.samples) if args.samples else ProbeSettings()
+    result = run_probe("ups", parse_config(json.loads(args.config)), preset=args.preset, device=args.device,
+                       settings=settings)
+    after = calibrate()
+    gpu = [float(w["utilization_percent"]) for w in result.window_gpu if w.get("utilization_percent") is not None]
+    loop = [float(w["busy_fraction"]) for w in result.window_host if w.get("busy_fraction") is not None]
+    print(json.dumps({"throughput": result.throughput_samples_per_s, "failure": result.failure,
+                      "window_throughputs": result.window_throughputs, "before": before, "after": after,
+                      "median_gpu_utilization": statistics.median(gpu) if gpu else None,
+                      "median_loop_busy": statistics.median(loop) if loop else None,
+                      "warmup_s": result.warmup_s, "compile_workers": result.compile_workers}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the config, as JSON")
+    parser.add_argument("--runs", type=int, default=8, help="processes, the first of them the priming one")
+    parser.add_argument("--out", type=Path, help="JSON lines, one per process (required unless --child)")
+    parser.add_argument("--preset", default="full")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--samples", type=int, help="the probe's samples (default: the preset's)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        json.loads(args.config)
+    except json.JSONDecodeError as e:
+        parser.error(f"--config is not JSON ({e}); give it as '{{\"batch_size\": 24}}'")
+    if args.child:
+        child(args)
+        return
+    if args.out is None:
+        parser.error("--out F.jsonl is required")
+    cmd = [sys.executable, __file__, "--child", "--config", args.config, "--preset", args.preset,
+           "--device", args.device] + (["--samples", str(args.samples)] if args.samples else [])
+    with args.out.open("w") as out:
+        for i in range(args.runs):
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0 or not proc.stdout.strip():
+                raise SystemExit(f"run {i}: the probe process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+            row: dict[str, Any] = {"run": i, "prime": i == 0, **json.loads(proc.stdout.strip().splitlines()[-1])}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(f"run {i}{' (prime)' if i == 0 else ''}: {row['throughput'] or 0:.0f} samples/s, GPU busy "
+                  f"{row['median_gpu_utilization']} %, python {row['before']['python_ms']}/{row['after']['python_ms']}"
+                  f" ms, copy {row['before']['copy_ms']}/{row['after']['copy_ms']} ms (before/after)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
