@@ -53,8 +53,8 @@ def child(args: argparse.Namespace) -> None:
     result = run_probe("ups", parse_config(json.loads(args.config)), preset=args.preset, device=args.device,
                        settings=settings)
     after = calibrate()
-    gpu = [float(w["utilization_percent"]) for w in result.window_gpu if w.get("utilization_percent") is not None]
-    loop = [float(w["busy_fraction"]) for w in result.window_host if w.get("busy_fraction") is not None]
+    gpu = [float(v) for w in result.window_gpu if (v := w.get("utilization_percent")) is not None]
+    loop = [float(v) for w in result.window_host if (v := w.get("busy_fraction")) is not None]
     print(json.dumps({"throughput": result.throughput_samples_per_s, "failure": result.failure,
                       "window_throughputs": result.window_throughputs, "before": before, "after": after,
                       "median_gpu_utilization": statistics.median(gpu) if gpu else None,
