@@ -322,6 +322,14 @@ def analyze(args: argparse.Namespace) -> None:
             for c in bias["per_config_and_pool"]:
                 print(f"  {c['strategy']} #{c['number']}, compile pool {c['compile_pool']}: median pair "
                       f"{c['median_short_over_long']:.3f} over {c['pairs']} ({c['min']:.3f}-{c['max']:.3f})")
+        doc["fidelity_loop_cpu"] = loop = fidelity_loop_cpu(doc["fidelity"])
+        if loop:
+            print(f"loop CPU per step, over {loop['pairs']} pairs: short/long throughput against long/short loop "
+                  f"CPU ms per step: median |difference| {loop['median_abs_difference']:.3f}, largest "
+                  f"{loop['max_abs_difference']:.3f}")
+            for c in loop["per_config"]:
+                r_text = "-" if c["pearson_r"] is None else f"{c['pearson_r']:.2f}"
+                print(f"  {c['strategy']} #{c['number']}: r = {r_text} over {c['pairs']} pairs")
         doc["fidelity_fine"] = fidelity_fine(runs)
         for f in doc["fidelity_fine"]:
             print(f"fine windows {f['strategy']} #{f['number']} ({f['run']}, round {f['round'] + 1}): "
@@ -640,6 +648,30 @@ def compile_pool_mode(probe: dict[str, Any]) -> str:
     return "setup" if "ready_wait_s" in done else "after warm-up"
 
 
+def fidelity_loop_cpu(pairs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How well the training-loop thread's CPU time per step accounts for each pair's ratio:
+    for every pair with that telemetry on both sides, the short/long throughput against the
+    long/short loop CPU ms per step (equal where the loop thread alone bounds the step and the
+    two processes differ only in how fast it runs). None without such pairs."""
+    rows = [{"run": p["run"], "strategy": p["strategy"], "number": p["number"],
+             "short_over_long": p["short_over_long"],
+             "loop_long_over_short": p["long_loop_cpu_ms_per_step"] / p["short_loop_cpu_ms_per_step"]}
+            for p in pairs if p.get("short_loop_cpu_ms_per_step") and p.get("long_loop_cpu_ms_per_step")]
+    if not rows:
+        return None
+    diffs = [abs(r["short_over_long"] - r["loop_long_over_short"]) for r in rows]
+    configs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        configs.setdefault((r["strategy"], r["number"]), []).append(r)
+    per_config = []
+    for (strategy, number), group in configs.items():
+        xs, ys = [r["loop_long_over_short"] for r in group], [r["short_over_long"] for r in group]
+        r_value = statistics.correlation(xs, ys) if len(group) > 2 and len(set(xs)) > 1 and len(set(ys)) > 1 else None
+        per_config.append({"strategy": strategy, "number": number, "pairs": len(group), "pearson_r": r_value})
+    return {"pairs": len(rows), "median_abs_difference": statistics.median(diffs), "max_abs_difference": max(diffs),
+            "per_config": per_config, "rows": rows}
+
+
 def load_runs(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
     """Fidelity runs as (file name, document), in the order given."""
     return [(path.name, json.loads(path.read_text())) for path in paths]
@@ -709,8 +741,32 @@ def fidelity_summary(runs: list[tuple[str, dict[str, Any]]], results: dict[str, 
                 "raw_short_over_long": rates["short"]["raw"] / rates["long"]["raw"],
                 "amortized_short_over_long": rates["short"]["amortized"] / rates["long"]["amortized"],
                 "study_over_long": study / long_rate if study and name not in other_host else None,
-                **{f"{side}_{k}": v for side in ("short", "long") for k, v in _telemetry_extremes(c[side]).items()}})
+                **{f"{side}_{k}": v for side in ("short", "long") for k, v in _telemetry_extremes(c[side]).items()},
+                **{f"{side}_loop_cpu_ms_per_step": loop_cpu_ms_per_step(c[side], _effective_batch(config))
+                   for side in ("short", "long")}})
     return pairs
+
+
+def _effective_batch(config: dict[str, Any]) -> int | None:
+    """Samples per optimizer step (a given config may name only some knobs: None if unknown)."""
+    if config.get("effective_batch"):
+        return int(config["effective_batch"])
+    batch = config.get("batch_size")
+    return int(batch) * int(config.get("accum_steps") or 1) if batch else None
+
+
+def loop_cpu_ms_per_step(probe: dict[str, Any], effective_batch: int | None) -> float | None:
+    """The training-loop thread's CPU milliseconds per optimizer step, the median over the
+    probe's timed windows: its busy fraction × the timed seconds per step (`effective_batch` /
+    each window's timed rate, `raw_window_throughputs`, with `window_host`). Where the loop
+    thread bounds the step (a host-bound config), throughput follows its inverse. None without
+    that telemetry (runs before the probe recorded it)."""
+    host, rates = probe.get("window_host") or [], probe.get("raw_window_throughputs") or []
+    if not effective_batch or not rates or len(host) != len(rates):
+        return None
+    per_step = [w["busy_fraction"] * effective_batch / rate * 1e3
+                for w, rate in zip(host, rates, strict=True) if w.get("busy_fraction") is not None and rate]
+    return statistics.median(per_step) if per_step else None
 
 
 def _telemetry_extremes(probe: dict[str, Any]) -> dict[str, float | None]:

@@ -156,6 +156,32 @@ def _pair(strategy: str, number: int, short: float, long: float, how: str = "pro
             "long_amortized": long, "short_how": how}
 
 
+def test_the_loop_threads_cpu_per_step_is_read_from_the_windows_and_set_against_each_pair() -> None:
+    """A window of 10 steps of 48 samples at 4 800 samples/s lasts 0.1 s: 10 ms a step, of which a
+    loop thread busy 0.4 of the time spends 4 ms on a CPU. Pairs whose throughput ratio is the
+    inverse of their loop-CPU ratio agree exactly; the per-config correlation follows them."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tuning
+
+    probe = {"window_steps": 10, "raw_window_throughputs": [4800.0, 4800.0, 2400.0],
+             "window_host": [{"busy_fraction": 0.4}, {"busy_fraction": 0.4}, {"busy_fraction": 0.5}]}
+    assert tuning.loop_cpu_ms_per_step(probe, 48) == pytest.approx(4.0)  # median of 4, 4, 10 ms
+    assert tuning.loop_cpu_ms_per_step({"window_host": [], "raw_window_throughputs": [1.0]}, 48) is None
+    assert tuning.loop_cpu_ms_per_step(probe, None) is None
+    assert tuning._effective_batch({"batch_size": 24, "accum_steps": 2}) == 48
+    assert tuning._effective_batch({"compile": "default"}) is None
+
+    pairs = [{**_pair("oracle", 19, 1000.0 * ratio, 1000.0), "short_loop_cpu_ms_per_step": 4.0 / ratio,
+              "long_loop_cpu_ms_per_step": 4.0} for ratio in (0.8, 0.9, 1.0, 1.1)]
+    pairs.append({**_pair("oracle", 5, 1000.0, 1000.0), "short_loop_cpu_ms_per_step": None,
+                  "long_loop_cpu_ms_per_step": 4.0})  # no telemetry on one side: left out
+    loop = tuning.fidelity_loop_cpu(pairs)
+    assert loop is not None and loop["pairs"] == 4
+    assert loop["median_abs_difference"] == pytest.approx(0.0, abs=1e-9)
+    assert loop["per_config"] == [{"strategy": "oracle", "number": 19, "pairs": 4, "pearson_r": pytest.approx(1.0)}]
+    assert tuning.fidelity_loop_cpu(pairs[-1:]) is None
+
+
 def test_fidelity_bias_pools_the_pairs_of_probes_that_recorded_their_epoch_starts() -> None:
     """The pooled reading: the median short/long ratio over the pairs measured by the probe as it
     now measures (older pairs, whose epoch starts were only estimated, are left out), with a
