@@ -155,7 +155,8 @@ def quiesce_compile_workers(timeout_s: float = 30.0, poll_s: float = 0.05,
     ready_wait = time.perf_counter() - t_ready
     workers = [w for s in sidecars for w in children(s)]
     used = sum(cpu_seconds(w) for w in workers)
-    sidecar_used = sum(cpu_seconds(s) for s in sidecars)
+    found = {"workers": len(workers), "worker_cpu_s": round(used, 3),
+             "sidecar_cpu_s": round(sum(cpu_seconds(s) for s in sidecars), 3), "ready_wait_s": round(ready_wait, 3)}
     t0 = time.perf_counter()
     timeout_s = max(timeout_s - ready_wait, 1.0)
     for pool in pools:
@@ -163,16 +164,12 @@ def quiesce_compile_workers(timeout_s: float = 30.0, poll_s: float = 0.05,
             pool.quiesce()
         except Exception as exc:  # a private API of torch's: never let it fail a probe
             log.warning("could not quiesce TorchInductor's compile workers: %s", exc)
-            return {"workers": len(workers), "worker_cpu_s": round(used, 3),
-                    "sidecar_cpu_s": round(sidecar_used, 3), "ready_wait_s": round(ready_wait, 3),
-                    "wait_s": 0.0, "left": len(workers), "error": str(exc)}
+            return {**found, "wait_s": 0.0, "left": len(workers), "error": str(exc)}
     left = workers
     while left and time.perf_counter() - t0 < timeout_s:
         time.sleep(poll_s)
         left = [w for s in sidecars for w in children(s)]
-    return {"workers": len(workers), "worker_cpu_s": round(used, 3), "sidecar_cpu_s": round(sidecar_used, 3),
-            "ready_wait_s": round(ready_wait, 3), "wait_s": round(time.perf_counter() - t0, 3),
-            "left": len(left)}
+    return {**found, "wait_s": round(time.perf_counter() - t0, 3), "left": len(left)}
 
 
 def summary(done: dict[str, Any] | None) -> str:
