@@ -24,16 +24,19 @@ import time
 from pathlib import Path
 
 from autotune.compile_workers import process_stat
+from autotune.host_telemetry import host_cpu_ticks
 
 TICKS = os.sysconf("SC_CLK_TCK")
 PROC = Path("/proc")
 
 
 def host_ticks() -> tuple[int, int]:
-    """(busy, total) ticks of all CPUs since boot, from /proc/stat."""
-    fields = [int(x) for x in PROC.joinpath("stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return sum(fields) - idle, sum(fields)
+    """(busy, total) ticks of all CPUs since boot (autotune.host_telemetry's reading of /proc/stat)."""
+    ticks = host_cpu_ticks()
+    if ticks is None:
+        raise SystemExit("host_top.py needs Linux /proc/stat")
+    busy, _steal, total = ticks
+    return busy, total
 
 
 def name_of(path: Path) -> str:
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     totals: dict[int, dict] = {}
     last_procs, last_threads = snapshot()
     last_host = host_ticks()
+    ncpu = os.cpu_count() or 1
     with args.out.open("w") as out:
         while True:
             done = child.poll() is not None
@@ -112,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
             procs, threads = snapshot()
             host = host_ticks()
             span = max(host[1] - last_host[1], 1)
-            ncpu = os.cpu_count() or 1
             # total ticks over all CPUs in the interval: a process's share × ncpu is CPUs used
             rows = []
             for pid, p in procs.items():
