@@ -158,7 +158,9 @@ def test_probe_speed_times_fixed_host_work_around_each_probe_process(tmp_path: P
     assert [(r["run"], r["prime"]) for r in rows] == [(0, True), (1, False)]
     for r in rows:
         assert r["failure"] is None and r["throughput"] > 0
-        assert all(r[side][k] > 0 for side in ("before", "after") for k in ("python_ms", "copy_ms"))
+        assert all(r[side][k] > 0 for side in ("before", "after") for k in ("python_ms", "copy_ms", "dispatch_us"))
+        assert "launch_us" not in r["before"]  # a CPU run launches no CUDA kernels
+        assert r["loop_cpu_ms_per_step"] > 0
     assert "run 1: " in proc.stdout and "(before/after)" in proc.stdout
 
 
