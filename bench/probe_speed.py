@@ -85,11 +85,10 @@ def anon_huge_kib() -> int | None:
 
 def child(args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (imported before the first calibration: its import is not what is timed)
+    from tuning import loop_cpu_ms_per_step
 
     from autotune.config import parse_config
     from autotune.probe import ProbeSettings, run_probe
-
-    from tuning import loop_cpu_ms_per_step
 
     before = calibrate(args.device)
     settings = ProbeSettings(samples=args.samples) if args.samples else ProbeSettings()
