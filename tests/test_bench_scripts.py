@@ -150,6 +150,23 @@ def test_host_top_names_the_processes_and_threads_that_used_the_cpus(tmp_path: P
     assert "CPU-s  descendant" in proc.stderr
 
 
+def test_host_speed_maps_every_cpu_and_times_one_cpu_as_others_spin(tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    out = _run("host_speed.py", ["map", "--seconds", "0.3", "--every", "0.05", "--chunk", "2000",
+                                 "--out", str(tmp_path / "map.jsonl")], tmp_path).stdout
+    rows = [json.loads(line) for line in (tmp_path / "map.jsonl").read_text().splitlines()]
+    sweeps = {r["sweep"] for r in rows}
+    assert len(sweeps) >= 2 and all(sorted(r["cpu"] for r in rows if r["sweep"] == s) == cpus for s in sweeps)
+    assert "slowest/fastest CPU within a sweep" in out and all(f"{c:3d}  " in out for c in cpus)
+    out = _run("host_speed.py", ["scaling", "--levels", "1,2", "--hold", "0.2", "--rounds", "2", "--chunk", "2000",
+                                 "--cpu", str(cpus[0]), "--out", str(tmp_path / "scaling.jsonl")], tmp_path).stdout
+    rows = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["busy_cpus"]) for r in rows] == [(0, 1), (0, 2), (1, 2), (1, 1)]  # mirrored
+    assert all(r["pieces"] > 0 and r["median_s"] > 0 for r in rows) and "1 busy CPUs" in out
+    assert not [p for p in subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True,
+                                          text=True).stdout.split()]  # the spinners are gone
+
+
 def test_probe_speed_times_fixed_host_work_around_each_probe_process(tmp_path: Path) -> None:
     out = tmp_path / "speed.jsonl"
     proc = _run("probe_speed.py", ["--config", '{"batch_size": 8}', "--preset", "tiny", "--device", "cpu",
