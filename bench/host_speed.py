@@ -112,7 +112,8 @@ def map_summary(rows: list[dict[str, float]]) -> str:
     medians = [statistics.median(v) for v in sweeps.values()]
     if within:
         lines.append(f"{len(sweeps)} sweeps: slowest/fastest CPU within a sweep, median "
-                     f"{statistics.median(within):.3f}; sweep medians {min(medians):.3f}-{max(medians):.3f} ms (slowest/fastest "
+                     f"{statistics.median(within):.3f}; sweep medians {min(medians):.3f}-{max(medians):.3f} ms "
+                     f"(slowest/fastest "
                      f"{max(medians) / min(medians):.3f})")
     return "\n".join(lines)
 
