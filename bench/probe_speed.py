@@ -133,10 +133,12 @@ def main(argv: list[str] | None = None) -> None:
            "--device", args.device] + (["--samples", str(args.samples)] if args.samples else [])
     with args.out.open("w") as out:
         for i in range(args.runs):
+            started = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0 or not proc.stdout.strip():
                 raise SystemExit(f"run {i}: the probe process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-            row: dict[str, Any] = {"run": i, "prime": i == 0, **json.loads(proc.stdout.strip().splitlines()[-1])}
+            row: dict[str, Any] = {"run": i, "prime": i == 0, "started": started, "ended": time.time(),
+                                   **json.loads(proc.stdout.strip().splitlines()[-1])}
             out.write(json.dumps(row) + "\n")
             out.flush()
             b, a = row["before"], row["after"]

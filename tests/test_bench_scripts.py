@@ -173,6 +173,7 @@ def test_probe_speed_times_fixed_host_work_around_each_probe_process(tmp_path: P
                                    "--samples", "320", "--runs", "2", "--out", str(out)], tmp_path)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["run"], r["prime"]) for r in rows] == [(0, True), (1, False)]
+    assert rows[0]["started"] < rows[0]["ended"] <= rows[1]["started"] < rows[1]["ended"]
     for r in rows:
         assert r["failure"] is None and r["throughput"] > 0
         assert all(r[side][k] > 0 for side in ("before", "after") for k in ("python_ms", "copy_ms", "dispatch_us"))
