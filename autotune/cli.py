@@ -227,7 +227,7 @@ def _num(value: float | None, fmt: str) -> str:
 
 # Short names for the trial tables (the caption spells them out).
 KNOB_ABBREVIATIONS = {"batch_size": "bs", "accum_steps": "acc", "inverse_loss_frequency": "ilf", "checkpoint": "ckpt",
-                      "num_workers": "nw", "prefetch_factor": "pf", "fused_optimizer": "fused",
+                      "num_workers": "nw", "prefetch_factor": "pf", "fused_optimizer": "fused", "step_graph": "sgraph",
                       "cudnn_benchmark": "cudnn", "pin_memory": "pin", "persistent_workers": "persist",
                       "bucket_cap_mb": "bucket", "no_sync_accumulation": "nosync", "static_graph": "static",
                       "gradient_as_bucket_view": "gabv", "nccl_nsocks_perthread": "nsocks",

@@ -121,6 +121,9 @@ KNOBS: dict[str, Knob] = {
              minimum=1, maximum=32, nullable=True),
         Knob("fused_optimizer", bool, False, "AdamW implementation: true = fused kernel, false = foreach",
              choices=(False, True)),
+        Knob("step_graph", bool, False, "capture the whole optimizer step (forward, backward, AdamW) in one CUDA "
+             "graph after the warm-up: one launch per step instead of per-parameter host work (CUDA, one "
+             "process; inactive with CUDA-graph compile modes and fp16)", choices=(False, True)),
         Knob("batch_size", int, None, "micro-batch size (default: the workload preset's)", minimum=1, maximum=65536,
              nullable=True),
         Knob("accum_steps", int, None, "micro-batches per optimizer step (default: the preset's)", minimum=1,
@@ -161,6 +164,7 @@ class TrainConfig:
     nccl_socket_nthreads: int | None = None
     nccl_min_nchannels: int | None = None
     fused_optimizer: bool = False
+    step_graph: bool = False
     batch_size: int | None = None
     accum_steps: int | None = None
     num_workers: int = 0

@@ -13,7 +13,8 @@ The probe applies them in this order (each function checks its own preconditions
 7. ``build_optimizer``       AdamW, fused or foreach
 8. ``build_loader``          DataLoader workers / prefetch / pin_memory / persistent workers
 9. ``Trainer``               autocast + GradScaler, accumulation (no_sync on all but the last
-                             micro-batch with several ranks), inverse-loss frequency
+                             micro-batch with several ranks), inverse-loss frequency, and the
+                             whole step as one CUDA graph (``step_graph``, autotune/step_graph.py)
 
 The NCCL knobs are environment variables, set on the launch (`autotune.distributed`) before
 any rank starts; `apply_ddp` records them.
@@ -36,8 +37,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from autotune import step_graph
 from autotune.config import TrainConfig
 from autotune.epoch_cost import Boundary
+from autotune.step_graph import StepGraph
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +428,7 @@ class Trainer:
         self.parallel = parallel
         self.world = world
         self.schedule = schedule
-        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self.samples_seen = 0
         self.optimizer = optimizer
         self.config = config
@@ -435,12 +438,27 @@ class Trainer:
         # graph-owned gradient buffers to .grad, and the next replay overwrites them. Keeping
         # .grad allocated (zeroed, never set to None) makes backward accumulate into our own
         # tensors instead.
-        self.keep_grads = self.cudagraphs and (config.accum_steps or 1) > 1
+        # step_graph: the whole step replayed as one CUDA graph (autotune/step_graph.py)
+        self.graph: StepGraph | None = None
+        if config.step_graph:
+            why = step_graph.blocker(config, device, world, optimizer)
+            if why is None:
+                step_graph.make_capturable(optimizer, device)
+                self.graph = StepGraph(self._step_device, device)
+                notes["step_graph"] = (f"on: each step variant runs {step_graph.EAGER_RUNS} times eagerly, then is "
+                                       "replayed as one CUDA graph (forward, backward, optimizer)")
+            else:
+                notes["step_graph"] = why
+        else:
+            notes["step_graph"] = "off"
+        self.keep_grads = (self.cudagraphs and (config.accum_steps or 1) > 1) or self.graph is not None
         if self.keep_grads:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = torch.zeros_like(p)
-            notes["compile"] = notes.get("compile", "reduce-overhead") + "; .grad kept allocated across micro-batches"
+            if self.cudagraphs:
+                notes["compile"] = (notes.get("compile", "reduce-overhead")
+                                    + "; .grad kept allocated across micro-batches")
         self.step_index = 0
         self.inverse_steps = 0
         dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
@@ -470,10 +488,17 @@ class Trainer:
 
     def accumulate(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Forward + backward over the micro-batches; returns the step's mean loss (on device, detached)."""
-        accum = len(micro_batches)
         # every rank trains micro-batches of the same size: the global count is the local one × world
         self.samples_seen += sum(batch_length(b) for b in micro_batches) * self.world
         with_inverse = self.with_inverse()
+        total = self._forward_backward(micro_batches, with_inverse)
+        if with_inverse:
+            self.inverse_steps += 1
+        return total
+
+    def _forward_backward(self, micro_batches: list[Any], with_inverse: bool) -> torch.Tensor:
+        """The device work of `accumulate` (no host bookkeeping: a CUDA graph captures it)."""
+        accum = len(micro_batches)
         total = torch.zeros((), device=self.device)
         skip_sync = self.parallel is not None and self.config.no_sync_accumulation
         for index, batch in enumerate(micro_batches):
@@ -490,26 +515,48 @@ class Trainer:
                 else:
                     scaled.backward()
             total += scaled.detach().float()
-        if with_inverse:
-            self.inverse_steps += 1
         return total
 
-    def optimizer_step(self) -> None:
+    def _set_lr(self) -> None:
         if self.schedule is not None:
             s = self.schedule
             factor = lr_factor(self.samples_seen / s.total_samples, s.warmup_fraction, s.final_fraction)
             for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-                # a plain float: fused/foreach AdamW read it on the host each step (no recompile)
-                group["lr"] = base * factor
+                # a plain float: fused/foreach AdamW read it on the host each step (no recompile);
+                # under step_graph a device tensor the graph reads, set in place
+                step_graph.set_lr(group, base * factor)
+
+    def _update(self) -> None:
+        """The optimizer's update and the zeroing of the gradients (device work)."""
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+
+    def _step_device(self, micro_batches: list[Any], with_inverse: bool) -> torch.Tensor:
+        """Everything one optimizer step does on the device: what `StepGraph` captures."""
+        total = self._forward_backward(micro_batches, with_inverse)
+        self._update()
+        return total
+
+    def optimizer_step(self) -> None:
+        self._set_lr()
+        self._update()
         self.step_index += 1
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        loss = self.accumulate(micro_batches)
-        self.optimizer_step()
+        if self.graph is None:
+            loss = self.accumulate(micro_batches)
+            self.optimizer_step()
+            return loss
+        # step_graph: the host's bookkeeping here, the device's work eager or replayed
+        self.samples_seen += sum(batch_length(b) for b in micro_batches) * self.world
+        with_inverse = self.with_inverse()
+        self._set_lr()
+        loss = self.graph.run(micro_batches, with_inverse)
+        if with_inverse:
+            self.inverse_steps += 1
+        self.step_index += 1
         return loss

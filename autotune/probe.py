@@ -77,6 +77,7 @@ from typing import Any
 
 import torch
 
+from autotune import step_graph
 from autotune.compile_workers import note as compile_workers_note
 from autotune.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
 from autotune.config import ConfigError, TrainConfig, parse_config
@@ -117,7 +118,7 @@ class ProbeSettings:
 
     samples: int | None = None  # training samples; None → the preset's default
     seed: int = 0
-    warmup_steps: int = 5  # at least; also >= 2 × inverse_loss_frequency so both step kinds warm up
+    warmup_steps: int = 5  # at least; also >= 2 × inverse_loss_frequency so both step kinds warm up (step_graph: 4 ×)
     windows: int = 8  # timed windows (>= 5)
     timeout_s: float | None = None  # soft limit checked between steps
     compile_backend: str = "inductor"
@@ -317,14 +318,16 @@ def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], span
 
 
 def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: int,
-               inverse_loss_frequency: int) -> tuple[int, int, int, int]:
+               inverse_loss_frequency: int, warmup_periods: int = 2) -> tuple[int, int, int, int]:
     """Split the sample budget into (total steps, warm-up steps, windows, steps per window).
 
+    The warm-up holds at least `warmup_periods` inverse-loss periods, so that each step kind
+    is warm before the windows (under step_graph: run eagerly, captured and replayed).
     Windows hold a whole number of inverse-loss periods where possible, so every window
     has the same mix of cheap and expensive steps. Leftover steps train untimed at the end.
     """
     total = samples // effective_batch
-    warm = max(warmup_steps, 2 * inverse_loss_frequency)
+    warm = max(warmup_steps, warmup_periods * inverse_loss_frequency)
     timed = total - warm
     if timed < MIN_WINDOWS:
         need = (warm + MIN_WINDOWS) * effective_batch
@@ -422,8 +425,10 @@ def run_probe(
     samples = settings.samples or d.samples
     world = world_size()
     global_batch = cfg.effective_batch * world  # every rank trains batch_size × accum_steps per step
+    # step_graph: each step kind runs eagerly, then is captured and replayed, all in the warm-up
+    periods = step_graph.EAGER_RUNS + 2 if cfg.step_graph and step_graph.setting_blocker(cfg, dev, world) is None else 2
     total, warm, n_windows, per = plan_steps(samples, global_batch, settings.warmup_steps, settings.windows,
-                                             cfg.inverse_loss_frequency)
+                                             cfg.inverse_loss_frequency, periods)
     result = ProbeResult(
         workload=wl.name, preset=wl.preset, config={**cfg.to_dict(), "effective_batch": global_batch},
         device=device_name(dev), torch_version=torch.__version__, quality_metric=wl.quality_metric,
@@ -669,6 +674,9 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         data.close()
     result.steps = step
     result.inverse_steps = trainer.inverse_steps
+    if trainer.graph is not None:
+        notes["step_graph"] += (f"; {trainer.graph.replays} of {trainer.step_index} steps replayed from "
+                                f"{len(trainer.graph.graphs)} graphs")
     result.train_s = time.perf_counter() - t_begin - (result.setup_s or 0.0)
     if result.stopped_early:
         return

@@ -1,0 +1,178 @@
+"""The ``step_graph`` knob: the whole optimizer step replayed as one CUDA graph.
+
+At a small batch a compiled transformer's step is bound by the host, not the GPU: the
+training loop's thread spends its time on per-parameter work around the kernels (autograd's
+gradient accumulation, one call per parameter; the optimizer's Python loop over its
+parameters; the launches), while the GPU idles between kernels (bench/README.md, "where the
+host's time goes in a step"). Such a config runs at the speed of one host thread, and that
+speed drifts on a shared host, so its throughput does too. ``compile=reduce-overhead``
+captures the forward and the backward as CUDA graphs but leaves the optimizer and autograd's
+bookkeeping on the host.
+
+With ``step_graph: true`` the probe (and `autotune.apply`) captures everything one optimizer
+step does on the GPU, the forward and backward of every micro-batch, AdamW's update and the
+zeroing of the gradients, as one CUDA graph per step variant (with and without the inverse
+losses). A step is then: copy the new micro-batches into the graph's input buffers, set the
+learning rate in its device tensor, launch the graph. What stays on the host per step is a
+handful of calls, whatever the number of parameters.
+
+How, in the order it happens:
+
+* The optimizer is made capturable: its step counter lives on the device and its learning
+  rate is a device tensor the schedule writes into (``Trainer`` does this before any step).
+  Gradients are allocated once and zeroed in place, never set to None, so the graph's
+  backward accumulates into the same tensors every replay.
+* Each variant first runs ``EAGER_RUNS`` ordinary steps on a side stream: torch.compile
+  compiles, the optimizer's state is created, the allocator settles (what CUDA graph capture
+  requires). These are real training steps.
+* The next step of that variant is captured (capturing runs nothing), then replayed. From
+  then on the variant is replayed; its loss is copied out of the graph's output each step.
+
+Where it cannot act it is recorded inactive, with the reason (`blocker`): not on a CUDA
+device; with several ranks (the gradient all-reduce is not captured); with
+``compile=reduce-overhead`` or ``max-autotune``, which capture CUDA graphs of their own; with
+fp16, whose GradScaler reads the gradients' inf check on the host every step; with an
+optimizer that has no capturable mode. A step that cannot be captured all the same (an
+operation that synchronises with the host, a data-dependent shape) fails the probe as
+``unsupported``, naming the knob, rather than training on unmeasured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from autotune.config import TrainConfig
+
+EAGER_RUNS = 2  # eager steps of each variant before it is captured (the first compiles, the second settles)
+
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture graphs themselves
+
+
+def setting_blocker(config: TrainConfig, device: torch.device, world: int) -> str | None:
+    """Why ``step_graph`` cannot act with these knobs on this device and world (None: it can)."""
+    if device.type != "cuda":
+        return f"inactive on {device.type}: CUDA graphs need a CUDA device"
+    if world > 1:
+        return "inactive with several ranks: the gradient all-reduce is not captured"
+    if config.compile in CUDA_GRAPH_COMPILE_MODES:
+        return f"inactive: compile={config.compile} captures CUDA graphs of its own"
+    if config.precision == "fp16":
+        return "inactive: fp16's GradScaler checks the gradients for inf on the host every step"
+    return None
+
+
+def blocker(config: TrainConfig, device: torch.device, world: int, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``step_graph`` cannot act for this run (None: it can): `setting_blocker`, then the optimizer."""
+    why = setting_blocker(config, device, world)
+    if why is not None:
+        return why
+    if any("capturable" not in group for group in optimizer.param_groups):
+        return f"inactive: {type(optimizer).__name__} has no capturable mode (AdamW and Adam have)"
+    if optimizer.state:
+        return "inactive: the optimizer has state already (make it capturable before its first step)"
+    return None
+
+
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Step counters on the device, and each group's learning rate a device tensor (a float
+    would be frozen into the graph at capture). Call before the optimizer's first step."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+
+
+def set_lr(group: dict[str, Any], value: float) -> None:
+    """Set a parameter group's learning rate: in place where it is a tensor (a captured graph
+    reads that tensor), else as the float it is."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr.fill_(value)
+    else:
+        group["lr"] = value
+
+
+def _static_like(batch: Any) -> Any:
+    """Empty device buffers shaped like `batch` (a tensor, or a dict/tuple/list of them)."""
+    if isinstance(batch, torch.Tensor):
+        return torch.empty_like(batch)
+    if isinstance(batch, Mapping):
+        return {k: _static_like(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_static_like(v) for v in batch)
+    return batch
+
+
+def _copy_into(static: Any, batch: Any, where: str = "batch") -> None:
+    """Copy `batch` into the buffers `static`; a changed shape or structure is an error
+    (a graph replays with the shapes it was captured with)."""
+    if isinstance(static, torch.Tensor):
+        if not isinstance(batch, torch.Tensor) or batch.shape != static.shape or batch.dtype != static.dtype:
+            got = f"{tuple(batch.shape)} {batch.dtype}" if isinstance(batch, torch.Tensor) else type(batch).__name__
+            raise ValueError(f"step_graph: {where} changed from {tuple(static.shape)} {static.dtype} to {got}; a "
+                             "CUDA graph replays fixed shapes (keep every micro-batch full, e.g. drop_last=True), "
+                             "or set step_graph: false")
+        static.copy_(batch, non_blocking=True)
+    elif isinstance(static, Mapping):
+        if set(static) != set(batch):
+            raise ValueError(f"step_graph: {where}'s keys changed from {sorted(static)} to {sorted(batch)}")
+        for k in static:
+            _copy_into(static[k], batch[k], f"{where}[{k!r}]")
+    elif isinstance(static, (tuple, list)):
+        for i, (s, b) in enumerate(zip(static, batch, strict=True)):
+            _copy_into(s, b, f"{where}[{i}]")
+
+
+class StepGraph:
+    """Runs a trainer's device work (`step_device`: forward/backward over micro-batches, then
+    the optimizer update) eagerly on a side stream for `EAGER_RUNS` steps of each variant,
+    then as one captured CUDA graph per variant (the module docstring says how)."""
+
+    def __init__(self, step_device: Callable[[list[Any], bool], torch.Tensor], device: torch.device) -> None:
+        self.step_device = step_device
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+        self.eager: dict[bool, int] = {}  # variant (with inverse losses) → eager steps run
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[bool, torch.Tensor] = {}  # each graph's loss output (overwritten by each replay)
+        self.static: list[Any] | None = None  # the graphs' input buffers, one per micro-batch
+        self.replays = 0
+
+    def run(self, micro_batches: list[Any], with_inverse: bool) -> torch.Tensor:
+        """One optimizer step's device work; returns its loss (a tensor of its own)."""
+        if self.eager.get(with_inverse, 0) < EAGER_RUNS:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            current = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.side):
+                loss = self.step_device(micro_batches, with_inverse)
+            current.wait_stream(self.side)
+            loss.record_stream(current)  # allocated on the side stream, read on the current one
+            self.eager[with_inverse] = self.eager.get(with_inverse, 0) + 1
+            return loss
+        if self.static is None:
+            self.static = [_static_like(b) for b in micro_batches]
+        if len(micro_batches) != len(self.static):
+            raise ValueError(f"step_graph: {len(micro_batches)} micro-batches in a step, captured with "
+                             f"{len(self.static)}")
+        for i, (static, batch) in enumerate(zip(self.static, micro_batches, strict=True)):
+            _copy_into(static, batch, f"micro-batch {i}")
+        if with_inverse not in self.graphs:
+            self._capture(with_inverse)
+        self.graphs[with_inverse].replay()
+        self.replays += 1
+        return self.outputs[with_inverse].clone()
+
+    def _capture(self, with_inverse: bool) -> None:
+        from autotune.knobs import ProbeError
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.outputs[with_inverse] = self.step_device(self.static or [], with_inverse)
+        except Exception as e:
+            raise ProbeError("unsupported", f"step_graph: the step could not be captured as a CUDA graph "
+                                            f"({type(e).__name__}: {str(e)[:300]}); set step_graph: false") from e
+        self.graphs[with_inverse] = graph
