@@ -170,7 +170,9 @@ class StepGraph:
 
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: CUDA calls from other threads (the DataLoader's pin-memory thread
+            # allocating page-locked buffers) do not invalidate this thread's capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.outputs[with_inverse] = self.step_device(self.static or [], with_inverse)
         except Exception as e:
             raise ProbeError("unsupported", f"step_graph: the step could not be captured as a CUDA graph "

@@ -92,6 +92,10 @@ def _train(tiny: Workload, train_items: list, steps: int, **knobs: object) -> tu
         model = tiny.build_model()
     notes: dict[str, str] = {}
     opt = build_optimizer(model, cfg, tiny.defaults.weight_decay, notes)
+    # both trainers use AdamW's capturable arithmetic (its bias corrections on the device), so
+    # what differs is eager against replayed alone: a parameter whose gradient is noise (a key
+    # bias) would otherwise amplify the two arithmetics' rounding through Adam's normalisation
+    step_graph.make_capturable(opt, CUDA)
     trainer = Trainer(model, opt, cfg, CUDA, notes, schedule=Schedule(steps * 8))
     batches = [{k: v.to(CUDA) for k, v in b.items()} for b in micro_batches(train_items, 4)]
     losses = [float(trainer.step(batches)) for _ in range(steps)]
@@ -119,7 +123,8 @@ def test_replayed_steps_train_as_the_eager_steps_do(tiny: Workload, train_items:
 @pytest.mark.parametrize("compile_mode", ["none", "default"])
 def test_a_probe_replays_its_steps_from_graphs(tiny: Workload, compile_mode: str) -> None:
     r = run_probe(tiny, {"precision": "bf16", "compile": compile_mode, "step_graph": True,
-                         "inverse_loss_frequency": 2, "pin_memory": True}, device="cuda",
+                         "inverse_loss_frequency": 2, "pin_memory": True, "num_workers": 2,
+                         "persistent_workers": True}, device="cuda",  # a pin-memory thread beside the capture
                   settings=ProbeSettings(samples=1280))
     assert r.failure is None, r.failure
     assert r.knobs["step_graph"].startswith("on:"), r.knobs
