@@ -430,6 +430,9 @@ def _fidelity_configs(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit(f"{args.step} needs --dir (the studies' top configs) or --config (configs of your own)")
     if args.only:
         configs = [configs[int(i) - 1] for i in args.only.split(",")]
+    if args.override:  # the same configs with some knobs changed (e.g. the step graph on)
+        override = json.loads(args.override)
+        configs = [{**c, "config": {**c["config"], **override}, "override": override} for c in configs]
     return configs
 
 
@@ -936,6 +939,8 @@ def main() -> None:
         p.add_argument("--config", action="append", help="a config of your own (inline JSON knobs) instead of the "
                                                          "studies' top ones; repeatable")
         p.add_argument("--samples", type=int, help="the short probe's samples for --config (default: the preset's)")
+        p.add_argument("--override", help="knobs (inline JSON) set in every measured config, e.g. "
+                                          "'{\"compile\": \"default\", \"step_graph\": true}'")
         p.add_argument("--device", default="cuda")
         p.add_argument("--preset", default="full")
     args = parser.parse_args()
