@@ -28,7 +28,12 @@ What each knob does to your objects:
 * accum_steps, inverse_loss_frequency: `step` accumulates gradients over accum_steps
   micro-batches (each loss scaled by 1/accum_steps) and passes ``with_aux`` to your loss
   function on one optimizer step in inverse_loss_frequency (your expensive optional loss term
-  runs only then).
+  runs only then);
+* step_graph (CUDA, one process): after two eager runs of each step kind, `step` replays the
+  whole step (your loss function's forward and backward, the optimizer) as one CUDA graph.
+  Your loss function must then be capturable (no host synchronisation such as ``.item()``)
+  and every micro-batch the same shape (``drop_last=True``); the optimizer's lr becomes a
+  device tensor, which torch's LR schedulers write into in place (autotune/step_graph.py).
 
 Knobs that act only across several processes (bucket_cap_mb, parallel, ...) are recorded as
 inactive; `prepared.notes` says what every knob did.

@@ -145,3 +145,12 @@ def test_a_workload_model_trains_with_the_default_loss() -> None:
     batch = {"x": torch.randint(0, 32, (4, 8)), "y": torch.randint(0, 32, (4, 8))}
     losses = [float(prepared.step(batch)) for _ in range(20)]  # type: ignore[arg-type]
     assert losses[-1] < losses[0]
+
+
+def test_step_graph_on_a_cpu_is_recorded_inactive_and_the_loop_trains_eagerly() -> None:
+    model, opt, loader = user_objects()
+    prepared = apply({"step_graph": True}, model, optimizer=opt, train_loader=loader, loss_fn=mse)
+    assert prepared.notes["step_graph"] == "inactive on cpu: CUDA graphs need a CUDA device"
+    assert prepared.trainer.graph is None and isinstance(prepared.optimizer.param_groups[0]["lr"], float)
+    losses = [prepared.step(batch) for batch in prepared.train_loader]
+    assert all(loss is not None and torch.isfinite(loss) for loss in losses) and prepared.trainer.step_index == 12

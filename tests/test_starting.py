@@ -25,7 +25,8 @@ def test_fast_stack_for_the_h100_space() -> None:
     assert points == [
         {**FAST, "compile": "reduce-overhead", "inverse_loss_frequency": 4},
         {**FAST, "compile": "reduce-overhead", "inverse_loss_frequency": 1},
-        {**FAST, "compile": "default", "inverse_loss_frequency": 4},
+        {**FAST, "compile": "default", "step_graph": True, "inverse_loss_frequency": 4},
+        {**FAST, "compile": "default", "step_graph": False, "inverse_loss_frequency": 4},
     ]
     for point in points:  # every point is a config the space could draw, passing the knob rules
         parse_config({**load_space("h100").fixed, **point})
@@ -67,7 +68,7 @@ def test_no_point_repeats_the_baseline() -> None:
 
 def test_auto_only_for_gpu_studies_with_a_model_based_sampler() -> None:
     space = load_space("h100")
-    assert len(resolve("auto", space, UPS_FULL_BASELINE, "NVIDIA H100 80GB HBM3", "tpe")) == 3
+    assert len(resolve("auto", space, UPS_FULL_BASELINE, "NVIDIA H100 80GB HBM3", "tpe")) == 4
     assert resolve("auto", space, UPS_FULL_BASELINE, "NVIDIA H100 80GB HBM3", "random") == []
     assert resolve("auto", space, UPS_FULL_BASELINE, "cpu", "tpe") == []
     assert resolve("none", space, UPS_FULL_BASELINE, "NVIDIA H100 80GB HBM3", "tpe") == []

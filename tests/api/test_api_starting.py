@@ -35,20 +35,21 @@ def test_gpu_study_starts_from_the_fast_stack(app: FastAPI, client: TestClient, 
     assert base is not None and base["role"] == "baseline"
     _complete_as(client, base, "w", UPS_FULL_EFFECTIVE)  # what a real probe of the full preset reports
     configs = []
-    for _ in range(4):
+    for _ in range(5):
         got = lease(client, "w", hardware=GPU)
         assert got is not None and got["role"] == "search"
         configs.append(got["config"])
         complete(client, got, "w", throughput=1000.0, nrmse=0.1)
     fast = {"precision": "bf16", "fused_optimizer": True, "batch_size": 48, "accum_steps": 1, "checkpoint": "none"}
-    assert [(c["compile"], c["inverse_loss_frequency"]) for c in configs[:3]] == [
-        ("reduce-overhead", 4), ("reduce-overhead", 1), ("default", 4)]
-    for c in configs[:3]:
+    # step_graph is a parameter only where compile is none or default (the h100 space's condition)
+    assert [(c["compile"], c["inverse_loss_frequency"], c.get("step_graph")) for c in configs[:4]] == [
+        ("reduce-overhead", 4, None), ("reduce-overhead", 1, None), ("default", 4, True), ("default", 4, False)]
+    for c in configs[:4]:
         assert {k: c[k] for k in fast} == fast and c["num_workers"] == 8  # the baseline's data pipeline kept
     attrs = _attrs(app, "gpu")
-    assert [attrs[n].get("starting_point") for n in range(1, 5)] == [0, 1, 2, None]  # then the sampler's own
+    assert [attrs[n].get("starting_point") for n in range(1, 6)] == [0, 1, 2, 3, None]  # then the sampler's own
     listed = client.get("/v1/studies/gpu/trials").json()["data"]
-    assert [t["starting_point"] for t in listed] == [None, 0, 1, 2, None]  # the API says which trial was which
+    assert [t["starting_point"] for t in listed] == [None, 0, 1, 2, 3, None]  # the API says which trial was which
 
 
 def test_random_search_has_no_automatic_starting_points(app: FastAPI, client: TestClient,
