@@ -1,7 +1,7 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
 with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh,
-compile_pool.sh, host_top.py, probe_speed.py and ddp.py."""
+compile_pool.sh, host_top.py, probe_speed.py, step_graph.py and ddp.py."""
 
 from __future__ import annotations
 
@@ -180,6 +180,23 @@ def test_probe_speed_times_fixed_host_work_around_each_probe_process(tmp_path: P
         assert "launch_us" not in r["before"]  # a CPU run launches no CUDA kernels
         assert r["loop_cpu_ms_per_step"] > 0
     assert "run 1: " in proc.stdout and "(before/after)" in proc.stdout
+
+
+def test_step_graph_pairs_each_config_off_and_on(tmp_path: Path) -> None:
+    out = tmp_path / "graph.jsonl"
+    printed = _run("step_graph.py", ["--preset", "tiny", "--device", "cpu", "--samples", "320", "--out", str(out),
+                                     "--config", '{"batch_size": 8}'], tmp_path).stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["knobs"]["step_graph"] for r in rows] == [False, True]
+    assert rows[0]["step_graph"] == "off" and rows[1]["step_graph"].startswith("inactive on cpu")
+    assert all(r["failure"] is None and r["throughput"] > 0 for r in rows) and "samples/s, NRMSE" in printed
+    assert rows[0]["val_nrmse"] == rows[1]["val_nrmse"]  # inactive: the same training
+    sys.path.insert(0, str(ROOT / "bench"))
+    from step_graph import graphed  # the bench script (bench/ is not a package)
+
+    assert graphed({"compile": "reduce-overhead", "batch_size": 8}) == {"compile": "default", "batch_size": 8,
+                                                                         "step_graph": True}
+    assert graphed({"compile": "none"}) == {"compile": "none", "step_graph": True}
 
 
 def test_ddp_runs_one_and_two_rank_probes_as_the_worker_launches_them(tmp_path: Path) -> None:
