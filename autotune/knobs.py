@@ -434,10 +434,6 @@ class Trainer:
         self.config = config
         self.device = device
         self.cudagraphs = config.compile == "reduce-overhead"
-        # With CUDA graphs and accumulation, the first micro-batch's backward would hand its
-        # graph-owned gradient buffers to .grad, and the next replay overwrites them. Keeping
-        # .grad allocated (zeroed, never set to None) makes backward accumulate into our own
-        # tensors instead.
         # step_graph: the whole step replayed as one CUDA graph (autotune/step_graph.py)
         self.graph: StepGraph | None = None
         if config.step_graph:
@@ -451,6 +447,10 @@ class Trainer:
                 notes["step_graph"] = why
         else:
             notes["step_graph"] = "off"
+        # With CUDA graphs and accumulation, the first micro-batch's backward would hand its
+        # graph-owned gradient buffers to .grad, and the next replay overwrites them. Keeping
+        # .grad allocated (zeroed, never set to None) makes backward accumulate into our own
+        # tensors instead. The step graph replays its backward into the same tensors too.
         self.keep_grads = (self.cudagraphs and (config.accum_steps or 1) > 1) or self.graph is not None
         if self.keep_grads:
             for group in optimizer.param_groups:
@@ -488,13 +488,17 @@ class Trainer:
 
     def accumulate(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Forward + backward over the micro-batches; returns the step's mean loss (on device, detached)."""
+        return self._forward_backward(micro_batches, self._count(micro_batches))
+
+    def _count(self, micro_batches: list[Any]) -> bool:
+        """The host's bookkeeping of a step's micro-batches: samples seen, inverse steps.
+        Returns whether this step runs the inverse losses."""
         # every rank trains micro-batches of the same size: the global count is the local one × world
         self.samples_seen += sum(batch_length(b) for b in micro_batches) * self.world
         with_inverse = self.with_inverse()
-        total = self._forward_backward(micro_batches, with_inverse)
         if with_inverse:
             self.inverse_steps += 1
-        return total
+        return with_inverse
 
     def _forward_backward(self, micro_batches: list[Any], with_inverse: bool) -> torch.Tensor:
         """The device work of `accumulate` (no host bookkeeping: a CUDA graph captures it)."""
@@ -552,11 +556,8 @@ class Trainer:
             self.optimizer_step()
             return loss
         # step_graph: the host's bookkeeping here, the device's work eager or replayed
-        self.samples_seen += sum(batch_length(b) for b in micro_batches) * self.world
-        with_inverse = self.with_inverse()
+        with_inverse = self._count(micro_batches)
         self._set_lr()
         loss = self.graph.run(micro_batches, with_inverse)
-        if with_inverse:
-            self.inverse_steps += 1
         self.step_index += 1
         return loss

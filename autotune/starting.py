@@ -96,9 +96,9 @@ def auto_points(space: Space, baseline: Mapping[str, Any]) -> list[dict[str, Any
     _fold_accumulation(space, fast, baseline)
     graphs = {**fast, "compile": "reduce-overhead"}
     aux = {**graphs, "inverse_loss_frequency": AUX_EVERY}
-    # the whole step as one CUDA graph (autotune/step_graph.py) where the space has it: a step
-    # bound by per-parameter host work then keeps the GPU busy (bench/README.md, step graph)
-    # and last no CUDA graph at all, in case graphs break the model
+    # third, the whole step as one CUDA graph (autotune/step_graph.py) where the space has it:
+    # a step bound by per-parameter host work then keeps the GPU busy (bench/README.md, step
+    # graph); last, no CUDA graph at all, in case graphs break the model
     step_graph = {**aux, "compile": "default", "step_graph": True}
     return _usable(space, [aux, graphs, step_graph, {**aux, "compile": "default", "step_graph": False}], baseline)
 
