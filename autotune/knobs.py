@@ -40,7 +40,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from autotune import step_graph
 from autotune.config import TrainConfig
 from autotune.epoch_cost import Boundary
-from autotune.step_graph import StepGraph
 
 log = logging.getLogger(__name__)
 
@@ -435,12 +434,12 @@ class Trainer:
         self.device = device
         self.cudagraphs = config.compile == "reduce-overhead"
         # step_graph: the whole step replayed as one CUDA graph (autotune/step_graph.py)
-        self.graph: StepGraph | None = None
+        self.graph: step_graph.StepGraph | None = None
         if config.step_graph:
             why = step_graph.blocker(config, device, world, optimizer)
             if why is None:
                 step_graph.make_capturable(optimizer, device)
-                self.graph = StepGraph(self._step_device, device)
+                self.graph = step_graph.StepGraph(self._step_device, device)
                 notes["step_graph"] = (f"on: each step variant runs {step_graph.EAGER_RUNS} times eagerly, then is "
                                        "replayed as one CUDA graph (forward, backward, optimizer)")
             else:

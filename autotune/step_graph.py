@@ -39,10 +39,11 @@ operation that synchronises with the host, a data-dependent shape) fails the pro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from autotune.config import TrainConfig
 
@@ -97,33 +98,25 @@ def set_lr(group: dict[str, Any], value: float) -> None:
 
 def _static_like(batch: Any) -> Any:
     """Empty device buffers shaped like `batch` (a tensor, or a dict/tuple/list of them)."""
-    if isinstance(batch, torch.Tensor):
-        return torch.empty_like(batch)
-    if isinstance(batch, Mapping):
-        return {k: _static_like(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_static_like(v) for v in batch)
-    return batch
+    return pytree.tree_map_only(torch.Tensor, torch.empty_like, batch)
 
 
 def _copy_into(static: Any, batch: Any, where: str = "batch") -> None:
     """Copy `batch` into the buffers `static`; a changed shape or structure is an error
     (a graph replays with the shapes it was captured with)."""
-    if isinstance(static, torch.Tensor):
-        if not isinstance(batch, torch.Tensor) or batch.shape != static.shape or batch.dtype != static.dtype:
-            got = f"{tuple(batch.shape)} {batch.dtype}" if isinstance(batch, torch.Tensor) else type(batch).__name__
-            raise ValueError(f"step_graph: {where} changed from {tuple(static.shape)} {static.dtype} to {got}; a "
-                             "CUDA graph replays fixed shapes (keep every micro-batch full, e.g. drop_last=True), "
-                             "or set step_graph: false")
-        static.copy_(batch, non_blocking=True)
-    elif isinstance(static, Mapping):
-        if set(static) != set(batch):
-            raise ValueError(f"step_graph: {where}'s keys changed from {sorted(static)} to {sorted(batch)}")
-        for k in static:
-            _copy_into(static[k], batch[k], f"{where}[{k!r}]")
-    elif isinstance(static, (tuple, list)):
-        for i, (s, b) in enumerate(zip(static, batch, strict=True)):
-            _copy_into(s, b, f"{where}[{i}]")
+    buffers, spec = pytree.tree_flatten_with_path(static)
+    values, got_spec = pytree.tree_flatten(batch)
+    if got_spec != spec:
+        raise ValueError(f"step_graph: {where}'s structure changed from {spec} to {got_spec}")
+    for (path, buffer), value in zip(buffers, values, strict=True):
+        if not isinstance(buffer, torch.Tensor):
+            continue
+        if not isinstance(value, torch.Tensor) or value.shape != buffer.shape or value.dtype != buffer.dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"step_graph: {where}{pytree.keystr(path)} changed from {tuple(buffer.shape)} "
+                             f"{buffer.dtype} to {got}; a CUDA graph replays fixed shapes (keep every micro-batch "
+                             "full, e.g. drop_last=True), or set step_graph: false")
+        buffer.copy_(value, non_blocking=True)
 
 
 class StepGraph:
