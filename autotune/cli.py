@@ -97,8 +97,11 @@ def _gpu_summary(windows: list[dict[str, Any]]) -> str:
 
 
 def _epoch_summary(result: Any) -> str:
-    """The DataLoader's epoch starts the probe measured (autotune/epoch_cost.py), and how the
-    windows count them ("-": not recorded)."""
+    """The DataLoader's epoch starts the probe measured (autotune/epoch_cost.py), how much of
+    their stall the GPU idled where that was measured, and how the windows count them ("-":
+    not recorded)."""
+    from autotune.epoch_cost import Boundary, gpu_idle_summary
+
     epoch = result.epoch_micro_batches
     if epoch is None:
         return "-"
@@ -106,8 +109,9 @@ def _epoch_summary(result: Any) -> str:
     if not starts:
         return f"none (an epoch is {epoch} micro-batches)"
     timed = sum(b.get("window") is not None for b in starts)
-    return (f"{len(starts)} ({timed} in the windows), {result.epoch_cost_s * 1e3:.0f} ms each; counted once per "
-            f"{epoch} micro-batches")
+    idle = gpu_idle_summary([Boundary(b["micro_batch"], b["stall_s"], b.get("gpu_gap_s")) for b in starts])
+    return (f"{len(starts)} ({timed} in the windows), {result.epoch_cost_s * 1e3:.0f} ms each"
+            f"{f' ({idle})' if idle else ''}; counted once per {epoch} micro-batches")
 
 
 def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:

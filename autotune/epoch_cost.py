@@ -8,11 +8,20 @@ stalls, though, wherever the epoch boundaries happen to fall: the `ups` full pre
 On an H100 that made a short probe of a config without persistent workers read 3–5 % faster
 than a ten times longer run of it (bench/README.md, "Probe fidelity").
 
-So the probe measures every boundary's stall (the host seconds of the call that began the
-epoch, over a typical call's) and moves it: each window gives back the stall it timed and
-takes the mean stall in proportion to its micro-batches, one per `epoch_micro_batches`. The
-windows then hold the epoch cost at its long-run rate, and a boundary no longer makes one
-window an outlier.
+So the probe measures what every boundary cost (over a typical fetch) and moves it: each
+window gives back the cost it timed and takes the mean cost in proportion to its
+micro-batches, one per `epoch_micro_batches`. The windows then hold the epoch cost at its
+long-run rate, and a boundary no longer makes one window an outlier.
+
+What a boundary costs is the time the GPU idled across it (`Boundary.gpu_gap_s`, from CUDA
+events around the fetch), where that is known, not the host's stall. A GPU-bound loop's host
+runs ahead of its GPU, so when the stall begins the GPU still has work queued (60–100 ms
+measured on an H100) and idles only for the rest of the stall: a window that timed a 299 ms
+stall took 204 ms longer than the windows without one, and charging the host's stall made
+short probes read 2–7 % slower than long runs (bench/results/fidelity_h100_graph_234.json). A
+long run's boundaries find the same queue: its windows agree with each costing the stall less
+about 100 ms. On a CPU the host's stall is the cost (nothing runs ahead of the host there),
+and so it is for a start whose fetch `EpochIterator` did not foresee (no GPU events around it).
 
 Pure functions, no I/O: the probe and the benchmarks share them.
 """
@@ -27,15 +36,23 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Boundary:
     """An epoch start after the first: `micro_batch` is the index (from 0) of the micro-batch
-    whose fetch began the epoch, `stall_s` the host seconds that fetch took."""
+    whose fetch began the epoch, `stall_s` the host seconds that fetch took, `gpu_gap_s` the
+    seconds the GPU idled across it (None: not measured, on a CPU or for an unforeseen start)."""
 
     micro_batch: int
     stall_s: float
+    gpu_gap_s: float | None = None
+
+    @property
+    def cost_s(self) -> float:
+        """The seconds the start added to the loop: the GPU's idle time where it is known, else
+        the host's stall."""
+        return self.stall_s if self.gpu_gap_s is None else self.gpu_gap_s
 
 
 @dataclass(frozen=True)
 class EpochCosts:
-    """What the epoch starts cost: per boundary the stall over a typical fetch (`excess_s`,
+    """What the epoch starts cost: per boundary its cost over a typical fetch (`excess_s`,
     never negative), their mean (`cost_s`), and per timed window the excess it timed."""
 
     excess_s: list[float]
@@ -47,10 +64,11 @@ class EpochCosts:
 
 def epoch_costs(spans: Sequence[tuple[int, int]], waits: Sequence[float],
                 boundaries: Sequence[Boundary]) -> EpochCosts | None:
-    """The stalls of `boundaries`, given the timed windows' micro-batch spans ([first, end)) and
-    the host seconds each window waited for data. A typical fetch is the median over the
-    windows of their wait without the stalls, per remaining micro-batch. None: no boundary
-    (the probe ran inside one epoch; it cannot tell what an epoch start costs)."""
+    """The costs of `boundaries` (`Boundary.cost_s`), given the timed windows' micro-batch spans
+    ([first, end)) and the host seconds each window waited for data. A typical fetch is the
+    median over the windows of their wait without the boundaries' host stalls (the waits are
+    host time), per remaining micro-batch. None: no boundary (the probe ran inside one epoch;
+    it cannot tell what an epoch start costs)."""
     if not boundaries:
         return None
     if len(spans) != len(waits):
@@ -63,7 +81,7 @@ def epoch_costs(spans: Sequence[tuple[int, int]], waits: Sequence[float],
         if fetches > 0:
             per_fetch.append(max(wait - sum(inside), 0.0) / fetches)
     typical = statistics.median(per_fetch) if per_fetch else 0.0
-    excess = [max(b.stall_s - typical, 0.0) for b in boundaries]
+    excess = [max(b.cost_s - typical, 0.0) for b in boundaries]
     window_excess = [sum(e for e, at in zip(excess, window_of, strict=True) if at == w) for w in range(len(spans))]
     return EpochCosts(excess_s=excess, cost_s=statistics.fmean(excess), window_excess_s=window_excess,
                       typical_fetch_s=typical, window_of=window_of)
@@ -71,12 +89,23 @@ def epoch_costs(spans: Sequence[tuple[int, int]], waits: Sequence[float],
 
 def amortized_seconds(seconds: Sequence[float], spans: Sequence[tuple[int, int]], window_excess_s: Sequence[float],
                       cost_s: float, epoch_micro_batches: int) -> list[float] | None:
-    """Each window's seconds with the epoch stalls it timed replaced by `cost_s` per
+    """Each window's seconds with the epoch starts' excess it timed replaced by `cost_s` per
     `epoch_micro_batches` of its micro-batches. None where a window would be left with no
-    time at all: its stall was not host time the window waited out (it cannot be moved)."""
+    time at all: its excess was not time the window's clock saw (it cannot be moved)."""
     if epoch_micro_batches <= 0:
         raise ValueError(f"epoch_micro_batches must be positive, got {epoch_micro_batches}")
     if any(s - e <= 0 for s, e in zip(seconds, window_excess_s, strict=True)):
         return None
     return [s - e + cost_s * (hi - lo) / epoch_micro_batches
             for s, (lo, hi), e in zip(seconds, spans, window_excess_s, strict=True)]
+
+
+def gpu_idle_summary(boundaries: Sequence[Boundary]) -> str | None:
+    """How much of the host's stall the GPU idled, e.g. "the GPU idled 204 of the host's 299 ms"
+    (the means over the boundaries whose GPU gap is known; None: none is). The rest of the stall
+    was covered by the work queued ahead of it."""
+    known = [(b.gpu_gap_s, b.stall_s) for b in boundaries if b.gpu_gap_s is not None]
+    if not known:
+        return None
+    gap, stall = statistics.fmean(g for g, _ in known), statistics.fmean(s for _, s in known)
+    return f"the GPU idled {gap * 1e3:.0f} of the host's {stall * 1e3:.0f} ms"

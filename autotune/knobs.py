@@ -353,6 +353,15 @@ class EpochIterator:
     matter: without it the worker processes are started again every epoch. Each epoch start
     after the first is recorded in `boundaries` with the host seconds its fetch took
     (autotune/epoch_cost.py amortizes them).
+
+    The fetch that will begin an epoch is foreseen from the loader's length in micro-batches
+    (`predicted` lists them), and on a CUDA device it is bracketed with CUDA events on the
+    current stream: one before the fetch, one as the batch arrives, before its copies are
+    issued. Nothing is enqueued between them, so their distance is how long the GPU idled for
+    the stall: none of it while the work queued ahead still ran (the host runs ahead of a busy
+    GPU). `resolved_boundaries` reads them once they have completed. A start not foreseen (a
+    loader without a length, e.g. of an IterableDataset) has no events: its GPU gap is unknown.
+    Ordinary fetches record nothing.
     """
 
     def __init__(self, loader: DataLoader, device: torch.device) -> None:
@@ -363,25 +372,60 @@ class EpochIterator:
         self.epochs = 0
         self.pulled = 0  # micro-batches handed out
         self.boundaries: list[Boundary] = []
+        self.predicted: list[int] = []  # the micro-batches whose fetch was foreseen to begin an epoch
+        try:
+            self._epoch_length: int | None = len(loader)
+        except TypeError:  # no length: the epoch starts come unforeseen
+            self._epoch_length = None
+        self._in_epoch = 0  # micro-batches pulled in the current epoch
+        self._gpu_marks: list[tuple[torch.cuda.Event, torch.cuda.Event] | None] = []  # per boundary
 
     def next(self) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
+        foreseen = self._it is not None and self._in_epoch == self._epoch_length
+        if foreseen:
+            self.predicted.append(self.pulled)
+        before = self._mark() if foreseen and self.device.type == "cuda" else None
         began = False
         while True:
             if self._it is None:
                 self._it = iter(self.loader)
                 self.epochs += 1
+                self._in_epoch = 0
                 began = self.epochs > 1  # the first start is setup, not a boundary a long run repeats
             try:
                 batch = next(self._it)
                 break
             except StopIteration:
                 self._it = None  # shuts non-persistent workers down: part of the boundary's stall
+        marks = None if before is None else (before, self._mark())  # before the copies: the GPU's idle ends here
         moved = {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
-        if began:
+        if began:  # a foreseen fetch that began no epoch (a wrong length) drops its marks
             self.boundaries.append(Boundary(self.pulled, time.perf_counter() - t0))
+            self._gpu_marks.append(marks)
+        self._in_epoch += 1
         self.pulled += 1
         return moved
+
+    def _mark(self) -> torch.cuda.Event:
+        """A timing event recorded now on the device's current stream (no sync)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def resolved_boundaries(self) -> list[Boundary]:
+        """`boundaries` with `gpu_gap_s`, the seconds the GPU idled across each start it has
+        events for. Read here rather than at the fetch, when the GPU may not have reached them
+        yet; this waits until it has, so call it after the training's last sync."""
+        resolved = []
+        for boundary, marks in zip(self.boundaries, self._gpu_marks, strict=True):
+            if marks is None:
+                resolved.append(boundary)
+                continue
+            before, after = marks
+            after.synchronize()  # sync: `before` precedes it on the stream, so both are done
+            resolved.append(Boundary(boundary.micro_batch, boundary.stall_s, before.elapsed_time(after) / 1e3))
+        return resolved
 
     def close(self) -> None:
         self._it = None  # shuts non-persistent workers down

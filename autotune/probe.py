@@ -19,9 +19,11 @@ timed     the remaining steps split into equal windows (>= 5). Each window is ti
           in every window of a long run (bench/README.md, probe fidelity: 3.7 % too fast).
           Nor as timed, though: the windows of a short probe hold a whole number of such
           epoch starts wherever they fall, a long run one per epoch. Each epoch start's
-          stall is measured (``epoch_boundaries``) and the windows count the mean stall
-          (``epoch_cost_s``) once per ``epoch_micro_batches``; ``window_throughputs`` are the
-          amortized windows, ``raw_window_throughputs`` the timed ones (autotune/epoch_cost.py).
+          cost is measured (``epoch_boundaries``): on a GPU the time the GPU idled across its
+          stall (CUDA events; work queued ahead covers the rest, in a long run too), on a CPU
+          the host's stall. The windows count the mean cost (``epoch_cost_s``) once per
+          ``epoch_micro_batches``; ``window_throughputs`` are the amortized windows,
+          ``raw_window_throughputs`` the timed ones (autotune/epoch_cost.py).
           The pruner sees the timed windows as they come.
           With ``trace_path`` (``autotune probe --trace``), the last steps of the warm-up
           (``trace_steps``, at most half of it: the first steps compile and capture) run under
@@ -81,7 +83,7 @@ from autotune import step_graph
 from autotune.compile_workers import note as compile_workers_note
 from autotune.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
 from autotune.config import ConfigError, TrainConfig, parse_config
-from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
+from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
 from autotune.gate import window_rate
 from autotune.gpu_telemetry import GpuTelemetry, host_bound_note, throttle_note, window_stats
 from autotune.host_telemetry import ThreadUsage, cpu_model
@@ -162,7 +164,8 @@ class ProbeResult:
     window_host: list[dict[str, float | int | None]] = field(default_factory=list)
     epoch_micro_batches: int | None = None  # one DataLoader epoch (a rank's micro-batches)
     # every epoch start after the first: micro_batch (index), stall_s (host seconds of its fetch),
-    # excess_s (over a typical fetch), window (the timed window it fell in, or None)
+    # gpu_gap_s (seconds the GPU idled across it; None on a CPU), excess_s (its cost, the gap
+    # where known else the stall, over a typical fetch), window (the timed window it fell in, or None)
     epoch_boundaries: list[dict[str, Any]] = field(default_factory=list)
     epoch_cost_s: float | None = None  # the mean excess: what one epoch start costs
     traced_steps: int = 0  # warm-up steps in the trace (ProbeSettings.trace_path)
@@ -283,9 +286,10 @@ def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], span
                            seconds: list[float], window_samples: int, sync: _RankSync, cfg: TrainConfig,
                            planned_micro_batches: int) -> None:
     """Count the DataLoader's epoch starts in the windows at the rate a long run pays them
-    (autotune/epoch_cost.py): record each start's stall, and replace the window throughputs
-    with amortized ones (the raw ones are kept). Several ranks: a window's stall and the mean
-    cost are the largest over the ranks (the slowest rank sets the window's time)."""
+    (autotune/epoch_cost.py): record each start's stall and GPU gap (`boundaries` resolved:
+    `EpochIterator.resolved_boundaries`), and replace the window throughputs with amortized
+    ones (the raw ones are kept). Several ranks: a window's excess and the mean cost are the
+    largest over the ranks (the slowest rank sets the window's time)."""
     result.raw_window_throughputs = list(result.window_throughputs)
     epoch = result.epoch_micro_batches
     assert epoch is not None
@@ -300,7 +304,8 @@ def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], span
     window_excess = [sync.max(e) for e in costs.window_excess_s]
     cost = sync.max(costs.cost_s)
     result.epoch_cost_s = cost
-    result.epoch_boundaries = [{"micro_batch": b.micro_batch, "stall_s": b.stall_s, "excess_s": e, "window": w}
+    result.epoch_boundaries = [{"micro_batch": b.micro_batch, "stall_s": b.stall_s, "gpu_gap_s": b.gpu_gap_s,
+                                "excess_s": e, "window": w}
                                for b, e, w in zip(boundaries, costs.excess_s, costs.window_of, strict=True)]
     adjusted = amortized_seconds(seconds, spans, window_excess, cost, epoch)
     if adjusted is None:
@@ -310,7 +315,8 @@ def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], span
     if abs(amortized / raw - 1) >= AMORTIZED_NOTE:
         timed = sum(w is not None for w in costs.window_of)
         long_run = sum(hi - lo for lo, hi in spans) / epoch
-        start = "restarting the workers" if restarts else "refilling the queue"
+        start = "; ".join(filter(None, ("restarting the workers" if restarts else "refilling the queue",
+                                        gpu_idle_summary(boundaries))))
         result.measurement_notes.append(
             f"an epoch start costs {cost * 1e3:.0f} ms ({start}); the windows timed {timed} where a long run pays "
             f"{long_run:.2f} (one per {epoch} micro-batches): counted at that rate, {raw:,.0f} → {amortized:,.0f} "
@@ -663,7 +669,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 check_finite(torch.stack(tail), total)
             step = total
         result.epoch_micro_batches = len(loader)  # the untimed tail's epoch starts count in the cost too
-        _amortize_epoch_starts(result, data.boundaries, spans, seconds, per * eff, sync, cfg, total * accum)
+        _amortize_epoch_starts(result, data.resolved_boundaries(), spans, seconds, per * eff, sync, cfg,
+                               total * accum)
         for note in (throttle_note(result.window_gpu), host_bound_note(result.window_gpu)):
             if note:
                 result.measurement_notes.append(note)

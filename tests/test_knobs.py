@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.utils import counters
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import autotune.workloads.ups.model as ups_model
 from autotune.config import TrainConfig
@@ -480,6 +481,67 @@ def test_epoch_iterator_continues_the_stream_across_epochs(tiny: Workload) -> No
     assert data.pulled == 10
     assert [b.micro_batch for b in data.boundaries] == [4, 8]
     assert all(b.stall_s > 0 for b in data.boundaries)
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "restarting-worker"])
+def test_epoch_iterator_foresees_the_fetches_that_begin_an_epoch(tiny: Workload, workers: int) -> None:
+    """The fetches foreseen to begin an epoch (those a GPU brackets with CUDA events) are exactly
+    the ones that did; on a CPU no GPU gap is measured, the host's stall stands."""
+    knobs = {"num_workers": 1, "persistent_workers": False} if workers else {}
+    loader = build_loader(_Indices(10), resolved(tiny, batch_size=3, **knobs), CPU, 5, {})
+    data = EpochIterator(loader, CPU)
+    for _ in range(13):  # 4 micro-batches an epoch: epochs begin at 0, 4, 8 and 12
+        data.next()
+    assert data.predicted == [b.micro_batch for b in data.boundaries] == [4, 8, 12]
+    assert data.resolved_boundaries() == data.boundaries
+    assert all(b.gpu_gap_s is None and b.stall_s > 0 for b in data.boundaries)
+
+
+class _Counting(IterableDataset):
+    def __iter__(self) -> Any:
+        return ({"i": torch.tensor(i)} for i in range(3))
+
+
+def test_epoch_iterator_without_a_length_does_not_foresee_epoch_starts() -> None:
+    data = EpochIterator(DataLoader(_Counting(), batch_size=2), CPU)  # 2 micro-batches an epoch, no len()
+    got = [data.next()["i"].tolist() for _ in range(5)]
+    assert got == [[0, 1], [2], [0, 1], [2], [0, 1]]
+    assert [b.micro_batch for b in data.boundaries] == [2, 4]  # still recorded, with their host stall
+    assert data.predicted == []
+    assert all(b.gpu_gap_s is None for b in data.resolved_boundaries())
+
+
+class _SlowStart(_Indices):
+    """Sample 0 takes `delay` seconds to load: each epoch of a sequential loader starts with a stall."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i == 0:
+            time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+@pytest.mark.gpu
+def test_epoch_iterator_measures_how_long_the_gpu_idled_across_an_epoch_start() -> None:
+    """Work queued on the GPU before an epoch start runs through part of its stall: the GPU gap
+    (CUDA events around the fetch) is the rest, never more than the host's stall."""
+    cuda = torch.device("cuda", 0)
+    data = EpochIterator(DataLoader(_SlowStart(4, 0.2), batch_size=2), cuda)  # 2 micro-batches an epoch
+    x = torch.randn(8192, 8192, device=cuda)
+    (x @ x).sum().item()  # cuBLAS set up, the GPU idle
+    data.next()
+    data.next()
+    for _ in range(4):  # tens of ms of queued work: the host runs ahead of it into the epoch start
+        x @ x
+    data.next()
+    assert data.predicted == [2] and [b.micro_batch for b in data.boundaries] == [2]
+    (boundary,) = data.resolved_boundaries()
+    assert boundary.gpu_gap_s is not None
+    assert 0 <= boundary.gpu_gap_s < boundary.stall_s + 1e-3
+    assert boundary.gpu_gap_s < boundary.stall_s - 5e-3  # the queued matmuls covered part of the stall
 
 
 def test_probe_loss_does_not_depend_on_workers(tiny: Workload) -> None:
