@@ -128,6 +128,7 @@ def chunk(args: argparse.Namespace) -> None:
     cache = Path(args.inductor_cache or Path(tempfile.gettempdir()) / "autotune-bench-inductor" / args.strategy)
     cache_warm = cache.is_dir() and any(cache.iterdir())
     env["AUTOTUNE_INDUCTOR_CACHE_DIR"] = str(cache)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set, it would win over the strategy's own (autotune.worker)
     n = len(state["chunks"])
     service = subprocess.Popen([*CLI, "serve", "--db", f"sqlite:///{out / 'study.db'}", "--port", str(port)],
                                stdout=(out / f"service-{n}.log").open("wb"), stderr=subprocess.STDOUT, env=env)
