@@ -700,7 +700,7 @@ def fidelity_fine(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]
             k = len(short)
             early, late = window_rate(fine[:k])[0], window_rate(fine[k:])[0]
             rates = {side: window_rate(w)[0] for side, w in (("short", short), ("long", long), ("fine", fine))}
-            rows.append({"run": name, "strategy": c["strategy"], "number": c["number"], "round": c["round"],
+            rows.append({"run": name, "strategy": measured_as(c), "number": c["number"], "round": c["round"],
                          "first": c["first"], "fine_windows": len(fine), **rates,
                          "fine_over_long": rates["fine"] / rates["long"], "early_over_late": early / late,
                          "short_over_early": rates["short"] / early, "short_over_long": rates["short"] / rates["long"]})
@@ -708,6 +708,16 @@ def fidelity_fine(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]
 
 
 COMPILED_WARMUP_S = 20.0  # a warm-up this long compiled (cold: 38-92 s on the H100 host); from the cache: 4-10 s
+
+
+def measured_as(row: dict[str, Any]) -> str:
+    """The name a fidelity row is grouped and reported under: its strategy, and the knobs that
+    `--override` changed, e.g. "autotune + compile=default step_graph=True". An overridden
+    config is not the one its study measured: it must not pool with that config's pairs."""
+    override = row.get("override")
+    if not override:
+        return str(row["strategy"])
+    return f"{row['strategy']} + " + " ".join(f"{k}={v}" for k, v in sorted(override.items()))
 
 
 def fidelity_summary(runs: list[tuple[str, dict[str, Any]]], results: dict[str, dict[str, Any]],
@@ -725,13 +735,14 @@ def fidelity_summary(runs: list[tuple[str, dict[str, Any]]], results: dict[str, 
         for c in doc["configs"]:
             short, long = c["short"]["window_throughputs"], c["long"]["window_throughputs"]
             config = c["config"]
-            rows = results[c["strategy"]]["rows"] if c["strategy"] in results else []
-            study = next((r["throughput"] for r in rows if r["number"] == c["number"]), None)  # None: a given config
+            # the study's own measurement of the config; None: a given config, or one overridden
+            rows = results[c["strategy"]]["rows"] if c["strategy"] in results and not c.get("override") else []
+            study = next((r["throughput"] for r in rows if r["number"] == c["number"]), None)
             short_rate, long_rate = window_rate(short)[0], window_rate(long)[0]
             train_samples = functools.partial(_train_set_size, preset)
             rates = {side: epoch_rates(c[side], config, train_samples) for side in ("short", "long")}
             pairs.append({
-                "run": name, "strategy": c["strategy"], "number": c["number"],
+                "run": name, "strategy": measured_as(c), "number": c["number"],
                 "config": " ".join(f"{k}={config[k]}" for k in ("compile", "precision", "batch_size", "accum_steps",
                                                                   "checkpoint", "persistent_workers")
                                   if k in config),  # a given config names only the knobs it sets

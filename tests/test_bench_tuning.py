@@ -219,3 +219,26 @@ def test_fidelity_bias_pools_the_pairs_of_probes_that_recorded_their_epoch_start
     (medians,) = tuning.fidelity_medians(rounds)
     assert medians["median_short_over_median_long"] == pytest.approx(0.96)
     assert medians["raw_median_short_over_median_long"] == pytest.approx(1.06)
+
+
+def test_a_config_measured_with_an_override_is_reported_apart_from_the_studys() -> None:
+    """`fidelity --override` measures a study's config with some knobs changed: its pairs group
+    under a name of their own, and the study's throughput (of the config as found) is not set
+    against their long runs."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tuning
+
+    def side(rate: float) -> dict[str, object]:
+        return _probe_record([rate] * 5, [0.0] * 5, raw_window_throughputs=[rate] * 5, warmup_s=5.0)
+
+    found = {"strategy": "autotune", "number": 3, "round": 0, "config": {"compile": "reduce-overhead"},
+             "short": side(90.0), "long": side(100.0)}
+    graph = {**found, "config": {"compile": "default", "step_graph": True},
+             "override": {"step_graph": True, "compile": "default"}, "short": side(120.0), "long": side(121.0)}
+    results = {"autotune": {"rows": [{"number": 3, "throughput": 95.0}]}}
+    pairs = tuning.fidelity_summary([("f.json", {"configs": [found, graph]})], results)
+    assert [p["strategy"] for p in pairs] == ["autotune", "autotune + compile=default step_graph=True"]
+    assert pairs[0]["study_over_long"] == pytest.approx(0.95) and pairs[1]["study_over_long"] is None
+    medians = tuning.fidelity_medians([{**p, "round": 0} for p in pairs] + [{**p, "round": 1} for p in pairs])
+    assert sorted((m["strategy"], round(m["median_short_over_median_long"], 3)) for m in medians) == [
+        ("autotune", 0.9), ("autotune + compile=default step_graph=True", round(120 / 121, 3))]
