@@ -119,11 +119,16 @@ KNOBS: dict[str, Knob] = {
              "socket transport, world size > 1)", minimum=1, maximum=16, nullable=True),
         Knob("nccl_min_nchannels", int, None, "NCCL_MIN_NCHANNELS for the launch (null: unset; world size > 1)",
              minimum=1, maximum=32, nullable=True),
-        Knob("fused_optimizer", bool, False, "AdamW implementation: true = fused kernel, false = foreach",
+        Knob("fused_optimizer", bool, False, "optimizer implementation of every optimizer that has one (AdamW, "
+             "Adam, SGD): true = fused kernel, false = foreach; inactive for an optimizer without (Muon)",
              choices=(False, True)),
-        Knob("step_graph", bool, False, "capture the whole optimizer step (forward, backward, AdamW) in one CUDA "
-             "graph after the warm-up: one launch per step instead of per-parameter host work (CUDA, one "
-             "process; inactive with CUDA-graph compile modes and fp16)", choices=(False, True)),
+        Knob("compile_optimizer", bool, False, "torch.compile the optimizer step (every optimizer; learning rates "
+             "become device tensors): the per-parameter loops of a host-bound step (Muon's Newton-Schulz, "
+             "AdamW) become generated kernels; inactive with fp16", choices=(False, True)),
+        Knob("step_graph", bool, False, "capture the whole optimizer step (forward, backward, clipping, the "
+             "optimizers) in one CUDA graph after the warm-up: one launch per step instead of per-parameter host "
+             "work (CUDA, one process; inactive with CUDA-graph compile modes and fp16; an optimizer without a "
+             "capturable mode, e.g. Muon, needs compile_optimizer)", choices=(False, True)),
         Knob("batch_size", int, None, "micro-batch size (default: the workload preset's)", minimum=1, maximum=65536,
              nullable=True),
         Knob("accum_steps", int, None, "micro-batches per optimizer step (default: the preset's)", minimum=1,
@@ -164,6 +169,7 @@ class TrainConfig:
     nccl_socket_nthreads: int | None = None
     nccl_min_nchannels: int | None = None
     fused_optimizer: bool = False
+    compile_optimizer: bool = False
     step_graph: bool = False
     batch_size: int | None = None
     accum_steps: int | None = None

@@ -10,10 +10,12 @@ The probe applies them in this order (each function checks its own preconditions
                              FSDP2 fully_shard over the ranks (inactive in a single-process probe)
 6. ``apply_compile``         torch.compile with the chosen mode (wraps the whole loss, and the
                              DDP module: dynamo's DDPOptimizer splits graphs at bucket boundaries)
-7. ``build_optimizer``       AdamW, fused or foreach
+7. ``build_optimizers``      the workload's optimizer(s) (default AdamW; a Muon + AdamW hybrid ...),
+                             ``fused_optimizer`` set on them in place (autotune/optimizers.py)
 8. ``build_loader``          DataLoader workers / prefetch / pin_memory / persistent workers
 9. ``Trainer``               autocast + GradScaler, accumulation (no_sync on all but the last
-                             micro-batch with several ranks), inverse-loss frequency, and the
+                             micro-batch with several ranks), inverse-loss frequency, gradient
+                             clipping, the optimizer step compiled (``compile_optimizer``) and the
                              whole step as one CUDA graph (``step_graph``, autotune/step_graph.py)
 
 The NCCL knobs are environment variables, set on the launch (`autotune.distributed`) before
@@ -40,19 +42,22 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from autotune import step_graph
 from autotune.config import TrainConfig
 from autotune.epoch_cost import Boundary
+from autotune.errors import ProbeError
+from autotune.optimizers import (
+    OptimizerLike,
+    adamw,
+    all_params,
+    apply_fused_optimizer,
+    as_optimizers,
+    clip_gradients,
+    compile_optimizer_step,
+    lr_to_tensor,
+    set_lr,
+)
 
 log = logging.getLogger(__name__)
 
 Notes = dict[str, str]
-
-
-class ProbeError(Exception):
-    """A probe ended in a known failure kind: oom | nan | timeout | unsupported | error."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
 
 
 # -- 1. backend flags -----------------------------------------------------------------------
@@ -253,16 +258,28 @@ def apply_compile(model: nn.Module, mode: str, notes: Notes, backend: str = "ind
 # -- 7. optimizer -------------------------------------------------------------------------
 
 def build_optimizer(model: nn.Module, config: TrainConfig, weight_decay: float, notes: Notes) -> torch.optim.AdamW:
-    """AdamW with one fused kernel (``fused_optimizer=true``) or multi-tensor foreach."""
+    """AdamW over every trainable parameter (what a workload trains with by default), with one
+    fused kernel (``fused_optimizer=true``) or multi-tensor foreach."""
     assert config.lr is not None, "resolve() the config first"
-    params = [p for p in model.parameters() if p.requires_grad]
-    if config.fused_optimizer:
-        opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=weight_decay, fused=True)
-        notes["fused_optimizer"] = "AdamW fused"
-    else:
-        opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=weight_decay, foreach=True)
-        notes["fused_optimizer"] = "AdamW foreach"
+    opt = adamw(model, config.lr, weight_decay)
+    apply_fused_optimizer(as_optimizers(opt), config, next(model.parameters()).device, notes)
     return opt
+
+
+def build_optimizers(workload: Any, model: nn.Module, config: TrainConfig, notes: Notes) -> OptimizerLike:
+    """The workload's own optimizer(s) over `model` (`Workload.build_optimizers`), checked (every
+    trainable parameter in exactly one optimizer) and with ``fused_optimizer`` applied to them
+    in place. Returns what the workload built (one optimizer, or its container)."""
+    built = workload.build_optimizers(model, config)
+    try:
+        opts = as_optimizers(built, model, where=f"{type(workload).__name__}.build_optimizers")
+    except (TypeError, ValueError) as e:
+        raise ProbeError("error", str(e)) from e
+    apply_fused_optimizer(opts, config, next(model.parameters()).device, notes)
+    notes["optimizer"] = ", ".join(
+        f"{type(o).__name__} ({sum(len(g['params']) for g in o.param_groups)} tensors in "
+        f"{len(o.param_groups)} groups)" for o in opts)
+    return built
 
 
 # -- 8. data ------------------------------------------------------------------------------
@@ -446,59 +463,85 @@ def lr_factor(progress: float, warmup_fraction: float, final_fraction: float) ->
 
 @dataclass(frozen=True)
 class Schedule:
-    """The LR schedule of a probe: `total_samples` is the budget the progress is measured on."""
+    """The LR schedule of a probe: `total_samples` is the budget the progress is measured on.
+    The factor of each group's base lr is `multiplier(progress)` where given (a workload's
+    ``lr_multiplier``), else `lr_factor` with the warm-up and final fractions."""
 
     total_samples: int
     warmup_fraction: float = 0.05
     final_fraction: float = 0.1
+    multiplier: Callable[[float], float] | None = None
+
+    def factor(self, samples_seen: int) -> float:
+        progress = min(max(samples_seen / self.total_samples, 0.0), 1.0)
+        if self.multiplier is not None:
+            return float(self.multiplier(progress))
+        return lr_factor(progress, self.warmup_fraction, self.final_fraction)
 
 
 class Trainer:
     """Forward/backward with autocast and GradScaler, gradient accumulation and
-    inverse-loss frequency. ``step`` is one optimizer step over ``accum_steps`` micro-batches.
-    With a `schedule`, the learning rate follows `lr_factor` of the samples seen so far by
-    all ranks (without one it stays constant).
+    inverse-loss frequency, gradient clipping, and the user's optimizer(s). ``step`` is one
+    optimizer step over ``accum_steps`` micro-batches. With a `schedule`, the learning rate
+    follows it over the samples seen so far by all ranks (without one it stays as the caller
+    sets it: a loop that writes ``group["lr"]`` itself keeps doing so, also where the knobs
+    turned the lr into a device tensor, see `_adopt_written_lrs`).
+
+    `optimizer` is one optimizer or several (autotune.optimizers.Optimizers, or a list): a
+    hybrid such as Muon + AdamW steps as one. `clip_norm`: clip the gradients' global L2 norm
+    to it before the update (after fp16's GradScaler has unscaled them), on the device.
 
     Several ranks: `parallel` is the DDP/FSDP2 module `apply_ddp` returned (the one whose
     ``no_sync`` matters, even when `model` is its compiled wrapper) and `world` the ranks;
     with ``no_sync_accumulation`` only the last micro-batch of a step synchronises gradients.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+    def __init__(self, model: nn.Module, optimizer: OptimizerLike, config: TrainConfig,
                  device: torch.device, notes: Notes, schedule: Schedule | None = None,
-                 parallel: nn.Module | None = None, world: int = 1) -> None:
+                 parallel: nn.Module | None = None, world: int = 1, clip_norm: float | None = None,
+                 compile_backend: str = "inductor") -> None:
         self.model = model
         self.parallel = parallel
         self.world = world
         self.schedule = schedule
-        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self.optimizer = optimizer  # as given: one optimizer or the caller's container
+        self.optimizers = as_optimizers(optimizer)
+        self.base_lrs = [float(group["lr"]) for group in self.optimizers.param_groups]
         self.samples_seen = 0
-        self.optimizer = optimizer
         self.config = config
         self.device = device
+        self.clip_norm = clip_norm
+        self.params = all_params(self.optimizers)
+        self.last_grad_norm: torch.Tensor | None = None  # the norm before clipping, of the last step (device)
+        notes["grad_clip"] = (f"max norm {clip_norm:g} (global L2, on the device)" if clip_norm is not None
+                              else "off")
         self.cudagraphs = config.compile == "reduce-overhead"
+        # compile_optimizer: one compiled function steps every optimizer (autotune/optimizers.py)
+        self.compiled_step = compile_optimizer_step(self.optimizers, config, device, notes, compile_backend)
         # step_graph: the whole step replayed as one CUDA graph (autotune/step_graph.py)
         self.graph: step_graph.StepGraph | None = None
         if config.step_graph:
-            why = step_graph.blocker(config, device, world, optimizer)
+            why = step_graph.blocker(config, device, world, self.optimizers, self.compiled_step is not None)
             if why is None:
-                step_graph.make_capturable(optimizer, device)
+                lr_to_tensor(self.optimizers, device, capturable=True)
                 self.graph = step_graph.StepGraph(self._step_device, device)
                 notes["step_graph"] = (f"on: each step variant runs {step_graph.EAGER_RUNS} times eagerly, then is "
-                                       "replayed as one CUDA graph (forward, backward, optimizer)")
+                                       f"replayed as one CUDA graph (forward, backward, {self.optimizers.name})")
             else:
                 notes["step_graph"] = why
         else:
             notes["step_graph"] = "off"
+        # the groups' lr tensors (compile_optimizer, step_graph): written in place, never replaced
+        self.lr_tensors: list[torch.Tensor | None] = [
+            g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in self.optimizers.param_groups]
         # With CUDA graphs and accumulation, the first micro-batch's backward would hand its
         # graph-owned gradient buffers to .grad, and the next replay overwrites them. Keeping
         # .grad allocated (zeroed, never set to None) makes backward accumulate into our own
         # tensors instead. The step graph replays its backward into the same tensors too.
         self.keep_grads = (self.cudagraphs and (config.accum_steps or 1) > 1) or self.graph is not None
         if self.keep_grads:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = torch.zeros_like(p)
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
             if self.cudagraphs:
                 notes["compile"] = (notes.get("compile", "reduce-overhead")
                                     + "; .grad kept allocated across micro-batches")
@@ -565,22 +608,42 @@ class Trainer:
         return total
 
     def _set_lr(self) -> None:
+        self._adopt_written_lrs()
         if self.schedule is not None:
-            s = self.schedule
-            factor = lr_factor(self.samples_seen / s.total_samples, s.warmup_fraction, s.final_fraction)
-            for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            factor = self.schedule.factor(self.samples_seen)
+            for group, base in zip(self.optimizers.param_groups, self.base_lrs, strict=True):
                 # a plain float: fused/foreach AdamW read it on the host each step (no recompile);
-                # under step_graph a device tensor the graph reads, set in place
-                step_graph.set_lr(group, base * factor)
+                # a device tensor (compile_optimizer, step_graph) is filled in place
+                set_lr(group, base * factor)
+
+    def _adopt_written_lrs(self) -> None:
+        """A loop (or a torch LR scheduler of old) that writes a float into ``group["lr"]``
+        where the knobs keep a device tensor: copy the float into the tensor the compiled or
+        captured step reads, and put the tensor back, so the user's schedule keeps acting."""
+        for group, tensor in zip(self.optimizers.param_groups, self.lr_tensors, strict=True):
+            if tensor is not None and group["lr"] is not tensor:
+                tensor.fill_(float(group["lr"]))
+                group["lr"] = tensor
 
     def _update(self) -> None:
-        """The optimizer's update and the zeroing of the gradients (device work)."""
+        """Gradient clipping, the optimizers' update and the zeroing of the gradients (device work)."""
+        opts = self.optimizers
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            if self.clip_norm is not None:
+                for opt in opts:  # clip what the optimizer will see: the unscaled gradients
+                    self.scaler.unscale_(opt)
+                self.last_grad_norm = clip_gradients(self.params, self.clip_norm)
+            for opt in opts:
+                self.scaler.step(opt)
             self.scaler.update()
         else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+            if self.clip_norm is not None:
+                self.last_grad_norm = clip_gradients(self.params, self.clip_norm)
+            if self.compiled_step is not None:
+                self.compiled_step()
+            else:
+                opts.step()
+        opts.zero_grad(set_to_none=not self.keep_grads)
 
     def _step_device(self, micro_batches: list[Any], with_inverse: bool) -> torch.Tensor:
         """Everything one optimizer step does on the device: what `StepGraph` captures."""

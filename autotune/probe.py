@@ -84,6 +84,7 @@ from autotune.compile_workers import note as compile_workers_note
 from autotune.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
 from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
+from autotune.errors import FAILURE_KINDS  # noqa: F401 (re-exported: autotune.probe.FAILURE_KINDS)
 from autotune.gate import window_rate
 from autotune.gpu_telemetry import GpuTelemetry, host_bound_note, throttle_note, window_stats
 from autotune.host_telemetry import ThreadUsage, cpu_model
@@ -100,14 +101,13 @@ from autotune.knobs import (
     apply_ddp,
     apply_fp8,
     build_loader,
-    build_optimizer,
+    build_optimizers,
     world_size,
 )
 from autotune.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
 
-FAILURE_KINDS = ("oom", "nan", "timeout", "unsupported", "error")
 MIN_WINDOWS = 5
 
 # on_report(step, metrics) -> True to stop the probe now (the caller decided to prune it)
@@ -498,16 +498,21 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
     phase("parallel")  # DDP/FSDP2 wrapping: the initial broadcast of the weights, the reducer
     model = apply_compile(parallel, cfg.compile, notes, backend=settings.compile_backend)
     phase("compile_wrap")  # torch.compile is lazy: this is import and wrapper cost, not compilation
-    optimizer = build_optimizer(plain_model, cfg, wl.defaults.weight_decay, notes)
+    optimizer = build_optimizers(wl, plain_model, cfg, notes)  # the workload's own step: its optimizer(s)
     loader = build_loader(train_set, cfg, dev, settings.seed, notes, rank, world)
     data = EpochIterator(loader, dev)
     d = wl.defaults
     eff = cfg.effective_batch * world  # global samples per optimizer step
-    schedule = Schedule(total * eff, d.warmup_fraction, d.final_lr_fraction)
+    own_schedule = type(wl).lr_multiplier is not Workload.lr_multiplier
+    schedule = Schedule(total * eff, d.warmup_fraction, d.final_lr_fraction,
+                        multiplier=wl.lr_multiplier if own_schedule else None)
     trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule,
-                      parallel=parallel if world > 1 else None, world=world)
-    notes["lr"] = (f"{cfg.lr:g}, warm-up {d.warmup_fraction:.0%} of samples, cosine to "
-                   f"{d.final_lr_fraction:g}×")
+                      parallel=parallel if world > 1 else None, world=world, clip_norm=wl.grad_clip_norm,
+                      compile_backend=settings.compile_backend)
+    notes["lr"] = (f"{cfg.lr:g}, " + (f"the workload's schedule ({type(wl).__name__}.lr_multiplier) over the "
+                                      "probe's samples" if own_schedule else
+                                      f"warm-up {d.warmup_fraction:.0%} of samples, cosine to "
+                                      f"{d.final_lr_fraction:g}×"))
     phase("optimizer_data_loader")
     return Training(plain_model, loader, data, trainer, _RankSync(dev, world), val_set, eff, rank, world)
 

@@ -39,13 +39,14 @@ operation that synchronises with the host, a data-dependent shape) fails the pro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from autotune.config import TrainConfig
+from autotune.errors import ProbeError
 
 EAGER_RUNS = 2  # eager steps of each variant before it is captured (the first compiles, the second settles)
 
@@ -65,35 +66,24 @@ def setting_blocker(config: TrainConfig, device: torch.device, world: int) -> st
     return None
 
 
-def blocker(config: TrainConfig, device: torch.device, world: int, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why ``step_graph`` cannot act for this run (None: it can): `setting_blocker`, then the optimizer."""
+def blocker(config: TrainConfig, device: torch.device, world: int, optimizers: Iterable[torch.optim.Optimizer],
+            compiled_step: bool = False) -> str | None:
+    """Why ``step_graph`` cannot act for this run (None: it can): `setting_blocker`, then each
+    optimizer. An optimizer is captured in its capturable mode (Adam, AdamW: step counters and
+    lr on the device), or through its compiled step (`compiled_step`: ``compile_optimizer``
+    reads the lr as a device tensor); an eager optimizer without a capturable mode (torch's
+    Muon, SGD) reads its lr on the host, which a graph would freeze at capture."""
     why = setting_blocker(config, device, world)
     if why is not None:
         return why
-    if any("capturable" not in group for group in optimizer.param_groups):
-        return f"inactive: {type(optimizer).__name__} has no capturable mode (AdamW and Adam have)"
-    if optimizer.state:
-        return "inactive: the optimizer has state already (make it capturable before its first step)"
+    for optimizer in optimizers:
+        name = type(optimizer).__name__
+        if optimizer.state:
+            return f"inactive: {name} has state already (make it capturable before its first step)"
+        if not compiled_step and any("capturable" not in group for group in optimizer.param_groups):
+            return (f"inactive: {name} has no capturable mode (AdamW and Adam have): set compile_optimizer: "
+                    f"true, whose compiled step reads the learning rate on the device and can be captured")
     return None
-
-
-def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Step counters on the device, and each group's learning rate a device tensor (a float
-    would be frozen into the graph at capture). Call before the optimizer's first step."""
-    for group in optimizer.param_groups:
-        group["capturable"] = True
-        if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), device=device)
-
-
-def set_lr(group: dict[str, Any], value: float) -> None:
-    """Set a parameter group's learning rate: in place where it is a tensor (a captured graph
-    reads that tensor), else as the float it is."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        lr.fill_(value)
-    else:
-        group["lr"] = value
 
 
 def _static_like(batch: Any) -> Any:
@@ -159,8 +149,6 @@ class StepGraph:
         return self.outputs[with_inverse].clone()
 
     def _capture(self, with_inverse: bool) -> None:
-        from autotune.knobs import ProbeError
-
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: CUDA calls from other threads (the DataLoader's pin-memory thread

@@ -10,6 +10,7 @@ from helpers import CPU, micro_batches, resolved
 from autotune import step_graph
 from autotune.config import TrainConfig, parse_config
 from autotune.knobs import Schedule, Trainer, build_optimizer
+from autotune.optimizers import Optimizers, lr_to_tensor, set_lr
 from autotune.probe import ProbeSettings, plan_steps, run_probe
 from autotune.workloads import Workload
 
@@ -34,24 +35,33 @@ def test_setting_blocker_names_why_the_knob_cannot_act(knobs: dict, device: torc
 def test_an_optimizer_without_a_capturable_mode_or_with_state_is_named() -> None:
     params = [torch.nn.Parameter(torch.ones(2))]
     sgd = torch.optim.SGD(params, lr=0.1)
-    assert "SGD has no capturable mode" in (step_graph.blocker(TrainConfig(), CUDA, 1, sgd) or "")
+    why = step_graph.blocker(TrainConfig(), CUDA, 1, [sgd]) or ""
+    assert "SGD has no capturable mode" in why and "compile_optimizer: true" in why  # names the fix
+    assert step_graph.blocker(TrainConfig(), CUDA, 1, [sgd], compiled_step=True) is None  # the compiled step can
     adamw = torch.optim.AdamW(params, lr=0.1)
-    assert step_graph.blocker(TrainConfig(), CUDA, 1, adamw) is None
+    assert step_graph.blocker(TrainConfig(), CUDA, 1, [adamw]) is None
     params[0].grad = torch.ones(2)
     adamw.step()
-    assert "has state already" in (step_graph.blocker(TrainConfig(), CUDA, 1, adamw) or "")
+    assert "has state already" in (step_graph.blocker(TrainConfig(), CUDA, 1, [adamw]) or "")
+
+
+def test_a_hybrid_is_captured_only_where_every_optimizer_can_be() -> None:
+    muon = torch.optim.Muon([torch.nn.Parameter(torch.ones(2, 3))], lr=0.1)
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert "Muon has no capturable mode" in (step_graph.blocker(TrainConfig(), CUDA, 1, [muon, adamw]) or "")
+    assert step_graph.blocker(TrainConfig(), CUDA, 1, [muon, adamw], compiled_step=True) is None
 
 
 def test_capturable_optimizer_keeps_its_lr_in_a_tensor_the_schedule_writes_into() -> None:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.5)
-    step_graph.make_capturable(opt, CPU)
+    lr_to_tensor(Optimizers([opt]), CPU, capturable=True)
     group = opt.param_groups[0]
     lr = group["lr"]
     assert group["capturable"] is True and isinstance(lr, torch.Tensor) and float(lr) == 0.5
-    step_graph.set_lr(group, 0.25)
+    set_lr(group, 0.25)
     assert group["lr"] is lr and float(lr) == 0.25  # in place: a captured graph reads this tensor
     plain = {"lr": 0.5}
-    step_graph.set_lr(plain, 0.25)
+    set_lr(plain, 0.25)
     assert plain["lr"] == 0.25
 
 
@@ -95,7 +105,7 @@ def _train(tiny: Workload, train_items: list, steps: int, **knobs: object) -> tu
     # both trainers use AdamW's capturable arithmetic (its bias corrections on the device), so
     # what differs is eager against replayed alone: a parameter whose gradient is noise (a key
     # bias) would otherwise amplify the two arithmetics' rounding through Adam's normalisation
-    step_graph.make_capturable(opt, CUDA)
+    lr_to_tensor(Optimizers([opt]), CUDA, capturable=True)
     trainer = Trainer(model, opt, cfg, CUDA, notes, schedule=Schedule(steps * 8))
     batches = [{k: v.to(CUDA) for k, v in b.items()} for b in micro_batches(train_items, 4)]
     losses = [float(trainer.step(batches)) for _ in range(steps)]

@@ -32,6 +32,22 @@ Minimal example (see examples/my_workload for an installable one)::
         def datasets(self, seed): ...                     # (train, val) of dict items
         def evaluate(self, model, val, device) -> float:  # the quality metric, fp32
 
+Optional hooks (defaults: what a probe trained with before a workload could say otherwise):
+
+* ``build_optimizers(model, config)``: the optimizer(s) of the user's step, from the model
+  and the trial's config (``config.lr`` is the resolved learning rate): any
+  ``torch.optim.Optimizer`` with any parameter groups, or a list of them (a Muon + AdamW
+  hybrid: `autotune.optimizers.muon_adamw`). Default: AdamW over every trainable parameter
+  with the preset's lr and weight decay. The knobs act on what it returns, in place
+  (``fused_optimizer`` sets the groups' fused/foreach flags where the optimizer has them);
+  a knob that cannot act on it is recorded as inactive with the reason.
+* ``grad_clip_norm``: clip the gradients' global L2 norm to this before each optimizer step
+  (None: no clipping). Default: the preset's ``TrainingDefaults.grad_clip_norm``.
+* ``lr_multiplier(progress)``: the LR schedule, as the factor each parameter group's base lr
+  is multiplied by at `progress` (samples trained / the probe's sample budget, in [0, 1]).
+  Default: linear warm-up over ``warmup_fraction``, then cosine to ``final_lr_fraction``.
+  Over samples, not steps: every batch size follows the same schedule.
+
 `PresetWorkload` is the shortcut for a workload whose presets are a table of specs (the
 built-in ones use it); a workload may subclass `Workload` directly.
 
@@ -52,6 +68,9 @@ if TYPE_CHECKING:  # the registry (autotune.workloads) is read by the service an
     from torch import nn
     from torch.utils.data import Dataset
 
+    from autotune.config import TrainConfig
+    from autotune.optimizers import OptimizerLike
+
 
 QUALITY_DIRECTIONS = ("minimize", "maximize")
 
@@ -65,6 +84,7 @@ class TrainingDefaults:
     weight_decay: float = 0.0
     warmup_fraction: float = 0.05  # LR warm-up, as a fraction of the probe's samples
     final_lr_fraction: float = 0.1  # cosine decay ends at this fraction of lr
+    grad_clip_norm: float | None = None  # clip the gradients' global L2 norm to this (None: no clipping)
 
 
 class Workload(ABC):
@@ -92,6 +112,27 @@ class Workload(ABC):
     def evaluate(self, model: nn.Module, val: Dataset, device: torch.device) -> float:
         """The quality metric (`quality_metric`) on the validation set, in fp32; better is lower
         or higher as `quality_direction` says."""
+
+    def build_optimizers(self, model: nn.Module, config: TrainConfig) -> OptimizerLike:
+        """The optimizer(s) of this job's step over `model` (already on its device, wrapped for
+        several ranks where there are several). Default: AdamW, the preset's lr and weight decay."""
+        from autotune.optimizers import adamw
+
+        assert config.lr is not None, "resolve() the config first"
+        return adamw(model, config.lr, self.defaults.weight_decay)
+
+    @property
+    def grad_clip_norm(self) -> float | None:
+        """Clip the gradients' global L2 norm to this before each optimizer step (None: no clipping)."""
+        return self.defaults.grad_clip_norm
+
+    def lr_multiplier(self, progress: float) -> float:
+        """The factor of each parameter group's base lr at `progress` (samples trained / the
+        probe's budget). Default: warm-up, then cosine (`autotune.knobs.lr_factor`)."""
+        from autotune.knobs import lr_factor
+
+        d = self.defaults
+        return lr_factor(progress, d.warmup_fraction, d.final_lr_fraction)
 
 
 class PresetWorkload(Workload):
