@@ -18,6 +18,7 @@ from rich.table import Table
 from autotune.client import DEFAULT_API, ApiError, Client, Conflict, Invalid, NotFound, ServiceUnavailable
 from autotune.compile_workers import summary as compile_workers_summary
 from autotune.config import KNOBS, ConfigError, load_config_arg, parse_config
+from autotune.stdout_guard import stdout_to_stderr
 
 if TYPE_CHECKING:
     from autotune.protocol import Recommendation, StudyInfo, TrialInfo
@@ -156,13 +157,17 @@ def probe(
                                        "compile and its idle workers running beside the timed windows (by default "
                                        "a compiling GPU probe starts it at setup and stops the workers after the "
                                        "warm-up, as TorchInductor itself stops them after a minute idle).")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout (whatever the "
+                                                         "workload prints goes to stderr).")] = False,
     list_knobs: Annotated[bool, typer.Option("--list-knobs", help="List the knobs and their allowed values.")] = False,
 ) -> None:
     """Train one configuration for a fixed sample budget and measure throughput and quality.
 
     Exit status: 0 when the probe succeeded, 1 when it ended in a recorded failure
     (oom, nan, timeout, unsupported, error; the result is still printed), 2 for bad input.
+
+    stdout holds the result alone (the table, or with --json one JSON object): whatever the
+    workload prints while the probe runs, its DataLoader workers included, goes to stderr.
     """
     if list_knobs:
         if not sys.stdout.isatty():  # piped: plain lines, never truncated to a terminal width
@@ -182,7 +187,8 @@ def probe(
         settings = ProbeSettings(samples=samples, seed=seed, warmup_steps=warmup_steps, windows=windows,
                                  timeout_s=timeout, trace_path=str(trace) if trace else None, trace_steps=trace_steps,
                                  quiesce_compile_workers=not keep_compile_workers)
-        result = run_probe(workload, cfg, preset=preset, device=device, settings=settings)
+        with stdout_to_stderr():  # the workload's prints (its DataLoader workers' too) stay off the result
+            result = run_probe(workload, cfg, preset=preset, device=device, settings=settings)
     except ConfigError as e:
         raise usage_error(str(e)) from None
     except (UnknownWorkloadError, ValueError) as e:

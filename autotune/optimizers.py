@@ -282,7 +282,7 @@ def compile_optimizer_step(optimizers: Optimizers, config: TrainConfig, device: 
     if why is not None:
         notes["compile_optimizer"] = why
         return None
-    lr_to_tensor(optimizers, device, capturable=device.type == "cuda")
+    lr_to_tensor(optimizers, device, capturable=True)  # foreach Adam reads a tensor lr only when capturable
     members = list(optimizers)
 
     def step_all() -> None:

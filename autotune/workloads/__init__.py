@@ -59,7 +59,8 @@ class WorkloadEntry:
 
 
 BUILTIN: dict[str, WorkloadEntry] = {
-    "ups": WorkloadEntry("ups", "autotune.workloads.ups:UPSWorkload", ("tiny", "full"), builtin=True,
+    "ups": WorkloadEntry("ups", "autotune.workloads.ups:UPSWorkload", ("tiny", "full", "tiny-muon", "full-muon"),
+                         builtin=True,
                          quality_metric="val_nrmse", quality_direction="minimize"),
     "gpt": WorkloadEntry("gpt", "autotune.workloads.gpt:GPTWorkload", ("tiny", "full"), builtin=True,
                          quality_metric="val_loss", quality_direction="minimize"),

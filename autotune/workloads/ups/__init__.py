@@ -2,20 +2,32 @@
 Burgers and advection trajectories from the project's own solver.
 
 Presets:
-  tiny  a probe in seconds on a CPU (tests, demos)
-  full  latent 128 tokens × 128 dims, hidden 384, depth 12, batch 12 × accum 4
-        (the starting point of the source research); ≈ 23.3 M parameters
+  tiny       a probe in seconds on a CPU (tests, demos)
+  full       latent 128 tokens × 128 dims, hidden 384, depth 12, batch 12 × accum 4
+             (the starting point of the source research); ≈ 23.3 M parameters
+  tiny-muon  tiny, trained as the research's job is: a Muon + AdamW hybrid
+  full-muon  full, likewise
+
+The ``-muon`` presets train like the research's job (research/001: "Muon hybrid (Muon +
+AdamW)", weight decay 0.03, Muon momentum 0.95, AdamW betas (0.9, 0.999)): torch's own
+``torch.optim.Muon`` (torch >= 2.9) for the weight matrices of the nn.Linear layers, AdamW
+for biases, norms and the free parameters, one learning rate for both (Muon's update scaled
+to AdamW's RMS), and the gradients' global norm clipped at 1.0. On an older torch their
+probes fail as ``unsupported``, naming the version. ``tiny`` and ``full`` train with AdamW
+alone, as every earlier result did.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from autotune.config import TrainConfig
 from autotune.metrics import nrmse_per_sample
+from autotune.optimizers import OptimizerLike, muon_adamw
 from autotune.workloads.base import PresetWorkload, TrainingDefaults
 from autotune.workloads.ups.data import DataSpec, PairDataset, load_or_generate, split_indices
 from autotune.workloads.ups.model import ModelSpec, UPSModel
@@ -27,6 +39,7 @@ class Preset:
     model: ModelSpec
     n_queries: int
     training: TrainingDefaults
+    optimizer: str = "adamw"  # "adamw" | "muon" (Muon + AdamW, autotune.optimizers.muon_adamw)
 
 
 PRESETS: dict[str, Preset] = {
@@ -45,6 +58,11 @@ PRESETS: dict[str, Preset] = {
         training=TrainingDefaults(batch_size=12, accum_steps=4, lr=5e-4, samples=19200, weight_decay=0.03),
     ),
 }
+MUON_CLIP_NORM = 1.0
+for _name in ("tiny", "full"):
+    _base = PRESETS[_name]
+    PRESETS[f"{_name}-muon"] = replace(_base, optimizer="muon",
+                                        training=replace(_base.training, grad_clip_norm=MUON_CLIP_NORM))
 
 
 class UPSWorkload(PresetWorkload):
@@ -58,6 +76,13 @@ class UPSWorkload(PresetWorkload):
 
     def build_model(self) -> nn.Module:
         return UPSModel(self.spec.model)
+
+    def build_optimizers(self, model: nn.Module, config: TrainConfig) -> OptimizerLike:
+        """AdamW (``tiny``, ``full``) or the research's Muon + AdamW hybrid (``-muon`` presets)."""
+        if self.spec.optimizer == "muon":
+            assert config.lr is not None
+            return muon_adamw(model, config.lr, self.defaults.weight_decay)
+        return super().build_optimizers(model, config)
 
     def datasets(self, seed: int) -> tuple[Dataset, Dataset]:
         fields, physics = load_or_generate(self.spec.data)
