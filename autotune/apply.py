@@ -2,16 +2,19 @@
 
 A study recommends a config (``autotune best STUDY --format yaml > best.yaml``). `apply`
 puts it on *your* objects, through the same knob functions the probe uses
-(autotune/knobs.py), in the same order, so your loop runs what was measured::
+(autotune/knobs.py), in the same order, so your loop runs the step that was measured::
 
     import autotune
 
     prepared = autotune.apply("best.yaml", model, optimizer=optimizer, train_loader=loader,
-                              device="cuda", loss_fn=lambda model, batch, with_aux: ...)
+                              device="cuda", grad_clip_norm=1.0,
+                              loss_fn=lambda model, batch, with_aux: ...)
     for batch in prepared.train_loader:
         loss = prepared.step(batch)          # None until accum_steps micro-batches are in
 
-What each knob does to your objects:
+Your objects stay yours: `prepared.optimizer` *is* the optimizer you passed (or your list of
+optimizers: a Muon + AdamW hybrid steps as one), changed in place, never replaced; keep your
+reference, your LR schedule keeps acting on it. What each knob does to your objects:
 
 * precision: TF32 switches (fp32/tf32), autocast dtype (bf16, fp16 + GradScaler), fp8
   (torchao Float8Linear, CUDA only) — `step` runs the forward under `prepared.autocast()`;
@@ -20,28 +23,42 @@ What each knob does to your objects:
   ``none`` for a model without such blocks;
 * compile: ``prepared.model`` is the torch.compile'd module (``prepared.module`` the plain
   one, whose state_dict has clean keys);
-* fused_optimizer: your optimizer is rebuilt with ``fused=True`` (or ``foreach=True``) on the
-  same parameter groups and hyper-parameters (it must not have stepped yet); without an
-  optimizer, AdamW is built (lr from the config or `lr`);
+* fused_optimizer: the ``fused`` / ``foreach`` flags of your optimizer's parameter groups,
+  set in place (it must not have stepped yet); an optimizer without them (torch's Muon) is
+  named inactive in `prepared.notes`. Without an optimizer, AdamW is built (lr: `lr`);
+* compile_optimizer: `step` runs your optimizers' step through torch.compile; each group's
+  lr becomes a 0-dim device tensor (so is it under step_graph);
 * batch_size, num_workers, prefetch_factor, pin_memory, persistent_workers: your DataLoader is
-  rebuilt on the same dataset, sampler (shuffling), collate_fn and drop_last;
+  rebuilt on the same dataset, sampler (shuffling), collate_fn and drop_last. Without a
+  DataLoader (your own sampler), build micro-batches of ``prepared.config.batch_size``
+  yourself: the first step checks that you did;
 * accum_steps, inverse_loss_frequency: `step` accumulates gradients over accum_steps
   micro-batches (each loss scaled by 1/accum_steps) and passes ``with_aux`` to your loss
   function on one optimizer step in inverse_loss_frequency (your expensive optional loss term
   runs only then);
 * step_graph (CUDA, one process): after two eager runs of each step kind, `step` replays the
-  whole step (your loss function's forward and backward, the optimizer) as one CUDA graph.
-  Your loss function must then be capturable (no host synchronisation such as ``.item()``)
-  and every micro-batch the same shape (``drop_last=True``); the optimizer's lr becomes a
-  device tensor, which torch's LR schedulers write into in place (autotune/step_graph.py).
+  whole step (your loss function's forward and backward, clipping, the optimizers) as one
+  CUDA graph. Your loss function must then be capturable (no host synchronisation such as
+  ``.item()``) and every micro-batch the same shape (``drop_last=True``).
+
+Your step's own parts: `grad_clip_norm` clips the gradients' global norm before every
+optimizer step (after fp16's GradScaler unscaled them; on the device, so a step graph
+captures it): `step` steps the optimizer, so clipping you did between ``backward()`` and
+``optimizer.step()`` moves here. The learning rate is yours: the config's lr (the probe
+preset's, in best.yaml) is applied only with ``use_config_lr=True``. Drive it as you did,
+writing ``group["lr"]`` or with a torch LR scheduler (where the knobs keep the lr in a
+device tensor, the value you write is copied into it at the next step), or pass
+`total_samples` (and `lr_multiplier`) to follow a schedule over samples as the probe did.
 
 Knobs that act only across several processes (bucket_cap_mb, parallel, ...) are recorded as
-inactive; `prepared.notes` says what every knob did.
+inactive; `prepared.notes` says what every knob did, and `apply` prints, once, each knob that
+could not act on your objects (``quiet=True`` to skip).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 import types
@@ -54,19 +71,22 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from autotune.config import ConfigError, TrainConfig, load_config_arg, parse_config
+from autotune.config import KNOBS, ConfigError, TrainConfig, load_config_arg, parse_config
+from autotune.errors import ProbeError
 from autotune.knobs import (
     Notes,
-    ProbeError,
     Schedule,
     Trainer,
     apply_backend_flags,
     apply_checkpointing,
     apply_compile,
     apply_fp8,
+    batch_length,
     build_optimizer,
     loader_options,
+    record_inactive_distributed,
 )
+from autotune.optimizers import OptimizerLike, Optimizers, apply_fused_optimizer, as_optimizers, set_lr
 
 LossFn = Callable[[nn.Module, Any, bool], torch.Tensor]
 
@@ -128,25 +148,6 @@ def rebuild_loader(loader: DataLoader, config: TrainConfig, device: torch.device
                       **loader_options(config, device, notes))
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, fused: bool, notes: Notes) -> torch.optim.Optimizer:
-    """The same optimizer class on the same parameter groups and hyper-parameters, with
-    ``fused=True`` (one kernel) or ``foreach=True``. The optimizer must not have stepped."""
-    if optimizer.state:
-        raise ApplyError("fused_optimizer", "the optimizer has state already; apply the config before training")
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in ("fused", "foreach")}
-    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in optimizer.param_groups]
-    try:
-        kind: dict[str, Any] = {"fused": True} if fused else {"foreach": True}
-        rebuilt = type(optimizer)(groups, **defaults, **kind)
-    except (TypeError, RuntimeError) as e:
-        raise ApplyError("fused_optimizer", f"{str(fused).lower()}: {type(optimizer).__name__} cannot be built "
-                                            f"that way ({e}); use Adam, AdamW or SGD, or set fused_optimizer: "
-                                            "false") from None
-    notes["fused_optimizer"] = f"{type(optimizer).__name__} {'fused' if fused else 'foreach'}"
-    return rebuilt
-
-
 @dataclass
 class Prepared:
     """Your objects with the config applied (see the module docstring)."""
@@ -155,11 +156,17 @@ class Prepared:
     device: torch.device
     model: nn.Module  # what to call in the loop (compiled when asked)
     module: nn.Module  # the plain module (checkpointing/fp8 applied, not compiled): save its state_dict
-    optimizer: torch.optim.Optimizer
+    optimizer: OptimizerLike  # yours (or the AdamW built for you), changed in place
     trainer: Trainer
     train_loader: DataLoader | None = None
     notes: Notes = field(default_factory=dict)
+    check_batch_size: bool = False  # no loader was rebuilt: the first step checks the caller's micro-batches
     _pending: list[Any] = field(default_factory=list)
+
+    @property
+    def optimizers(self) -> Optimizers:
+        """Every optimizer `step` steps (one, or your hybrid's), as one."""
+        return self.trainer.optimizers
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -187,6 +194,13 @@ class Prepared:
         """Add one micro-batch (moved to the device); once accum_steps are in, run forward and
         backward on each (under autocast, GradScaler for fp16, loss / accum_steps) and one
         optimizer step. Returns that step's mean loss (detached), else None."""
+        if self.check_batch_size:
+            got = batch_length(batch)
+            if got != self.config.batch_size:
+                raise ApplyError("batch_size", f"the config's micro-batch is {self.config.batch_size} samples and "
+                                               f"step got {got}: build micro-batches of prepared.config.batch_size "
+                                               "samples, or pass train_loader=... for autotune to rebuild")
+            self.check_batch_size = False
         self._pending.append(to_device(batch, self.device, non_blocking=self.device.type == "cuda"))
         if len(self._pending) < self.accum_steps:
             return None
@@ -194,52 +208,126 @@ class Prepared:
         return self.trainer.step(batches)
 
 
+def _check_loss_fn(model: nn.Module, loss_fn: LossFn | None) -> LossFn:
+    """The loss function `step` calls; without one the model must follow the workload protocol
+    (``forward(batch, with_aux)`` returning a dict with ``"total"``)."""
+    if loss_fn is not None:
+        return loss_fn
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        params = []
+    if len(params) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ApplyError("loss_fn", f"{type(model).__name__}.forward does not take (batch, with_aux): pass "
+                                    "loss_fn=lambda model, batch, with_aux: <your scalar loss>, e.g. "
+                                    "loss_fn=lambda m, b, aux: torch.nn.functional.mse_loss(m(b[0]), b[1])")
+
+    def protocol_loss(model: nn.Module, batch: Any, with_aux: bool) -> torch.Tensor:
+        out = model(batch, with_aux)
+        if not isinstance(out, Mapping) or "total" not in out:
+            raise ApplyError("loss_fn", f"the model returned {type(out).__name__}, not a dict with 'total': pass "
+                                        "loss_fn=lambda model, batch, with_aux: <your scalar loss>")
+        return out["total"]  # type: ignore[no-any-return]
+
+    return protocol_loss
+
+
+def _print_inactive(notes: Notes) -> None:
+    """Each knob that could not act on the caller's objects, once, on stderr."""
+    lines = [f"  {knob}: {text}" for knob, text in notes.items()
+             if "inactive" in text or "not applied" in text]
+    if lines:
+        print("autotune.apply: knobs that could not act here (prepared.notes has every knob):", *lines,
+              sep="\n", file=sys.stderr)
+
+
 def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module, *,
-          optimizer: torch.optim.Optimizer | None = None, train_loader: DataLoader | None = None,
+          optimizer: OptimizerLike | None = None, train_loader: DataLoader | None = None,
           loss_fn: LossFn | None = None, device: str | torch.device = "cpu", lr: float | None = None,
-          weight_decay: float = 0.0, total_samples: int | None = None, warmup_fraction: float = 0.05,
-          final_lr_fraction: float = 0.1) -> Prepared:
-    """Apply `config` to your model, optimizer and DataLoader, in the probe's knob order.
+          use_config_lr: bool = False, weight_decay: float = 0.0, grad_clip_norm: float | None = None,
+          total_samples: int | None = None, warmup_fraction: float = 0.05, final_lr_fraction: float = 0.1,
+          lr_multiplier: Callable[[float], float] | None = None, quiet: bool = False) -> Prepared:
+    """Apply `config` to your model, optimizer(s) and DataLoader, in the probe's knob order.
 
     `loss_fn(model, batch, with_aux) -> scalar loss`; default: ``model(batch, with_aux)["total"]``
-    (the workload protocol). batch_size / accum_steps / lr that the config leaves unset keep
-    your loader's batch size, 1, and your optimizer's lr (or `lr`); an lr in the config replaces
-    the lr of every parameter group. `total_samples`: follow
-    autotune's LR schedule (warm-up, then cosine to `final_lr_fraction`) over that many samples,
-    as the probe did; None keeps the learning rate constant (drive your own scheduler on
-    `prepared.optimizer`). Raises ConfigError / ApplyError naming the knob and the fix.
+    (the workload protocol; another model without `loss_fn` is refused). `optimizer`: yours, or
+    a list of yours (a hybrid), kept and changed in place; None builds AdamW (lr `lr`,
+    `weight_decay`). The learning rate stays your optimizer's unless `use_config_lr` (then the
+    config's lr replaces every group's). batch_size / accum_steps that the config leaves
+    unset keep your loader's batch size and 1. `grad_clip_norm`: clip the gradients' global L2
+    norm before each optimizer step. `total_samples`: follow a schedule over that many samples
+    (`lr_multiplier(progress)`, default warm-up then cosine to `final_lr_fraction`), as the
+    probe did; None leaves the lr to you. Raises ConfigError / ApplyError naming the knob and
+    the fix; prints once each knob that could not act (unless `quiet`).
     """
     cfg = load_config(config)
+    config_lr = cfg.lr  # the probe preset's, in a best.yaml
     dev = torch.device(device)
-    base_lr = lr if lr is not None else (optimizer.param_groups[0]["lr"] if optimizer is not None else None)
-    batch = train_loader.batch_size if train_loader is not None and train_loader.batch_size else 1
-    if cfg.lr is None and base_lr is None:
-        raise ApplyError("lr", "the config has no lr and there is no optimizer to take it from; pass lr=...")
-    cfg = cfg.resolve(batch, 1, float(cfg.lr if cfg.lr is not None else base_lr))  # type: ignore[arg-type]
+    opts = as_optimizers(optimizer, model) if optimizer is not None else None
+    own_lr = float(opts.param_groups[0]["lr"]) if opts is not None else lr
+    if use_config_lr and cfg.lr is None:
+        raise ApplyError("lr", "use_config_lr=True but the config has no lr; drop use_config_lr or add lr")
+    chosen_lr = cfg.lr if use_config_lr else own_lr
+    if chosen_lr is None:
+        raise ApplyError("lr", "there is no optimizer to take the learning rate from: pass optimizer=... or lr=...")
+    batch = train_loader.batch_size if train_loader is not None and train_loader.batch_size else None
+    cfg = dataclasses.replace(cfg, lr=None).resolve(batch or cfg.batch_size or 1, 1, float(chosen_lr))
+    step_loss = _check_loss_fn(model, loss_fn)
     notes: Notes = {}
     apply_backend_flags(cfg, dev, notes)  # 1
-    with _as_apply_error("checkpoint"):  # 2
-        if cfg.checkpoint != "none":
+    if cfg.checkpoint != "none":  # 2
+        try:
             apply_checkpointing(model, cfg.checkpoint, notes)
+        except ProbeError as e:
+            raise ApplyError("checkpoint", f"{e.message.removeprefix('checkpoint: ')}. A block obeys the knob when "
+                                           "it has a `checkpoint` attribute that its forward reads (see "
+                                           "autotune/workloads/ups/model.py Block and docs/tutorial.md)") from None
+    else:
+        notes["checkpoint"] = "none"
     model.to(dev)  # 3
     with _as_apply_error("precision"):  # 4
         model = apply_fp8(model, cfg, dev, notes)
     plain = model
     compiled = apply_compile(model, cfg.compile, notes)  # 5
-    notes["bucket_cap_mb"] = "inactive: one process"  # 6 (DDP: not applied by autotune.apply)
-    if optimizer is None:  # 7
-        opt: torch.optim.Optimizer = build_optimizer(plain, cfg, weight_decay, notes)
+    record_inactive_distributed(cfg, notes, "one process (autotune.apply does not wrap DDP)")  # 6
+    with _as_apply_error("fused_optimizer"):  # 7
+        held: OptimizerLike
+        if opts is None:
+            held = build_optimizer(plain, cfg, weight_decay, notes)
+            opts = as_optimizers(held)
+        else:
+            assert optimizer is not None
+            held = optimizer
+            apply_fused_optimizer(opts, cfg, dev, notes)
+    if use_config_lr:
+        for group in opts.param_groups:
+            set_lr(group, float(chosen_lr))
+        notes["lr"] = f"{chosen_lr:g} from the config (use_config_lr=True), in every parameter group"
+    elif config_lr is not None and config_lr != chosen_lr:
+        notes["lr"] = (f"{config_lr:g} in the config not applied: your optimizer's lr ({chosen_lr:g}) kept "
+                       "(use_config_lr=True applies the config's)")
     else:
-        opt = rebuild_optimizer(optimizer, cfg.fused_optimizer, notes)
-        if cfg.lr is not None and cfg.lr != base_lr:
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr
-    loader = rebuild_loader(train_loader, cfg, dev, notes) if train_loader is not None else None  # 8
-    schedule = Schedule(total_samples, warmup_fraction, final_lr_fraction) if total_samples else None
-    trainer = Trainer(compiled, opt, cfg, dev, notes, schedule=schedule)  # 9
-    trainer.loss_fn = loss_fn or _default_loss
-    return Prepared(config=cfg, device=dev, model=compiled, module=plain, optimizer=opt, trainer=trainer,
-                    train_loader=loader, notes=notes)
+        notes["lr"] = f"{chosen_lr:g} (yours)"
+    loader = None
+    if train_loader is not None:  # 8
+        loader = rebuild_loader(train_loader, cfg, dev, notes)
+    else:
+        for knob in ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers"):
+            if getattr(cfg, knob) != KNOBS[knob].default:
+                notes[knob] = f"{getattr(cfg, knob)} not applied: no train_loader to rebuild"
+        notes["batch_size"] = (f"{cfg.batch_size}: no train_loader, so build micro-batches of {cfg.batch_size} "
+                               "yourself (the first step checks)")
+    schedule = (Schedule(total_samples, warmup_fraction, final_lr_fraction, multiplier=lr_multiplier)
+                if total_samples else None)
+    with _as_apply_error("optimizer"):  # 9
+        trainer = Trainer(compiled, opts, cfg, dev, notes, schedule=schedule, clip_norm=grad_clip_norm)
+    trainer.loss_fn = step_loss
+    prepared = Prepared(config=cfg, device=dev, model=compiled, module=plain, optimizer=held, trainer=trainer,
+                        train_loader=loader, notes=notes, check_batch_size=train_loader is None)
+    if not quiet:
+        _print_inactive(notes)
+    return prepared
 
 
 class _CallableModule(types.ModuleType):
@@ -251,5 +339,4 @@ class _CallableModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _CallableModule
 
-__all__ = ["ApplyError", "LossFn", "Prepared", "apply", "load_config", "rebuild_loader", "rebuild_optimizer",
-           "to_device"]
+__all__ = ["ApplyError", "LossFn", "Prepared", "apply", "load_config", "rebuild_loader", "to_device"]

@@ -63,23 +63,29 @@ def test_the_loader_is_rebuilt_with_the_data_pipeline_knobs() -> None:
     assert first[0].shape == (8, 8)
 
 
-def test_the_optimizer_is_rebuilt_fused_keeping_its_hyper_parameters() -> None:
+def test_the_optimizer_is_made_fused_in_place_keeping_its_hyper_parameters() -> None:
     model, opt, loader = user_objects()
     prepared = apply({"fused_optimizer": True}, model, optimizer=opt, loss_fn=mse, train_loader=loader)
-    new = prepared.optimizer
-    assert type(new) is torch.optim.AdamW and new.defaults["fused"] is True
-    assert new.defaults["betas"] == (0.8, 0.95) and new.param_groups[0]["lr"] == 0.01
-    assert new.param_groups[0]["params"] == list(model.parameters())
-    plain = apply({}, user_objects()[0], lr=1e-3)  # no optimizer: AdamW foreach from the knobs
-    assert plain.optimizer.defaults["foreach"] is True and plain.optimizer.param_groups[0]["lr"] == 1e-3
+    assert prepared.optimizer is opt  # the caller's reference stays the one that steps
+    assert all(g["fused"] is True and g["foreach"] is False for g in opt.param_groups)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.param_groups[0]["lr"] == 0.01
+    assert prepared.notes["fused_optimizer"] == "AdamW fused"
+    before = [p.detach().clone() for p in model.parameters()]
+    for batch in prepared.train_loader or []:
+        prepared.step(batch)
+    assert opt.state and not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    plain = apply({}, user_objects()[0], lr=1e-3, loss_fn=mse)  # no optimizer: AdamW foreach from the knobs
+    assert isinstance(plain.optimizer, torch.optim.AdamW)
+    assert plain.optimizer.param_groups[0]["foreach"] is True and plain.optimizer.param_groups[0]["lr"] == 1e-3
 
 
 def test_an_optimizer_with_state_is_refused() -> None:
     model, opt, loader = user_objects()
     mse(model, next(iter(loader)), False).backward()
     opt.step()
-    with pytest.raises(ApplyError, match="apply the config before training"):
-        apply({"fused_optimizer": True}, model, optimizer=opt)
+    with pytest.raises(ApplyError, match="has stepped already; set the knob before the first step") as info:
+        apply({"fused_optimizer": True}, model, optimizer=opt, loss_fn=mse)
+    assert info.value.knob == "fused_optimizer"
 
 
 def test_compile_wraps_the_model_and_keeps_the_plain_module() -> None:
@@ -94,8 +100,10 @@ def test_checkpointing_is_set_on_the_blocks_and_refused_without_them() -> None:
     apply({"checkpoint": "block"}, model, lr=1e-3)
     assert [b.checkpoint for b in model.blocks] == ["block", "block"]  # type: ignore[union-attr]
     with pytest.raises(ApplyError, match="no checkpointable blocks") as info:
-        apply({"checkpoint": "block"}, user_objects()[0], lr=1e-3)
+        apply({"checkpoint": "block"}, user_objects()[0], lr=1e-3, loss_fn=mse)
     assert info.value.knob == "checkpoint" and isinstance(info.value, ConfigError)  # one error hierarchy
+    assert str(info.value).count("checkpoint:") == 1  # the knob named once
+    assert "`checkpoint` attribute" in str(info.value)  # and how to make a block checkpointable
 
 
 def test_autocast_dtype_is_what_the_forward_sees() -> None:
@@ -110,7 +118,7 @@ def test_autocast_dtype_is_what_the_forward_sees() -> None:
     prepared = apply({"precision": "bf16"}, model, optimizer=opt, train_loader=loader, loss_fn=loss_fn)
     prepared.step(next(iter(prepared.train_loader or [])))
     assert seen == [torch.bfloat16]
-    fp32 = apply({}, user_objects()[0], lr=1e-3, loss_fn=loss_fn)
+    fp32 = apply({"batch_size": 4}, user_objects()[0], lr=1e-3, loss_fn=loss_fn)
     fp32.step(next(iter(loader)))
     assert seen[-1] == torch.float32
 
