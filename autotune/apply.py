@@ -71,7 +71,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from autotune.config import KNOBS, ConfigError, TrainConfig, load_config_arg, parse_config
+from autotune.config import DISTRIBUTED_KNOBS, KNOBS, ConfigError, TrainConfig, load_config_arg, parse_config
 from autotune.errors import ProbeError
 from autotune.knobs import (
     Notes,
@@ -233,10 +233,12 @@ def _check_loss_fn(model: nn.Module, loss_fn: LossFn | None) -> LossFn:
     return protocol_loss
 
 
-def _print_inactive(notes: Notes) -> None:
-    """Each knob that could not act on the caller's objects, once, on stderr."""
+def _print_inactive(notes: Notes, config: TrainConfig) -> None:
+    """Each knob that could not act on the caller's objects, once, on stderr (the multi-process
+    knobs only where the config sets them off their defaults: apply runs one process)."""
     lines = [f"  {knob}: {text}" for knob, text in notes.items()
-             if "inactive" in text or "not applied" in text]
+             if ("inactive" in text or "not applied" in text)
+             and (knob not in DISTRIBUTED_KNOBS or getattr(config, knob) != KNOBS[knob].default)]
     if lines:
         print("autotune.apply: knobs that could not act here (prepared.notes has every knob):", *lines,
               sep="\n", file=sys.stderr)
@@ -326,7 +328,7 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
     prepared = Prepared(config=cfg, device=dev, model=compiled, module=plain, optimizer=held, trainer=trainer,
                         train_loader=loader, notes=notes, check_batch_size=train_loader is None)
     if not quiet:
-        _print_inactive(notes)
+        _print_inactive(notes, cfg)
     return prepared
 
 

@@ -10,7 +10,7 @@ from helpers import CPU, micro_batches, resolved
 from autotune import step_graph
 from autotune.config import TrainConfig, parse_config
 from autotune.knobs import Schedule, Trainer, build_optimizer
-from autotune.optimizers import Optimizers, lr_to_tensor, set_lr
+from autotune.optimizers import Optimizers, lr_to_tensor, muon_adamw, set_lr
 from autotune.probe import ProbeSettings, plan_steps, run_probe
 from autotune.workloads import Workload
 
@@ -141,3 +141,56 @@ def test_a_probe_replays_its_steps_from_graphs(tiny: Workload, compile_mode: str
     assert f"; {r.steps - 2 * step_graph.EAGER_RUNS} of {r.steps} steps replayed from 2 graphs" in r.knobs["step_graph"]
     assert r.warmup_steps >= 2 * (step_graph.EAGER_RUNS + 2)
     assert r.val_nrmse is not None and r.loss_curve[-1][1] < r.loss_curve[0][1]
+
+
+def _train_hybrid(tiny: Workload, train_items: list, steps: int, **knobs: object) -> tuple[Trainer, list[float],
+                                                                                             dict]:
+    """The research job's step on the tiny model: Muon + AdamW, clipping at 0.5, its optimizer
+    step compiled (compile_optimizer), the schedule moving every step."""
+    cfg = resolved(tiny, batch_size=4, accum_steps=2, inverse_loss_frequency=2, compile_optimizer=True, **knobs)
+    torch.manual_seed(0)
+    with CUDA:
+        model = tiny.build_model()
+    notes: dict[str, str] = {}
+    opts = muon_adamw(model, cfg.lr or 0.0, 0.03)
+    torch._dynamo.reset()
+    trainer = Trainer(model, opts, cfg, CUDA, notes, schedule=Schedule(steps * 8), clip_norm=0.5)
+    batches = [{k: v.to(CUDA) for k, v in b.items()} for b in micro_batches(train_items, 4)]
+    losses = [float(trainer.step(batches)) for _ in range(steps)]
+    return trainer, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.gpu
+def test_the_hybrid_step_with_clipping_is_captured_and_trains_as_the_compiled_eager_step(
+        tiny: Workload, train_items: list) -> None:
+    """Muon (Newton-Schulz included) + AdamW, clipping and the schedule, captured through the
+    compiled optimizer step: 12 replayed-or-eager steps match the eager ones."""
+    eager, eager_losses, eager_params = _train_hybrid(tiny, train_items, 12)
+    graphed, graphed_losses, graphed_params = _train_hybrid(tiny, train_items, 12, step_graph=True)
+    assert eager.graph is None and eager.compiled_step is not None
+    assert graphed.graph is not None and graphed.graph.replays == 12 - 2 * step_graph.EAGER_RUNS
+    assert eager_losses[-1] < eager_losses[0]
+    assert graphed.last_grad_norm is not None and float(graphed.last_grad_norm) > 0.5  # clipping acted
+    torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=1e-3, atol=1e-4)
+    for name, value in eager_params.items():
+        torch.testing.assert_close(graphed_params[name], value, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+def test_a_muon_probe_replays_its_steps_from_graphs() -> None:
+    """The tiny-muon probe with its hybrid step captured trains as the same config without the
+    graph (the compiled optimizer step alone): the same validation NRMSE."""
+    knobs = {"precision": "bf16", "compile": "default", "compile_optimizer": True, "inverse_loss_frequency": 2,
+             "fused_optimizer": True}
+    settings = ProbeSettings(samples=1280)
+    r = run_probe("ups", {**knobs, "step_graph": True}, preset="tiny-muon", device="cuda", settings=settings)
+    assert r.failure is None, r.failure
+    assert r.knobs["step_graph"].startswith("on:") and "Muon + AdamW" in r.knobs["step_graph"], r.knobs
+    assert "steps replayed from 2 graphs" in r.knobs["step_graph"]
+    assert r.knobs["compile_optimizer"].startswith("on: Muon + AdamW")
+    eager = run_probe("ups", knobs, preset="tiny-muon", device="cuda", settings=settings)
+    assert eager.failure is None and eager.knobs["step_graph"] == "off"
+    assert r.val_nrmse == pytest.approx(eager.val_nrmse, rel=2e-3)
+    without = run_probe("ups", {"precision": "bf16", "compile": "default", "step_graph": True},
+                        preset="tiny-muon", device="cuda", settings=ProbeSettings(samples=640))
+    assert without.failure is None and "Muon has no capturable mode" in without.knobs["step_graph"]

@@ -47,7 +47,11 @@ def test_the_tutorial_has_the_steps_it_promises() -> None:
     script = "\n".join(bash_blocks(TUTORIAL.read_text()))
     for step in ("pip install ./examples/my_workload", "autotune token create --role admin",
                  "autotune serve", "autotune submit", "--allow-workload my-wl", "autotune best",
-                 "python -m my_workload.train --config best.yaml"):
+                 "python -m my_workload.train --config best.yaml",
+                 # part 2: a script as people write it, its workload glue and the apply path
+                 "python examples/gpt_script/gpt_script/train.py", "pip install ./examples/gpt_script",
+                 "autotune probe --workload gpt-script --preset tiny --json", "--allow-workload gpt-script",
+                 "python -m gpt_script.train --config gpt-best.yaml"):
         assert step in script, step
 
 
@@ -74,3 +78,8 @@ def test_the_tutorial_commands_run_on_cpu(tmp_path: Path) -> None:
     assert "# val_loss: " in best and "nrmse" not in best.lower()
     assert re.search(r"^batch_size: (8|16|32)$", best, flags=re.MULTILINE), best
     assert re.search(r"epoch 1: val_loss \d+\.\d+", output), output[-3000:]
+    # part 2: the script's probe trained with its optimizer and schedule; its study and apply path ran
+    assert re.search(r"^AdamW \(\d+ tensors in 2 groups\)$", output, flags=re.MULTILINE), output[-3000:]
+    assert "ScriptWorkload.lr_multiplier" in output
+    assert "# autotune recommendation for study gpt-script-study" in (work / "gpt-best.yaml").read_text()
+    assert len(re.findall(r"parameters, vocab \d+, \d+ iterations of \d+ x \d+ sequences", output)) == 2, output[-3000:]

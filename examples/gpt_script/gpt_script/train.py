@@ -107,7 +107,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         pos = torch.arange(idx.size(1), device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
@@ -132,12 +133,13 @@ def configure_optimizers(model: nn.Module, weight_decay: float, lr: float,
 
 
 def get_lr(it: float, max_iters: int = max_iters) -> float:
-    """Linear warm-up for warmup_iters, then cosine decay to min_lr at max_iters."""
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
+    """Linear warm-up for warmup_iters (a tenth of a shorter run), then cosine decay to min_lr at max_iters."""
+    warmup = min(warmup_iters, max_iters // 10)
+    if it < warmup:
+        return learning_rate * (it + 1) / (warmup + 1)
     if it > max_iters:
         return min_lr
-    coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup_iters) / (max_iters - warmup_iters)))
+    coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup) / (max_iters - warmup)))
     return min_lr + coeff * (learning_rate - min_lr)
 
 
@@ -163,13 +165,14 @@ def main(argv: list[str] | None = None) -> float:
     model = build_model().to(device)
     optimizer = configure_optimizers(model, weight_decay, learning_rate, (beta1, beta2))
     micro_batch, accum = batch_size, gradient_accumulation_steps
-    if args.config:                                                                                 # autotune
-        import autotune                                                                             # autotune
-        prepared = autotune.apply(args.config, model, optimizer=optimizer, device=device,          # autotune
-                                  grad_clip_norm=grad_clip, loss_fn=lambda m, b, aux: m(*b)[1])     # autotune
-        micro_batch, accum = prepared.config.batch_size, prepared.accum_steps                       # autotune
+    if args.config:  # autotune
+        import autotune  # autotune
+        prepared = autotune.apply(args.config, model, optimizer=optimizer, device=device,  # autotune
+                                  grad_clip_norm=grad_clip, loss_fn=lambda m, b, aux: m(*b)[1])  # autotune
+        micro_batch, accum = prepared.config.batch_size, prepared.accum_steps  # autotune
+        args.max_iters = args.max_iters * batch_size * gradient_accumulation_steps // (micro_batch * accum)  # autotune
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, vocab {vocab_size}, "
-          f"{micro_batch} x {accum} sequences of {block_size} per iteration")
+          f"{args.max_iters} iterations of {micro_batch} x {accum} sequences of {block_size}")
 
     for it in range(args.max_iters + 1):
         lr = get_lr(it, args.max_iters)
@@ -180,9 +183,9 @@ def main(argv: list[str] | None = None) -> float:
             print(f"step {it}: val loss {val_loss:.4f}")
         if it == args.max_iters:
             break
-        if args.config:                                                                             # autotune
-            for _ in range(accum):                                                                  # autotune
-                loss = prepared.step(get_batch("train", micro_batch))                               # autotune
+        if args.config:  # autotune
+            for _ in range(accum):  # autotune
+                loss = prepared.step(get_batch("train", micro_batch))  # autotune
         else:
             for _ in range(accum):
                 x, y = get_batch("train", micro_batch)
