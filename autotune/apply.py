@@ -266,7 +266,10 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
     cfg = load_config(config)
     config_lr = cfg.lr  # the probe preset's, in a best.yaml
     dev = torch.device(device)
-    opts = as_optimizers(optimizer, model) if optimizer is not None else None
+    try:
+        opts = as_optimizers(optimizer, model) if optimizer is not None else None
+    except (TypeError, ValueError) as e:
+        raise ApplyError("optimizer", str(e)) from None
     own_lr = float(opts.param_groups[0]["lr"]) if opts is not None else lr
     if use_config_lr and cfg.lr is None:
         raise ApplyError("lr", "use_config_lr=True but the config has no lr; drop use_config_lr or add lr")

@@ -162,3 +162,78 @@ def test_step_graph_on_a_cpu_is_recorded_inactive_and_the_loop_trains_eagerly() 
     assert prepared.trainer.graph is None and isinstance(prepared.optimizer.param_groups[0]["lr"], float)
     losses = [prepared.step(batch) for batch in prepared.train_loader]
     assert all(loss is not None and torch.isfinite(loss) for loss in losses) and prepared.trainer.step_index == 12
+
+
+def test_the_configs_lr_is_applied_only_when_asked() -> None:
+    model, opt, loader = user_objects()  # the user's lr: 0.01
+    kept = apply({"lr": 5e-4, "batch_size": 4}, model, optimizer=opt, train_loader=loader, loss_fn=mse, quiet=True)
+    assert opt.param_groups[0]["lr"] == 0.01 and kept.config.lr == 0.01
+    assert kept.notes["lr"] == ("0.0005 in the config not applied: your optimizer's lr (0.01) kept "
+                                "(use_config_lr=True applies the config's)")
+    model, opt, loader = user_objects()
+    used = apply({"lr": 5e-4}, model, optimizer=opt, train_loader=loader, loss_fn=mse, use_config_lr=True,
+                 quiet=True)
+    assert opt.param_groups[0]["lr"] == 5e-4 and used.config.lr == 5e-4
+    model, opt, _ = user_objects()
+    with pytest.raises(ApplyError, match="the config has no lr"):
+        apply({}, model, optimizer=opt, loss_fn=mse, use_config_lr=True)
+    with pytest.raises(ApplyError, match="4 trainable parameters are in no optimizer") as e:
+        apply({}, model, optimizer=user_objects()[1], loss_fn=mse)  # another model's optimizer
+    assert e.value.knob == "optimizer"
+
+
+def test_a_hybrid_of_the_callers_optimizers_steps_as_one_with_clipping() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    muon = torch.optim.Muon([model[0].weight, model[2].weight], lr=0.02)
+    adamw = torch.optim.AdamW([model[0].bias, model[2].bias], lr=1e-3)
+    loader = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), batch_size=4)
+    seen: list[float] = []
+    muon.register_step_pre_hook(lambda o, a, k: seen.append(float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(p.grad) for p in model.parameters()])))))
+    prepared = apply({"fused_optimizer": True}, model, optimizer=[muon, adamw], train_loader=loader, loss_fn=mse,
+                     grad_clip_norm=0.01, quiet=True)
+    assert prepared.optimizer == [muon, adamw] and prepared.optimizers.optimizers == [muon, adamw]
+    assert prepared.notes["fused_optimizer"] == ("Muon: inactive (Muon has no fused or foreach implementation); "
+                                                 "AdamW fused")
+    assert prepared.notes["grad_clip"] == "max norm 0.01 (global L2, on the device)"
+    for batch in prepared.train_loader or []:
+        prepared.step(batch)
+    assert len(seen) == 8 and seen == pytest.approx([0.01] * 8, rel=1e-3)  # both optimizers saw clipped grads
+    assert muon.state and adamw.state
+
+
+def test_a_model_without_the_protocol_needs_a_loss_fn() -> None:
+    model, opt, loader = user_objects()
+    with pytest.raises(ApplyError, match=r"Sequential.forward does not take \(batch, with_aux\): pass loss_fn=") as e:
+        apply({}, model, optimizer=opt, train_loader=loader)
+    assert e.value.knob == "loss_fn"
+
+
+def test_without_a_loader_the_first_step_checks_the_micro_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
+    model, opt, _ = user_objects()
+    prepared = apply({"batch_size": 8, "num_workers": 2}, model, optimizer=opt, loss_fn=mse)
+    assert prepared.train_loader is None
+    assert prepared.notes["num_workers"] == "2 not applied: no train_loader to rebuild"
+    with pytest.raises(ApplyError, match="the config's micro-batch is 8 samples and step got 4") as e:
+        prepared.step((torch.randn(4, 8), torch.randn(4, 1)))
+    assert e.value.knob == "batch_size"
+    prepared.step((torch.randn(8, 8), torch.randn(8, 1)))  # the size it asked for
+    assert prepared.optimizer_steps == 1
+    err = capsys.readouterr().err  # what could not act, printed once by apply
+    assert err.count("autotune.apply: knobs that could not act here") == 1 and "num_workers: 2 not applied" in err
+    assert "bucket_cap_mb" not in err  # the multi-process knobs at their defaults: nothing to say
+
+
+def test_a_loop_that_writes_its_own_lr_keeps_scheduling_the_step() -> None:
+    """nanoGPT-style: the loop writes group["lr"] before each step; the optimizer it holds is
+    the one that steps, so the writes reach it."""
+    model, opt, loader = user_objects()
+    seen: list[float] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(float(o.param_groups[0]["lr"])))
+    prepared = apply({"batch_size": 4}, model, optimizer=opt, train_loader=loader, loss_fn=mse, quiet=True)
+    for it, batch in enumerate(prepared.train_loader or []):
+        for group in opt.param_groups:
+            group["lr"] = 0.01 / (it + 1)
+        prepared.step(batch)
+    assert seen == pytest.approx([0.01 / (i + 1) for i in range(12)])

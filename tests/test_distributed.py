@@ -440,3 +440,22 @@ def test_a_two_gpu_nccl_probe_measures_global_throughput(job_root: Path) -> None
     assert result["world_size"] == 2 and result["knobs"]["parallel"] == "ddp: 2 ranks (nccl)"
     assert result["throughput_samples_per_s"] > 0 and result["val_nrmse"] is not None
     assert job_processes(job_root) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_the_muon_hybrid_with_clipping_over_two_ranks_trains_like_one_process(
+        job_root: Path, tiny_datasets: Any, parallel: str) -> None:
+    """The research job's step (Muon + AdamW, clipping at 1.0) under DDP and FSDP2: the ranks
+    run exactly the workload's step, so the quality is one process's with twice the batch."""
+    client = FakeClient()
+    two = lease(samples=96).model_copy(update={"preset": "tiny-muon", "config": {
+        "batch_size": 2, "accum_steps": 2, "parallel": parallel}})
+    two_rank_worker(client).run_trial(two)
+    [result] = client.completed
+    assert result["failure"] is None and result["world_size"] == 2, result["failure"]
+    assert result["knobs"]["optimizer"].startswith("Muon (") and result["knobs"]["grad_clip"].startswith("max norm 1")
+    one = run_probe("ups", {"batch_size": 4, "accum_steps": 2}, preset="tiny-muon",
+                    settings=ProbeSettings(samples=96, windows=5, warmup_steps=2))
+    assert one.failure is None and result["samples_trained"] == one.samples_trained == 96
+    assert result["val_nrmse"] == pytest.approx(one.val_nrmse, rel=1e-3)

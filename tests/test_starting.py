@@ -16,8 +16,9 @@ UPS_FULL_BASELINE: dict[str, Any] = {
     "precision": "fp32", "cudnn_benchmark": False, "checkpoint": "none", "compile": "none",
     "fused_optimizer": False, "batch_size": 12, "accum_steps": 4, "num_workers": 8, "prefetch_factor": 4,
     "pin_memory": False, "persistent_workers": False, "inverse_loss_frequency": 1, "lr": 0.0005}
-FAST = {"precision": "bf16", "fused_optimizer": True, "compile_optimizer": True, "cudnn_benchmark": True, "checkpoint": "none",
-        "batch_size": 48, "accum_steps": 1, "num_workers": 8, "prefetch_factor": 4, "persistent_workers": True}
+FAST = {"precision": "bf16", "fused_optimizer": True, "compile_optimizer": True, "cudnn_benchmark": True,
+        "checkpoint": "none", "batch_size": 48, "accum_steps": 1, "num_workers": 8, "prefetch_factor": 4,
+        "persistent_workers": True}
 
 
 def test_fast_stack_for_the_h100_space() -> None:
