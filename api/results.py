@@ -486,5 +486,8 @@ def recommendation_yaml(rec: Recommendation) -> str:
     lines.append("# peak memory reserved: " + ("n/a (not measured on this device)" if rec.peak_mem_reserved_bytes
                                                 is None else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB"))
     lines += [f"# note: {note}" for note in rec.measurement_notes]
+    if rec.config and rec.config.get("lr") is not None:
+        lines.append("# lr: the probes' (the workload preset's); autotune.apply keeps your optimizer's lr "
+                     "unless use_config_lr=True")
     body = yaml.safe_dump(rec.config, sort_keys=False, default_flow_style=False) if rec.config else "{}\n"
     return "\n".join(lines) + "\n" + body

@@ -10,7 +10,8 @@ captures the forward and the backward as CUDA graphs but leaves the optimizer an
 bookkeeping on the host.
 
 With ``step_graph: true`` the probe (and `autotune.apply`) captures everything one optimizer
-step does on the GPU, the forward and backward of every micro-batch, AdamW's update and the
+step does on the GPU, the forward and backward of every micro-batch, the gradient clipping,
+the update of every optimizer (AdamW, or the workload's own, e.g. Muon + AdamW) and the
 zeroing of the gradients, as one CUDA graph per step variant (with and without the inverse
 losses). A step is then: copy the new micro-batches into the graph's input buffers, set the
 learning rate in its device tensor, launch the graph. What stays on the host per step is a
@@ -18,8 +19,13 @@ handful of calls, whatever the number of parameters.
 
 How, in the order it happens:
 
-* The optimizer is made capturable: its step counter lives on the device and its learning
-  rate is a device tensor the schedule writes into (``Trainer`` does this before any step).
+* Each optimizer reads its state and learning rate on the device: an optimizer with a
+  capturable mode (Adam, AdamW) is switched to it (step counters on the device), and each
+  group's learning rate becomes a device tensor the schedule writes into
+  (`autotune.optimizers.lr_to_tensor`; ``Trainer`` does this before any step). An optimizer
+  without a capturable mode (torch's Muon, SGD) is captured through its compiled step
+  (``compile_optimizer``), which reads the lr tensor on the device; eager, it would read the
+  lr on the host once, at capture.
   Gradients are allocated once and zeroed in place, never set to None, so the graph's
   backward accumulates into the same tensors every replay.
 * Each variant first runs ``EAGER_RUNS`` ordinary steps on a side stream: torch.compile
@@ -32,7 +38,8 @@ Where it cannot act it is recorded inactive, with the reason (`blocker`): not on
 device; with several ranks (the gradient all-reduce is not captured); with
 ``compile=reduce-overhead`` or ``max-autotune``, which capture CUDA graphs of their own; with
 fp16, whose GradScaler reads the gradients' inf check on the host every step; with an
-optimizer that has no capturable mode. A step that cannot be captured all the same (an
+optimizer that has neither a capturable mode nor a compiled step (the reason names
+``compile_optimizer``). A step that cannot be captured all the same (an
 operation that synchronises with the host, a data-dependent shape) fails the probe as
 ``unsupported``, naming the knob, rather than training on unmeasured.
 """

@@ -1,7 +1,7 @@
 """The GPU benchmarks' drivers, run small on a CPU so that they cannot go stale unnoticed
 between GPU sessions (their figures come from the same code on a lent GPU): probe_configs.py
 with report_probe.py, pruning.py's study and analysis, window_cost.py, host_speed.py, warmup_length.sh,
-compile_pool.sh, host_top.py, probe_speed.py, step_graph.py and ddp.py."""
+compile_pool.sh, host_top.py, probe_speed.py, step_graph.py, ddp.py and optimizer_step.py."""
 
 from __future__ import annotations
 
@@ -215,3 +215,31 @@ def test_ddp_runs_one_and_two_rank_probes_as_the_worker_launches_them(tmp_path: 
                               str(tmp_path / "x.json")], capture_output=True, text=True, cwd=tmp_path,
                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120, check=False)
     assert refused.returncode == 2 and "--only: no case named 3gpu; the cases are 1gpu-accum1," in refused.stderr
+
+
+def test_optimizer_step_runs_the_probe_and_the_apply_loop_and_tables_them(tmp_path: Path) -> None:
+    """The user's-step benchmark on a CPU: probe_configs.py for both ups optimizers, then
+    optimizer_step.py's mirrored probe / apply loop / probe and its table and chart."""
+    configs = '{"baseline": {"batch_size": 4, "accum_steps": 2}, "b8": {"batch_size": 8, "accum_steps": 1}}'
+    probes = []
+    for preset in ("tiny", "tiny-muon"):
+        out = tmp_path / f"{preset}.json"
+        _run("probe_configs.py", ["--preset", preset, "--device", "cpu", "--samples", "320", "--repeats", "1",
+                                  "--configs", configs, "--out", str(out)], tmp_path)
+        probes.append(str(out))
+    loop = tmp_path / "loop.json"
+    _run("optimizer_step.py", ["loop", "--preset", "tiny-muon", "--device", "cpu", "--samples", "320",
+                               "--config", '{"batch_size": 8, "accum_steps": 1}', "--seconds", "1",
+                               "--warmup-steps", "2", "--out", str(loop)], tmp_path)
+    doc = json.loads(loop.read_text())
+    assert [r["kind"] for r in doc["runs"]] == ["probe", "loop", "probe"]
+    looped = doc["runs"][1]
+    assert looped["steps"] > 0 and looped["throughput_samples_per_s"] > 0
+    assert looped["notes"]["grad_clip"].startswith("max norm 1 ")  # the workload's clipping, through apply
+    assert looped["notes"]["fused_optimizer"].startswith("Muon: inactive")  # the workload's own hybrid
+    assert doc["probe_over_loop"] > 0
+    png = tmp_path / "step.png"
+    table = _run("optimizer_step.py", ["table", "--probes", *probes, "--loops", str(loop), "--png", str(png)],
+                 tmp_path).stdout
+    assert "| baseline | " in table and "| b8 | " in table and "tiny-muon: samples/s" in table
+    assert "tiny-muon, apply loop" in table and png.stat().st_size > 0

@@ -40,10 +40,11 @@ def test_gpu_study_starts_from_the_fast_stack(app: FastAPI, client: TestClient, 
         assert got is not None and got["role"] == "search"
         configs.append(got["config"])
         complete(client, got, "w", throughput=1000.0, nrmse=0.1)
-    fast = {"precision": "bf16", "fused_optimizer": True, "batch_size": 48, "accum_steps": 1, "checkpoint": "none"}
+    fast = {"precision": "bf16", "fused_optimizer": True, "compile_optimizer": True, "batch_size": 48,
+            "accum_steps": 1, "checkpoint": "none"}
     # step_graph is a parameter only where compile is none or default (the h100 space's condition)
     assert [(c["compile"], c["inverse_loss_frequency"], c.get("step_graph")) for c in configs[:4]] == [
-        ("reduce-overhead", 4, None), ("reduce-overhead", 1, None), ("default", 4, True), ("default", 4, False)]
+        ("default", 4, True), ("reduce-overhead", 4, None), ("reduce-overhead", 1, None), ("default", 4, False)]
     for c in configs[:4]:
         assert {k: c[k] for k in fast} == fast and c["num_workers"] == 8  # the baseline's data pipeline kept
     attrs = _attrs(app, "gpu")
