@@ -5,7 +5,8 @@ lifespan runs the stale-lease reaper (every `reaper_interval_s`). Every error bo
 ``{"detail": ...}``: a string, or for 422 a list of ``{loc, msg, type}`` naming the field.
 
 Auth (api/auth.py, api/deps.py): every write needs a bearer token (studies: admin; trials:
-worker or admin); reads and /v1/health are open. `run_server` refuses to listen on a
+worker or admin); reads, /v1/health and the docs pages (/docs, /redoc, /openapi.json: served
+offline, api/docs_assets.py) are open. `run_server` refuses to listen on a
 non-loopback address with auth off.
 """
 
@@ -26,6 +27,7 @@ from sqlalchemy.exc import OperationalError
 
 import autotune
 from api.auth import TokenStore, TokenVerifier, warn_if_no_tokens
+from api.docs_assets import install_docs
 from api.errors import Invalid, ServiceError
 from api.limits import BodySizeLimit
 from api.routes import health, studies, trials
@@ -109,12 +111,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             service.close()
 
     app = FastAPI(title="autotune", version=autotune.__version__, lifespan=lifespan,
-                  description="Finds the fastest PyTorch training config that keeps model quality.")
+                  description="Finds the fastest PyTorch training config that keeps model quality.",
+                  docs_url=None, redoc_url=None)  # FastAPI's pages load from a CDN: install_docs serves them
     app.state.settings = settings
     app.state.service = service
     app.state.tokens = tokens
     for router in (studies.router, trials.router, health.router):
         app.include_router(router, prefix="/v1")
+    install_docs(app)  # /docs and /redoc with their assets from the service (api/docs_assets.py), no token
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit)  # 413 for request bodies over AUTOTUNE_MAX_BODY_BYTES (1 MiB)
     return app

@@ -388,7 +388,8 @@ def serve(
 
 DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy database URL (default: AUTOTUNE_DB_URL, "
                                                            "else sqlite:///./autotune.db).")]
-db_app = typer.Typer(help="The service's tables: Alembic migrations (`autotune serve` upgrades at start).",
+db_app = typer.Typer(help="The service's database: Alembic migrations (`autotune serve` upgrades at start) "
+                          "and consistent SQLite backups.",
                      no_args_is_help=True)
 token_app = typer.Typer(help="Bearer tokens of the service (roles: worker, admin); work on the database directly.",
                         no_args_is_help=True)
@@ -477,6 +478,31 @@ def db_current(db: DbOption = None) -> None:
         head = db_module.head_revision()
     note = " (head)" if current == head else f" (newest: {head}; run `autotune db upgrade`)"
     Console().print(_revision(current) + note, highlight=False)
+
+
+@db_app.command("backup")
+def db_backup(
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="The copy's file (its folders are created).")],
+    db: DbOption = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+) -> None:
+    """Copy a SQLite database to OUT consistently, even while the service writes to it.
+
+    Uses SQLite's online backup (a `cp` of the file misses what is still in its -wal). Exit
+    status 2 for bad input (OUT exists without --force, no database file, a PostgreSQL URL:
+    use pg_dump, as the message shows), 1 if SQLite fails.
+    """
+    import importlib
+
+    backup = importlib.import_module("api.backup")
+    try:
+        result = backup.backup_sqlite(_database_url(db), out, force=force)
+    except backup.BackupRefused as e:
+        raise usage_error(rich_escape(str(e))) from None
+    except backup.BackupFailed as e:
+        err.print(f"[bold red]error:[/] {rich_escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    Console().print(result.describe(), markup=False, highlight=False, soft_wrap=True)
 
 
 @contextmanager
@@ -586,6 +612,110 @@ def worker(
     raise typer.Exit(code=code)
 
 
+# Built-in presets sized for a GPU (tens of millions of parameters, ~19 k samples a probe): as a
+# CPU study each trial would take hours. The registry does not say it; these are the built-ins'.
+GPU_PRESETS: dict[str, tuple[str, ...]] = {"ups": ("full", "full-muon"), "gpt": ("full",)}
+# Knob values that act only on a CUDA device: a CPU probe runs them as no-ops (or cannot run them).
+GPU_ONLY_VALUES: dict[str, tuple[Any, ...]] = {"precision": ("fp8", "tf32"), "compile": ("reduce-overhead",),
+                                               "step_graph": (True,), "cudnn_benchmark": (True,),
+                                               "pin_memory": (True,)}
+GPU_NAME_EXAMPLE = "NVIDIA H100 80GB HBM3"
+
+
+def _gpu_only(values: Mapping[str, Any] | None) -> list[str]:
+    """'knob=value' ('knob=a/b' for several) for the GPU-only values in `values` (a config, or
+    knob -> a list of choices)."""
+    found = []
+    for knob, value in (values or {}).items():
+        hits = [json.dumps(v).strip('"') for v in (value if isinstance(value, (list, tuple)) else (value,))
+                if v in GPU_ONLY_VALUES.get(knob, ())]
+        if hits:
+            found.append(f"{knob}={'/'.join(hits)}")
+    return found
+
+
+def _gpu_signs(spec: Any) -> list[str]:
+    """What in a validated StudySpec says it was meant for a GPU: a built-in preset sized for one,
+    GPU-only knob values in its space or baseline. Empty when nothing does."""
+    signs = []
+    if spec.preset in GPU_PRESETS.get(spec.workload, ()):
+        signs.append(f"preset {spec.preset!r} of workload {spec.workload!r} is sized for a GPU (a CPU probe of it "
+                     "takes hours)")
+    space = spec.resolved_space()
+    searched = _gpu_only({name: list(p.choices) for name, p in space.params.items() if p.choices is not None})
+    fixed = _gpu_only(space.fixed)
+    label = f"space {spec.space!r}" if isinstance(spec.space, str) else "the space"
+    if searched:
+        signs.append(f"{label} searches GPU-only values ({', '.join(searched)})")
+    if fixed:
+        signs.append(f"{label} fixes GPU-only values ({', '.join(fixed)})")
+    if baseline := _gpu_only(spec.baseline):
+        signs.append(f"the baseline sets GPU-only values ({', '.join(baseline)})")
+    return signs
+
+
+def _implicit_cpu_check(spec_file: Path, data: dict[str, Any]) -> None:
+    """A spec without `hardware` is a CPU study (StudySpec's default). Refuse one whose workload
+    preset or knobs need a GPU (exit 2, naming the field and both fixes); a user who means it
+    on CPUs writes hardware: cpu."""
+    from pydantic import ValidationError
+
+    from autotune.protocol import StudySpec
+
+    try:  # as a GPU study: the spec's GPU intent, also where cpu rules refuse it (fp8)
+        as_gpu = StudySpec.model_validate({**data, "hardware": GPU_NAME_EXAMPLE})
+    except ValidationError:
+        return  # invalid for another reason: the usual validation names it
+    signs = _gpu_signs(as_gpu)
+    if not signs:
+        return
+    try:
+        StudySpec.model_validate({**data, "hardware": "cpu"})
+        on_cpu = "write hardware: cpu to run it on CPU workers anyway"
+    except ValidationError as e:
+        on_cpu = f"write hardware: cpu and drop what a CPU cannot run ({spec_errors(e)})"
+    raise usage_error(
+        f"{spec_file}: hardware: not set, so this would be a CPU study (the default), but {'; '.join(signs)}. "
+        f"Set hardware: to the GPU's name as its workers report it (`autotune worker --device cuda` prints it "
+        f"as its hardware class), e.g. hardware: {GPU_NAME_EXAMPLE}; or {on_cpu}")
+
+
+def _worker_command(info: StudyInfo, api: str) -> tuple[str, list[str]]:
+    """A worker command line that takes the study's trials, and notes on what it needs besides:
+    the device of its hardware class, its gpus_per_trial, --allow-workload for a workload that
+    is not built in (NAME=module:attr where this machine knows the import path)."""
+    import shlex
+
+    from autotune.workloads import ENTRY_POINT_GROUP, ENV_VAR, registered_workloads
+
+    spec = info.spec
+    gpu = spec.hardware != "cpu"
+    parts = ["autotune worker", f"--api {shlex.quote(api)}", f"--study {info.name}",
+             f"--device {'cuda' if gpu else 'cpu'}"]
+    notes = []
+    if gpu:
+        notes.append(f"on a host whose GPU is named {spec.hardware!r} exactly, the study's hardware")
+    if spec.gpus_per_trial > 1:
+        parts.append(f"--gpus-per-trial {spec.gpus_per_trial}")
+        if gpu:
+            notes.append(f"--device cuda splits the host's GPUs into groups of {spec.gpus_per_trial}; "
+                         f"--device cuda:0,1,... picks them")
+    entry = registered_workloads().get(spec.workload)
+    if entry is None or not entry.builtin:
+        if entry is not None and entry.source == "environment" and entry.target:
+            parts.append(f"--allow-workload {spec.workload}={entry.target}")
+            notes.append(f"{entry.target.partition(':')[0]} must be importable on the worker's host")
+        elif entry is not None and entry.source == "environment":
+            parts.append(f"--allow-workload {spec.workload}=MODULE:ATTR")
+            notes.append(f"MODULE:ATTR: the import path of {spec.workload!r}'s code on the worker's host "
+                         f"({ENV_VAR} names it here without one)")
+        else:
+            parts.append(f"--allow-workload {spec.workload}")
+            notes.append(f"the worker's host needs the package that registers {spec.workload!r} under "
+                         f"{ENTRY_POINT_GROUP!r}")
+    return " ".join(parts), notes
+
+
 @app.command()
 def submit(
     spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Study spec: a YAML or JSON file.")],
@@ -593,7 +723,11 @@ def submit(
     token: TokenOption = None,
     name: Annotated[str | None, typer.Option(help="Override the spec's study name.")] = None,
 ) -> None:
-    """Create a study from a YAML/JSON spec (autotune.protocol.StudySpec) and print it.
+    """Create a study from a YAML/JSON spec (autotune.protocol.StudySpec) and print it, with a
+    worker command that takes its trials.
+
+    A spec without `hardware` is a CPU study (said so); one whose preset or knobs need a GPU
+    is refused until `hardware` is set.
 
     Exit status: 0 created, 1 service unreachable or the name is taken, 2 invalid spec.
     """
@@ -612,6 +746,9 @@ def submit(
         raise usage_error(f"{spec_file}: expected a mapping of study fields (name, space, n_trials, ...)")
     if name is not None:
         data["name"] = name
+    implicit_cpu = "hardware" not in data
+    if implicit_cpu:
+        _implicit_cpu_check(spec_file, data)
     try:
         spec = StudySpec.model_validate(data)
     except ValidationError as e:
@@ -627,10 +764,17 @@ def submit(
     console.print(f"created study [bold]{info.name}[/] ({info.state}): {info.spec.workload}/{info.spec.preset}, "
                   f"space {space}, {info.spec.n_trials} trials, sampler {info.spec.sampler}, "
                   f"hardware {info.spec.hardware}", highlight=False, soft_wrap=True)
-    gpus = info.spec.gpus_per_trial
-    per_trial = f" --gpus-per-trial {gpus}" if gpus > 1 else ""
-    console.print(f"start workers: autotune worker --api {api} --study {info.name}{per_trial}\n"
-                  f"watch it:      autotune status {info.name} --api {api}", highlight=False, soft_wrap=True)
+    if implicit_cpu:
+        err.print("[yellow]note:[/] no `hardware` in the spec: this is a CPU study; workers with GPUs will not take "
+                  "it. For a GPU study set hardware: <the GPU's name as workers report it> (e.g. "
+                  f"hardware: {GPU_NAME_EXAMPLE}; `autotune worker --device cuda` prints it as its hardware class)",
+                  highlight=False, soft_wrap=True)
+    command, notes = _worker_command(info, api)
+    console.print(f"start workers: {command}", markup=False, highlight=False, soft_wrap=True)
+    for note in notes:
+        console.print(f"               ({note})", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"watch it:      autotune status {info.name} --api {api}", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 @app.command()

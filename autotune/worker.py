@@ -13,6 +13,9 @@ lease     POST /v1/trials/lease with the worker's hardware class, its allow-list
           offers it only studies of those workloads; a --study of another workload is a 422
           naming the fix) and the study, if given.
           204: nothing to do: wait with backoff (capped at 5 s); exit after `idle_exit_s`.
+          While idle it reads GET /v1/studies (at once, then every minute) and names, once per
+          distinct set, the running studies it cannot take and why: another hardware class,
+          a workload off its allow-list, another gpus_per_trial (`skipped_studies`).
 refuse    the allow-list is the worker's own boundary, whatever the service sends: a lease
           naming a workload that is not on the worker's allow-list (`--allow-workload`,
           default: the built-in workloads) or not installed here is completed at once as failed,
@@ -105,6 +108,9 @@ STDERR_TAIL_CHARS = 1500
 # A last complete after SIGINT/SIGTERM retries this long, then the worker exits anyway
 # (the service's reaper fails the trial as "lost" later).
 FINAL_COMPLETE_RETRY_S = 20.0
+# An idle worker rereads the studies this often to name the running ones it cannot take.
+SKIPPED_RECHECK_S = 60.0
+SKIPPED_LIST_RETRY_S = 2.0  # the listing is a hint: a service that does not answer soon is not waited for
 
 
 def hard_timeout_grace_s(timeout_s: float) -> float:
@@ -264,6 +270,79 @@ def refusal(workload: str, allowed: tuple[str, ...]) -> str | None:
                 f"group {ENTRY_POINT_GROUP!r} on this host, or name its code: --allow-workload "
                 f"{workload}=module.path:attr")
     return None
+
+
+# --- running studies this worker cannot take ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SkippedStudy:
+    """A running study whose trials the service does not offer this worker, and why (with the fix)."""
+
+    name: str
+    hardware: str
+    reason: str
+
+
+def _hardware_reason(study_hardware: str, hardware_class: str) -> str:
+    if study_hardware == "cpu":
+        return (f"a CPU study, and this worker's hardware class is {hardware_class!r}: CPU studies go to workers "
+                f"started with --device cpu (a spec without `hardware` is a CPU study; submit it with "
+                f"hardware: {hardware_class} to run it on this GPU)")
+    if hardware_class == "cpu":
+        return ("a GPU study, and this worker runs on the cpu: start a worker with --device cuda on a host with "
+                "that GPU (its hardware class must be the study's `hardware` exactly)")
+    return (f"this worker's GPU is {hardware_class!r}: a worker takes only the studies whose `hardware` is its "
+            "GPU's name exactly; start one on that GPU, or submit a study with this GPU's name")
+
+
+def skipped_studies(studies: Any, hardware_class: str, allowed: tuple[str, ...], gpus_per_trial: int,
+                    study: str | None = None) -> list[SkippedStudy]:
+    """The running studies of a GET /v1/studies reply (`studies`: its ``data``, read as plain
+    JSON, so a spec naming a space or workload unknown here is still read) that the service
+    will not offer a worker of `hardware_class`, allow-list `allowed` and `gpus_per_trial`
+    (only `study` when the worker is pinned to one), each with why and the fix."""
+    skipped: list[SkippedStudy] = []
+    for info in studies if isinstance(studies, list) else ():
+        if not isinstance(info, dict) or info.get("state") != "running" or not isinstance(info.get("spec"), dict):
+            continue
+        name, spec = str(info.get("name")), info["spec"]
+        if study is not None and name != study:
+            continue
+        hardware = str(spec.get("hardware", "cpu"))
+        workload = str(spec.get("workload", "ups"))
+        world = spec.get("gpus_per_trial", 1)
+        if hardware != hardware_class:
+            reason = _hardware_reason(hardware, hardware_class)
+        elif workload not in allowed:
+            reason = (f"workload {workload!r} is not on this worker's allow-list ({', '.join(allowed) or 'none'}): "
+                      f"start the worker with --allow-workload {workload}")
+        elif world != gpus_per_trial:
+            reason = (f"each trial runs on {world} GPU(s) (gpus_per_trial) and this worker's on {gpus_per_trial}: "
+                      f"start a worker with --gpus-per-trial {world}")
+        else:
+            continue
+        skipped.append(SkippedStudy(name, hardware, reason))
+    return skipped
+
+
+class SkipNotice:
+    """What a worker process last said about the running studies it cannot take: each distinct
+    set is said once, however often the idle loops poll (shared by the lease loops of one
+    worker, which see the same studies)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shown: frozenset[str] | None = None
+
+    def fresh(self, skipped: list[SkippedStudy]) -> bool:
+        """True when `skipped` is non-empty and not the set last said (which it now becomes)."""
+        key = frozenset(s.name for s in skipped)
+        with self._lock:
+            if not key or key == self._shown:
+                return False
+            self._shown = key
+            return True
 
 
 # --- the probe child -----------------------------------------------------------------------------
@@ -512,6 +591,7 @@ class Worker:
         export_workload_paths(options.workload_paths())  # the children resolve NAME=module:attr entries
         self.trials_done = 0
         self.current: ProbeProcess | None = None
+        self.skip_notice = SkipNotice()  # shared by the loops of one process (run_worker)
 
     # --- signals --------------------------------------------------------------------------------
 
@@ -557,6 +637,7 @@ class Worker:
         idle_since: float | None = None
         delay = IDLE_BACKOFF_START_S
         waiting_shown = False
+        skips_checked: float | None = None  # when the running studies were last read (None: this idle spell: not yet)
         request = LeaseRequest(worker_id=self.worker_id, hardware=self.hardware.hardware_class,
                                study=self.options.study, workloads=list(self.allowed),
                                gpus_per_trial=self.group.world_size)
@@ -583,6 +664,9 @@ class Worker:
                     if not waiting_shown:
                         self.console.print("waiting for trials…")
                         waiting_shown = True
+                    if skips_checked is None or now - skips_checked >= SKIPPED_RECHECK_S:
+                        skips_checked = now
+                        self.show_skipped_studies()
                     idle = now - idle_since
                     if self.options.idle_exit_s is not None and idle >= self.options.idle_exit_s:
                         self.console.print(f"idle for {idle:.0f} s: exiting after {self.trials_done} trial(s)")
@@ -593,7 +677,7 @@ class Worker:
                     self.stop_event.wait(wait)
                     delay = min(delay * 2, IDLE_BACKOFF_CAP_S)
                     continue
-                idle_since, delay, waiting_shown = None, IDLE_BACKOFF_START_S, False
+                idle_since, delay, waiting_shown, skips_checked = None, IDLE_BACKOFF_START_S, False, None
                 self.run_trial(lease)
                 self.trials_done += 1
         except KeyboardInterrupt:
@@ -603,6 +687,27 @@ class Worker:
             self.console.print(f"stopped by {self.signal_name} after {self.trials_done} trial(s)")
             return 128 + self.signal_number
         return 0
+
+    def show_skipped_studies(self) -> None:
+        """Say which running studies the service will not offer this worker, and why; each
+        distinct set once (`SkipNotice`). A hint only: when the studies cannot be read (the
+        service is away, an older service, a test's fake client), it says nothing."""
+        try:
+            path = "/v1/studies" if self.options.study is None else f"/v1/studies/{self.options.study}"
+            reply = self.client.request("GET", path, retry_for_s=SKIPPED_LIST_RETRY_S).json()
+            studies = reply.get("data") if self.options.study is None else [reply]
+        except Exception as e:  # a hint must never stop the worker
+            log.debug("could not read the studies for the idle hint: %s", e)
+            return
+        skipped = skipped_studies(studies, self.hardware.hardware_class, self.allowed, self.group.world_size,
+                                  self.options.study)
+        if not self.skip_notice.fresh(skipped):
+            return
+        count = f"{len(skipped)} running stud{'y' if len(skipped) == 1 else 'ies'}"
+        self.console.print(f"[yellow]{count} this worker cannot take[/] (its hardware class "
+                           f"{escape(repr(self.hardware.hardware_class))}, gpus_per_trial {self.group.world_size}):")
+        for s in skipped:
+            self.console.print(f"  {escape(s.name)} (hardware {escape(repr(s.hardware))}): {escape(s.reason)}")
 
     # --- one trial ------------------------------------------------------------------------------
 
@@ -840,10 +945,12 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
             worker.client.close()
     console = console or Console(soft_wrap=True, highlight=False)
     workers = []
+    notice = SkipNotice()  # the loops see the same studies: say which they cannot take once, not once per loop
     for group in groups:
         worker = Worker(options, detect_hardware(group.devices[0]), console=console, group=group,
                         worker_id_suffix=group.name if options.worker_id else None)
         worker.show_status = False
+        worker.skip_notice = notice
         workers.append(worker)
     return _run_loops(workers)
 
