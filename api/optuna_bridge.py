@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import random
+import re
 import threading
 import time
 import warnings
@@ -42,7 +43,7 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
-from autotune.protocol import StudySpec
+from autotune.protocol import NAME_PATTERN, StudySpec
 from autotune.samplers import make_sampler
 from autotune.space import Space, SpaceError, suggest
 
@@ -290,6 +291,21 @@ class OptunaBridge:
         study.set_user_attr("autotune_spec", ctx.spec.model_dump(mode="json"))
         with self._handles_lock:
             self._handles[ctx.name] = self._new_handle(ctx, study)
+
+    def name_quality_metric(self, ctx: StudyContext, metric: str) -> bool:
+        """Name the quality objective after `metric` where the study's spec could not (a plugin
+        workload's metric is known from its first result): Optuna's metric names, and so the
+        dashboard, then say e.g. ``val_loss`` instead of ``quality``. Returns whether it renamed."""
+        if ctx.spec.quality_metric or not re.fullmatch(NAME_PATTERN, metric):
+            return False
+        study = self._handle(ctx).study
+        names = metric_names(ctx.spec)
+        if study.metric_names != names:  # renamed already (by this process or another)
+            return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            study.set_metric_names(ctx.spec.objective_metric_names(metric))
+        return True
 
     def delete_study(self, name: str) -> None:
         with self._handles_lock:

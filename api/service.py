@@ -672,6 +672,9 @@ class TuningService:
                 outcome.attrs["prune_reason"] = pruned_because or "stopped early by the worker"
             trial, told = self.bridge.finish_once(ctx, trial_id, outcome.state, outcome.values, outcome.attrs)
             log.info("trial %d of %s (%s): %s", trial.number, ctx.name, trial_role, trial.state)
+            metric = request.result.get("quality_metric")
+            if told and outcome.state == "COMPLETE" and isinstance(metric, str):
+                self.bridge.name_quality_metric(ctx, metric)  # a plugin's metric, known from its result
             self._reports.pop(trial_id, None)
             self._roles.pop(trial_id, None)
             summary = self._summaries.get(ctx.name)

@@ -38,3 +38,24 @@ def test_the_optuna_study_is_named_and_directed_by_the_quality_metric(
     assert study.metric_names == names
     assert [d.name for d in study.directions] == directions
     assert all(isinstance(d, StudyDirection) for d in study.directions)
+
+
+def test_a_plugins_quality_objective_is_named_by_its_first_result(client: TestClient, sqlite_url: str,
+                                                                   toyacc_known: None) -> None:
+    """A plugin workload's metric is unknown when its study is created ("quality"); the first
+    result names it, and Optuna (the dashboard) says val_loss from then on."""
+    from service_helpers import probe_result
+
+    r = client.post("/v1/studies", json={"name": "p", "workload": "toyacc", "preset": "p", "n_trials": 2})
+    assert r.status_code == 201, r.text
+    study = optuna.load_study(study_name="p", storage=sqlite_url)
+    assert study.metric_names == ["throughput_samples_per_s", "quality"]
+    got = client.post("/v1/trials/lease", json={"worker_id": "w", "hardware": "cpu", "workloads": ["toyacc"]})
+    assert got.status_code == 200, got.text
+    trial = got.json()
+    result = {**probe_result(trial["config"]), "workload": "toyacc", "preset": "p", "val_nrmse": None,
+              "quality_metric": "val_loss", "quality": 0.7}
+    done = client.post(f"/v1/trials/{trial['trial_id']}/complete", json={"worker_id": "w", "result": result})
+    assert done.status_code == 200, done.text
+    study = optuna.load_study(study_name="p", storage=sqlite_url)
+    assert study.metric_names == ["throughput_samples_per_s", "val_loss"]
