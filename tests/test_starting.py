@@ -94,8 +94,8 @@ def test_bad_points_are_named(points: Any, field: str, fix: str) -> None:
 def test_the_trials_table_names_the_starting_points() -> None:
     from rich.console import Console
 
-    from autotune.cli import trials_table
     from autotune.protocol import TrialInfo
+    from autotune.tables import trials_table
 
     trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"compile": "reduce-overhead"},
                         starting_point=0),

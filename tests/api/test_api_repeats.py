@@ -72,8 +72,8 @@ def test_a_users_own_points_run_as_given(client: TestClient, make_study: StudyFa
 def test_the_trials_table_marks_a_repeat() -> None:
     from rich.console import Console
 
-    from autotune.cli import trials_table
     from autotune.protocol import TrialInfo
+    from autotune.tables import trials_table
 
     trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"batch_size": 8}),
               TrialInfo(trial_id=2, number=2, state="COMPLETE", params={"batch_size": 8}, repeat_of=1)]

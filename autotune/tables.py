@@ -1,0 +1,128 @@
+"""The tables the CLI and the demo print: studies, trials and a recommendation (rich)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape as rich_escape
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from autotune.protocol import Recommendation, StudyInfo, TrialInfo
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+# Short names for the trial tables (the caption spells them out).
+KNOB_ABBREVIATIONS = {"batch_size": "bs", "accum_steps": "acc", "inverse_loss_frequency": "ilf", "checkpoint": "ckpt",
+                      "num_workers": "nw", "prefetch_factor": "pf", "fused_optimizer": "fused", "step_graph": "sgraph",
+                      "cudnn_benchmark": "cudnn", "pin_memory": "pin", "persistent_workers": "persist",
+                      "bucket_cap_mb": "bucket", "no_sync_accumulation": "nosync", "static_graph": "static",
+                      "gradient_as_bucket_view": "gabv", "nccl_nsocks_perthread": "nsocks",
+                      "nccl_socket_nthreads": "sockthr", "nccl_min_nchannels": "nchan"}
+KNOBS_LEGEND = "bs batch_size · acc accum_steps · ilf inverse_loss_frequency · ckpt checkpoint · nw num_workers · " \
+               "pf prefetch_factor"
+
+
+def format_knobs(params: Mapping[str, Any]) -> str:
+    """Compact knob values: ``bs=8 acc=2 ilf=4 bf16 ckpt=block fused nw=1 pf=2``."""
+    parts = []
+    for name, value in params.items():
+        short = KNOB_ABBREVIATIONS.get(name, name)
+        if name == "precision":
+            parts.append(str(value))
+        elif isinstance(value, bool):
+            if value:
+                parts.append(short)
+        else:
+            parts.append(f"{short}={value}")
+    return " ".join(parts) or "(defaults)"
+
+
+def studies_table(studies: list[StudyInfo]) -> Table:
+    table = Table(title="studies")
+    table.add_column("study", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("hardware")
+    table.add_column("trials", justify="right", no_wrap=True)
+    table.add_column("outcomes")
+    table.add_column("best", justify="right", no_wrap=True)
+    for s in studies:
+        c = s.counts
+        outcomes = " · ".join(f"{n} {label}" for state, label in (("COMPLETE", "complete"), ("PRUNED", "pruned"),
+                                                                  ("FAIL", "failed"), ("RUNNING", "running"))
+                              if (n := c.get(state, 0))) or "-"
+        speedup = (s.best or {}).get("speedup")
+        table.add_row(s.name, s.state, s.spec.hardware, f"{sum(c.values())}/{s.spec.n_trials}", outcomes,
+                      "-" if speedup is None else f"{speedup:.2f}×")
+    return table
+
+
+def _times(n: int) -> str:
+    """ " once", " twice", " 3 times"; "" for 0 (a recommendation from a service before rounds)."""
+    return {0: "", 1: " once", 2: " twice"}.get(n, f" {n} times")
+
+
+def trials_table(trials: list[TrialInfo], title: str) -> Table:
+    table = Table(title=title, caption=KNOBS_LEGEND)
+    metric = next((t.quality_metric for t in trials if t.quality_metric), "val_nrmse")
+    quality = "NRMSE" if metric == "val_nrmse" else metric  # a language model's loss is not an NRMSE
+    for column in ("#", "state", "samples/s", quality, "feasible", "failure"):
+        table.add_column(column, justify="right" if column in ("#", "samples/s", quality) else "left", no_wrap=True)
+    table.add_column("params")
+    colors = {"COMPLETE": "green", "FAIL": "red", "PRUNED": "yellow", "RUNNING": "cyan"}
+    for t in sorted(trials, key=lambda t: t.number):
+        state = f"[{colors.get(t.state, 'white')}]{t.state}[/]"
+        feasible = {True: "yes", False: "no", None: "-"}[t.feasible]
+        failure = t.failure["kind"] if t.failure else ""
+        round_ = f", round {t.remeasure_round + 1}" if t.remeasure_round else ""
+        role = " [cyan](baseline)[/]" if t.is_baseline else \
+            f" [cyan](re-measure of {t.remeasure_of}{round_})[/]" if t.role == "remeasure" else \
+            f" [cyan](starting point {t.starting_point + 1})[/]" if t.starting_point is not None else \
+            f" [cyan](same as {t.repeat_of}, not run)[/]" if t.repeat_of is not None else ""
+        params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
+        if t.prune_reason and t.state == "PRUNED":
+            failure = "pruned"
+        table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.quality, ".4f"),
+                      feasible, failure, params)
+    return table
+
+
+def recommendation_table(rec: Recommendation) -> Table:
+    table = Table(title=f"recommended config of {rec.study}: trial {rec.trial_number}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    base_thr = rec.baseline_throughput_samples_per_s
+    table.add_row("throughput", f"{rec.throughput_samples_per_s:,.1f} samples/s"
+                  + ("" if base_thr is None else f" (baseline {base_thr:,.1f})"))
+    if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
+        table.add_row("95% CI", f"{rec.throughput_ci_low:,.1f} – {rec.throughput_ci_high:,.1f} samples/s "
+                      + (f"(re-measured{_times(rec.remeasure_rounds)} with a longer probe)" if rec.remeasured
+                         else "(over the trial's windows)"))
+    if len(rec.round_throughputs) >= 2:
+        table.add_row("re-measurements", ", ".join(f"{r:,.1f}" for r in rec.round_throughputs)
+                      + " samples/s (round by round)")
+    table.add_row("speedup", "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline")
+    name = "val NRMSE" if rec.quality_metric == "val_nrmse" else rec.quality_metric
+    if rec.baseline_quality is None or rec.quality is None:
+        quality_vs = ""
+    else:
+        spread = f" ± {rec.baseline_quality_std:.4f}" if rec.baseline_quality_std is not None else ""
+        seeds = f" over {rec.baseline_seeds} seed{'s' if rec.baseline_seeds != 1 else ''}" if rec.baseline_seeds else ""
+        quality_vs = (f" (baseline {rec.baseline_quality:.4f}{spread}{seeds}, "
+                      f"{rec.quality - rec.baseline_quality:+.4f})")
+    table.add_row(name, ("-" if rec.quality is None else f"{rec.quality:.4f}") + quality_vs)
+    if rec.gate_quality is not None:
+        side = "<=" if rec.quality_direction == "minimize" else ">="
+        table.add_row("quality gate", f"{name} {side} {rec.gate_quality:.4f}")
+    table.add_row("peak memory", "n/a (not measured on this device)" if rec.peak_mem_reserved_bytes is None
+                  else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB reserved")
+    for note in rec.measurement_notes:
+        table.add_row("[yellow]note[/]", rich_escape(note))
+    for knob, value in rec.config.items():
+        table.add_row(f"  {knob}", json.dumps(value))
+    return table
