@@ -140,7 +140,8 @@ def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
 @app.command()
 def probe(
     workload: Annotated[str, typer.Option(help="Workload name.")] = "ups",
-    preset: Annotated[str, typer.Option(help="Workload preset (ups: tiny | full).")] = "tiny",
+    preset: Annotated[str, typer.Option(help="Workload preset (ups: tiny | full | tiny-muon | full-muon; gpt: "
+                                             "tiny | full).")] = "tiny",
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     config: Annotated[str, typer.Option(help="Knob values: inline JSON or a path to a YAML/JSON file.")] = "{}",
     samples: Annotated[int | None, typer.Option(help="Training samples (default: the preset's).", min=1)] = None,
