@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -259,11 +260,7 @@ def serve(
     (`autotune token create`) unless --no-auth. Exit status 2 when asked to serve without
     auth on a non-loopback address; 1 when the database cannot be reached or migrated.
     """
-    import importlib
-
-    # Imported here and by name: the core (autotune) never imports the service (fastapi,
-    # sqlalchemy) at module level, and `mypy autotune` checks the core only.
-    server = importlib.import_module("api.main")
+    server = service().main
     try:
         with database_command():  # the database cannot be reached or migrated: a message, exit 1
             server.run_server(db, host, port, auth=False if no_auth else None)
@@ -284,13 +281,25 @@ app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
 
 
+def service() -> ModuleType:
+    """The service's package (api/) with the modules its commands (serve, db, token) use. The
+    one place the CLI reaches the service, on first use only: the core never imports it at
+    module level, so `autotune worker` and `autotune probe` start without fastapi or sqlalchemy."""
+    import api.auth
+    import api.backup
+    import api.db
+    import api.errors
+    import api.main
+    import api.settings
+
+    return api
+
+
 def _database_url(db: str | None) -> str:
     """--db, else the service's own default (AUTOTUNE_DB_URL, else sqlite:///./autotune.db)."""
-    import importlib
-
     if db is not None:
         return db
-    url: str = importlib.import_module("api.settings").Settings().db_url
+    url: str = service().settings.Settings().db_url
     return url
 
 
@@ -298,12 +307,10 @@ def _database_url(db: str | None) -> str:
 def database_command() -> Iterator[None]:
     """Errors of a command that works on the database as a message and an exit status
     (2: bad input; 1: anything else: unreachable database, failed migration, unknown token)."""
-    import importlib
-
     from sqlalchemy.exc import SQLAlchemyError
 
-    errors = importlib.import_module("api.errors")
-    migration_error = importlib.import_module("api.db").MigrationError
+    errors = service().errors
+    migration_error = service().db.MigrationError
     try:
         yield
     except errors.Invalid as e:
@@ -330,9 +337,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
 ) -> None:
     """Create or migrate the autotune tables to the newest revision (Optuna's tables are left alone)."""
-    import importlib
-
-    db_module = importlib.import_module("api.db")
+    db_module = service().db
     with database_command():
         before, after = db_module.upgrade_schema(_database_url(db), revision)
     change = f"already at {after}" if before == after else f"{_revision(before)} → {after}"
@@ -346,9 +351,7 @@ def db_downgrade(
     db: DbOption = None,
 ) -> None:
     """Migrate the autotune tables down to REV (Optuna's tables are left alone)."""
-    import importlib
-
-    db_module = importlib.import_module("api.db")
+    db_module = service().db
     with database_command():
         before, after = db_module.downgrade_schema(_database_url(db), revision)
     Console().print(f"autotune tables: {_revision(before)} → {_revision(after)}", highlight=False)
@@ -357,9 +360,7 @@ def db_downgrade(
 @db_app.command("current")
 def db_current(db: DbOption = None) -> None:
     """Print the revision of the autotune tables (and whether it is the newest)."""
-    import importlib
-
-    db_module = importlib.import_module("api.db")
+    db_module = service().db
     with database_command():
         current = db_module.current_schema_revision(_database_url(db))
         head = db_module.head_revision()
@@ -379,9 +380,7 @@ def db_backup(
     status 2 for bad input (OUT exists without --force, no database file, a PostgreSQL URL:
     use pg_dump, as the message shows), 1 if SQLite fails.
     """
-    import importlib
-
-    backup = importlib.import_module("api.backup")
+    backup = service().backup
     try:
         result = backup.backup_sqlite(_database_url(db), out, force=force)
     except backup.BackupRefused as e:
@@ -395,9 +394,7 @@ def db_backup(
 @contextmanager
 def token_store(db: str | None) -> Iterator[Any]:
     """The token table of the database (migrated first), closed afterwards."""
-    import importlib
-
-    store_class = importlib.import_module("api.auth").TokenStore
+    store_class = service().auth.TokenStore
     with database_command():
         store = store_class.open(_database_url(db))
         try:
