@@ -17,6 +17,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from sqlalchemy.exc import OperationalError
 
 import autotune
 from api.auth import TokenStore, TokenVerifier, warn_if_no_tokens
+from api.db import StudyRow
 from api.docs_assets import install_docs
 from api.errors import Invalid, ServiceError
 from api.limits import BodySizeLimit
@@ -173,8 +175,44 @@ def run_server(db_url: str | None = None, host: str = "127.0.0.1", port: int = 8
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # the CLI configured WARNING: the service says more
         logging.getLogger("api").setLevel(logging.INFO)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # api.db logs what the migrations changed
-    log.info("autotune %s starting on http://%s:%d (database %s, auth %s)", autotune.__version__, host, port,
-             _safe_url(settings.db_url), "on" if settings.auth else "OFF")
+    # the first line: which database, and what it holds (before create_app migrates or creates it)
+    log.info("autotune %s starting on http://%s:%d (%s, auth %s)", autotune.__version__, host, port,
+             database_line(settings.db_url), "on" if settings.auth else "OFF")
+    app = create_app(settings)
     import uvicorn
 
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The absolute path of a SQLite database file (None: another database, or in memory)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return None
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return Path(parsed.database).expanduser().resolve()
+
+
+def database_line(url: str) -> str:
+    """Which database the service is about to open (a SQLite file by its absolute path), and
+    what it holds: the first thing an operator needs to see when a restart lands on the wrong
+    one (a new, empty SQLite file in another directory). Reads only; creates nothing."""
+    from sqlalchemy import create_engine, text
+
+    sqlite_file = _sqlite_file(url)
+    where = f"database {sqlite_file}" if sqlite_file is not None else f"database {_safe_url(url)}"
+    if sqlite_file is not None and not sqlite_file.exists():
+        return f"{where}: a new file, created empty"
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            n = int(connection.execute(text(f"SELECT count(*) FROM {StudyRow.__tablename__}")).scalar() or 0)
+    except Exception:  # no autotune tables yet (or unreachable: create_app says so next)
+        return f"{where}: no autotune tables yet (empty)"
+    finally:
+        engine.dispose()
+    return f"{where}: {n} stud{'y' if n == 1 else 'ies'}" + ("" if n else " (empty)")
