@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -209,7 +210,30 @@ def probe(
 ApiOption = Annotated[str, typer.Option("--api", envvar="AUTOTUNE_API",
                                         help="Base URL of the autotune service.")]
 TokenOption = Annotated[str | None, typer.Option("--token", envvar="AUTOTUNE_TOKEN",
-                                                 help="Bearer token for the service.")]
+                                                 help="Bearer token for the service. Prefer the environment "
+                                                      "variable AUTOTUNE_TOKEN or --token-file: a --token value "
+                                                      "shows in `ps` to every user of the host.")]
+TokenFileOption = Annotated[Path | None, typer.Option("--token-file", help="Read the bearer token from this file "
+                                                                          "(its first line), e.g. one only you can "
+                                                                          "read (chmod 600).")]
+
+
+def resolve_token(token: str | None, token_file: Path | None) -> str | None:
+    """The token of a command: --token-file's first line, else --token / AUTOTUNE_TOKEN.
+    Both a file and --token: a usage error (which one was meant is not clear)."""
+    if token_file is None:
+        return token
+    if token is not None and "AUTOTUNE_TOKEN" not in os.environ:
+        raise usage_error("give the token one way: --token-file or --token (or AUTOTUNE_TOKEN), not both")
+    try:
+        text = token_file.read_text()
+    except OSError as e:
+        raise usage_error(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
+    lines = text.strip().splitlines()
+    if not lines or not lines[0].strip():
+        raise usage_error(f"--token-file {token_file}: the file is empty; write the token from "
+                          "`autotune token create` into it")
+    return lines[0].strip()
 CLI_RETRY_S = 1.0  # a command line fails fast when the service is down
 
 
@@ -455,6 +479,7 @@ def token_revoke(
 def worker(
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
+    token_file: TokenFileOption = None,
     study: Annotated[str | None, typer.Option(help="Serve only this study (default: any study of this "
                                                    "hardware class).")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or cuda:N,M,... (several GPUs: split into groups "
@@ -485,7 +510,8 @@ def worker(
     """
     from autotune.worker import WorkerOptions, run_worker
 
-    options = WorkerOptions(api=api, token=token, study=study, device=device, max_trials=max_trials,
+    options = WorkerOptions(api=api, token=resolve_token(token, token_file), study=study, device=device,
+                            max_trials=max_trials,
                             idle_exit_s=idle_exit, worker_id=worker_id, heartbeat_s=heartbeat, threads=threads,
                             gpus_per_trial=gpus_per_trial,
                             allow_workloads=tuple(dict.fromkeys(allow_workload)) if allow_workload else None)
@@ -605,6 +631,7 @@ def submit(
     spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Study spec: a YAML or JSON file.")],
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
+    token_file: TokenFileOption = None,
     name: Annotated[str | None, typer.Option(help="Override the spec's study name.")] = None,
 ) -> None:
     """Create a study from a YAML/JSON spec (autotune.protocol.StudySpec) and print it, with a
@@ -637,7 +664,7 @@ def submit(
         spec = StudySpec.model_validate(data)
     except ValidationError as e:
         raise usage_error(f"{spec_file}: {spec_errors(e)}") from None
-    with service_client(api, token) as client:
+    with service_client(api, resolve_token(token, token_file)) as client:
         try:
             info = client.create_study(spec)
         except Conflict as e:
@@ -666,10 +693,11 @@ def status(
     study: Annotated[str | None, typer.Argument(help="A study name (default: list the studies).")] = None,
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
+    token_file: TokenFileOption = None,
 ) -> None:
     """Show the studies, or one study's trials (state, throughput, NRMSE, feasibility, failure, params)."""
     console = Console()
-    with service_client(api, token) as client:
+    with service_client(api, resolve_token(token, token_file)) as client:
         if study is None:
             studies = client.list_studies().data
             if not studies:
@@ -700,6 +728,7 @@ def best(
                                                                 "reads) or json.")] = "yaml",
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
+    token_file: TokenFileOption = None,
 ) -> None:
     """Print the recommended config: the fastest trial that passes the quality gate.
 
@@ -707,7 +736,7 @@ def best(
     """
     if output_format not in ("yaml", "json"):
         raise usage_error(f"--format: {output_format!r} is not allowed; allowed: yaml | json")
-    with service_client(api, token) as client:
+    with service_client(api, resolve_token(token, token_file)) as client:
         try:
             if output_format == "yaml":
                 sys.stdout.write(client.best_yaml(study))
@@ -725,6 +754,7 @@ def report(
         "autotune-report"),
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
+    token_file: TokenFileOption = None,
 ) -> None:
     """Write report.html with PNGs: Pareto front, best-so-far speedup, importances, failures.
 
@@ -732,7 +762,7 @@ def report(
     """
     from autotune.report import write_report
 
-    with service_client(api, token) as client:
+    with service_client(api, resolve_token(token, token_file)) as client:
         try:
             info = client.get_study(study)
             trials = client.trials(study).data

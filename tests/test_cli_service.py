@@ -126,6 +126,25 @@ def test_submit_without_the_right_token_exits_1_saying_how_to_get_one(live: tupl
     assert result.exit_code == 0, result.output
 
 
+def test_the_token_can_come_from_a_file_off_the_command_line(live: tuple[LiveService, str], tmp_path: Path) -> None:
+    service, _ = live
+    path = write_spec(tmp_path, small_spec("from-file"))
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(service.admin_token + "\n")
+    result = CliRunner().invoke(app, ["submit", path, "--api", service.url, "--token-file", str(token_file)],
+                                env={"COLUMNS": "200", "AUTOTUNE_TOKEN": service.worker_token})  # the file wins
+    assert result.exit_code == 0, result.output
+    assert service.get("/v1/studies/from-file")["name"] == "from-file"
+    (tmp_path / "empty.token").write_text("\n")
+    result = invoke("submit", path, "--api", service.url, "--token-file", str(tmp_path / "empty.token"))
+    assert result.exit_code == 2 and "the file is empty" in result.stderr
+    result = invoke("submit", path, "--api", service.url, "--token-file", str(tmp_path / "missing.token"))
+    assert result.exit_code == 2 and "cannot read it" in result.stderr
+    result = invoke("submit", path, "--api", service.url, "--token", "x", "--token-file", str(token_file))
+    assert result.exit_code == 2 and "give the token one way" in result.stderr
+    assert "shows in `ps`" in " ".join(invoke("worker", "--help").stdout.split())  # the help says why
+
+
 def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str]) -> None:
     service, study = live
     result = invoke("status", "--api", service.url)
