@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import IO, Any
 
+from autotune.stdout_guard import divert_stdout
+
 log = logging.getLogger("autotune.probe_child")
 
 PARENT_PID_ENV = "AUTOTUNE_PARENT_PID"
@@ -89,11 +91,11 @@ class ProtocolWriter:
 
 
 def claim_stdout() -> ProtocolWriter:
-    """Keep a private handle on stdout for the protocol; point fd 1 (and sys.stdout) at stderr."""
-    sys.stdout.flush()
-    protocol_fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    """Keep a private handle on stdout for the protocol; point fd 1 (and sys.stdout) at stderr
+    for the rest of the process (`autotune.stdout_guard.divert_stdout`)."""
+    protocol_fd = divert_stdout()
+    if protocol_fd is None:
+        raise SystemExit("autotune.probe_child: stdout must be open (the protocol goes there)")
     return ProtocolWriter(os.fdopen(protocol_fd, "w", buffering=1, encoding="utf-8"))
 
 

@@ -29,6 +29,25 @@ def _flush(*streams: Any) -> None:
             stream.flush()
 
 
+def divert_stdout() -> int | None:
+    """Point standard output at standard error, for this process and those it starts: flush
+    Python's and C's buffers, point fd 1 at fd 2 and `sys.stdout` at `sys.stderr`. Returns a
+    private duplicate of the old fd 1 (the caller's to write to or restore), or None when fd 1
+    or fd 2 is not open (then only `sys.stdout` is redirected)."""
+    _flush(sys.stdout, sys.__stdout__, sys.stderr)
+    _flush_c_stdio()
+    saved_fd: int | None = None
+    try:
+        saved_fd = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:
+        if saved_fd is not None:
+            os.close(saved_fd)
+            saved_fd = None
+    sys.stdout = sys.stderr
+    return saved_fd
+
+
 @contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """While the block runs, everything written to standard output goes to standard error.
@@ -47,17 +66,7 @@ def stdout_to_stderr() -> Iterator[None]:
     other threads' output goes to stderr as well while the block runs.
     """
     saved_stdout = sys.stdout
-    _flush(saved_stdout, sys.__stdout__, sys.stderr)
-    _flush_c_stdio()
-    saved_fd: int | None = None
-    try:
-        saved_fd = os.dup(1)
-        os.dup2(2, 1)
-    except OSError:
-        if saved_fd is not None:
-            os.close(saved_fd)
-            saved_fd = None
-    sys.stdout = sys.stderr
+    saved_fd = divert_stdout()
     try:
         yield
     finally:
