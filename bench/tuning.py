@@ -855,12 +855,13 @@ def _finish_fidelity_plot(fig: Any, ax: Any, labels: list[str], title: str, path
 
 
 def repeat_summary(paths: list[Path]) -> list[dict[str, Any]]:
-    """Short probes of one config repeated on one host (a cache-states JSON or a host_bound.sh
-    JSONL): per config and file, the throughputs in run order with their state or variant, the
-    median and the spread ((max - min) / median)."""
+    """Short probes of one config repeated on one host (a cache-states JSON, or a JSONL written by
+    host_bound.sh, an investigation script removed after commit 75faeb7: docs/measurement.md):
+    per config and file, the throughputs in run order with their state or variant, the median
+    and the spread ((max - min) / median)."""
     rows = []
     for path in paths:
-        if path.suffix == ".jsonl":  # bench/host_bound.sh: one probe per line, each run's first one "cold"
+        if path.suffix == ".jsonl":  # host_bound.sh: one probe per line, each run's first one "cold"
             named: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
             for line in path.read_text().splitlines():
                 d = json.loads(line)
