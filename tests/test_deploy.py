@@ -209,12 +209,13 @@ def test_compose_has_the_documented_shape() -> None:
 
 
 def compose_binary() -> list[str] | None:
-    """`docker compose` (the plugin) or a `docker-compose` of Compose v2, if on PATH."""
+    """`docker compose` (the plugin) or a `docker-compose` of Compose v2 or later, if on PATH."""
     for argv in (["docker", "compose"], ["docker-compose"]):
         if shutil.which(argv[0]) is None:
             continue
         done = subprocess.run([*argv, "version"], capture_output=True, text=True, check=False)
-        if done.returncode == 0 and re.search(r"v?2\.\d+", done.stdout):
+        major = re.search(r"version v?(\d+)\.", done.stdout)
+        if done.returncode == 0 and major and int(major.group(1)) >= 2:
             return argv
     return None
 
