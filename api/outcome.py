@@ -9,6 +9,14 @@ The mapping is explicit (one place, one function):
   the gate and the recommendation need both, whichever objectives the study optimises.
   Otherwise *failed* with kind "error" saying which value was bad.
 
+A result reaches this module validated (`autotune.protocol.TrialResult`, `CompleteRequest`):
+a wrong type, a non-finite or negative measurement, an unknown failure kind or a missing
+throughput or quality is refused with 422 before anything changes, and so is a config other
+than the leased one (`config_differences`, checked by `TuningService.complete`). What is
+left to fail here is a result that is well-formed but not a usable measurement: a
+throughput of 0, or a quality metric other than the study's. The checks below stay
+tolerant all the same: this function must never raise on a stored or older result.
+
 The quality value is ``result["quality"]`` (the workload's metric, named by
 ``result["quality_metric"]``), or ``result["val_nrmse"]`` from a worker older than the
 generic field. A result whose metric name or direction differs from the study's
@@ -44,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from autotune.config import KNOBS, ConfigError
 from autotune.gate import FAILED_CONSTRAINT, constraint_value
 from autotune.protocol import OBJECTIVES, StudySpec
 from autotune.samplers import CONSTRAINT_ATTR
@@ -132,6 +141,49 @@ def _failure(failure: Any) -> tuple[str, str]:
     else:
         kind, message = "error", str(failure)
     return kind, message[:MAX_MESSAGE]
+
+
+# The knobs a probe fills in from the workload preset when the config leaves them null
+# (`autotune.config.TrainConfig.resolve`): a result may report any value for these then.
+PRESET_KNOBS = ("batch_size", "accum_steps", "lr")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return bool(a == b) and type(a) is type(b)
+
+
+def config_differences(leased: Mapping[str, Any], reported: Mapping[str, Any]) -> list[str]:
+    """Where a result's `reported` config departs from the `leased` one, one line per knob
+    (empty: the same config).
+
+    Both are normalised through the knob table first (`autotune.config`): a knob left out is
+    at its default, values are coerced to the knob's type (25 and 25.0 are one bucket size).
+    The probe reports its effective config, so a knob the lease left null for the preset
+    (PRESET_KNOBS) may come back with any valid value. Keys that are not knobs of this
+    service are not compared: effective_batch is derived, and a newer worker's probe reports
+    the knobs this service does not know, at their defaults."""
+    def value(source: Mapping[str, Any], name: str) -> tuple[Any, str | None]:
+        knob = KNOBS[name]
+        if name not in source:
+            return knob.default, None
+        try:
+            return knob.check(source[name]), None
+        except ConfigError as e:
+            return source[name], e.message
+
+    out = []
+    for name in KNOBS:
+        want, _ = value(leased, name)
+        got, problem = value(reported, name)
+        if problem is not None:
+            out.append(f"{name} (leased {want!r}, reported {got!r}: {problem})")
+        elif want is None and name in PRESET_KNOBS:
+            continue
+        elif not _same(want, got):
+            out.append(f"{name} (leased {want!r}, reported {got!r})")
+    return out
 
 
 def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, gate: float | None = None,

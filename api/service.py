@@ -9,7 +9,7 @@ Concurrency contract:
   also holds the asking worker's lock, so "does it hold a lease? else create one" is atomic
   per worker. Reports and heartbeats write only the service tables and take no lock: they
   check and refresh the lease in one conditional UPDATE, so a reaped or completed lease is
-  seen atomically (409/stop). Study creation keeps the process-wide `lock`.
+  seen atomically (409). Study creation keeps the process-wide `lock`.
 * Pruning reads no report of the study: a report is judged on the trial's own reports (kept in
   memory per running trial) against a per-study summary (best feasible throughput and curve,
   the baseline seeds' mean curve) updated at complete time and built once per process from
@@ -30,7 +30,7 @@ Crash recovery: a lease is heartbeated at lease time, by every heartbeat and eve
 The reaper (`reap_stale`, every reaper_interval_s) fails the trial of a lease silent for
 lease_grace_s as Optuna FAIL, failure_kind "lost" (FAIL: the samplers ignore it; a silent
 worker says nothing about the config), and ends the lease: the zombie's late calls get
-409 (heartbeat: stop). A lost trial is re-run as a new trial with the same role, config and
+409, heartbeat included. A lost trial is re-run as a new trial with the same role, config and
 probe (user attrs retry_of, attempt), handed out before anything else, up to
 spec.max_retries times (see api/results.py); retries do not count toward n_trials. All of it
 is derived from the trials' user attrs, so a restarted service goes on where the old one
@@ -53,9 +53,9 @@ from sqlalchemy.orm import Session
 
 from api import crud
 from api.db import Database, as_naive_utc, utcnow
-from api.errors import Conflict, Invalid, NotFound
+from api.errors import Conflict, Invalid, NotFound, ServiceError
 from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, TrialRecord, check_sampler_fits
-from api.outcome import probe_outcome
+from api.outcome import config_differences, probe_outcome
 from api.pruning import StudySummary, TrialReports, curve_of, decide
 from api.results import (
     NoRecommendation,
@@ -158,17 +158,28 @@ def _not_for(spec: StudySpec, request: LeaseRequest) -> tuple[str, str] | None:
     return None
 
 
-def _not_ours(lease: crud.LeaseRecord | None, worker_id: str) -> str | None:
-    """Why `worker_id` may not act on this lease (None: it holds it, actively)."""
+def _not_yours(trial_id: int, lease: crud.LeaseRecord | None, worker_id: str, verb: str) -> Conflict | None:
+    """The 409 that heartbeat, report and complete all give `worker_id` for a trial it may not
+    act on (`verb`: what it tried); None when it holds the trial's active lease.
+
+    One answer for the three calls, so a worker needs one rule: 409 means the trial is not its
+    own any more, stop the probe and lease a new trial. (A heartbeat once said "stop" here
+    instead, which a worker had to tell apart from a stopped study.) A finished trial says so
+    whoever asks, "already completed", before any other reason: naming the worker that holds
+    it would send the reader looking for a second worker that was never there."""
+    if lease is not None and not lease.active and lease.outcome == "completed":
+        return Conflict(f"cannot {verb} trial {trial_id}: it is already completed (by worker {lease.worker_id!r}); "
+                        "its result stands, nothing more is taken for it: lease a new trial")
     if lease is None:
-        return "it was not leased by this service"
-    if lease.worker_id != worker_id:
-        return f"it is leased to worker {lease.worker_id!r}, not {worker_id!r}"
-    if not lease.active:
-        if lease.outcome == "lost":
-            return "its lease was reaped: no heartbeat within the grace period, the trial is marked FAIL (lost)"
-        return "it is already completed"
-    return None
+        why = "it was not leased by this service"
+    elif not lease.active:
+        why = ("its lease was reaped: no heartbeat within the grace period, the trial is marked FAIL (lost)"
+               if lease.outcome == "lost" else f"its lease ended ({lease.outcome})")
+    elif lease.worker_id != worker_id:
+        why = f"it is leased to worker {lease.worker_id!r}, not {worker_id!r}"
+    else:
+        return None
+    return Conflict(f"cannot {verb} trial {trial_id}: {why}; stop running it and lease a new trial")
 
 
 class TuningService:
@@ -191,6 +202,7 @@ class TuningService:
         self._summaries: dict[str, StudySummary] = {}  # per study: what pruning compares with
         self._reports: dict[int, TrialReports] = {}  # per running trial: its own reports
         self._roles: dict[int, str] = {}  # trial id -> role, for running trials leased by this process
+        self._leased_configs: dict[int, dict[str, Any]] = {}  # trial id -> its leased config (same trials)
         self._retry_books: dict[str, _RetryBook] = {}  # per study, see _RetryBook
         self.started_at = utcnow()  # the reaper gives every lease one grace period after this
 
@@ -551,6 +563,7 @@ class TuningService:
                         raise Conflict(f"worker {request.worker_id!r} already holds a lease; ask again") from e
                     crud.see_worker(session, request.worker_id, now, request.hardware)
                 self._roles[asked.trial_id] = asked.role
+                self._leased_configs[asked.trial_id] = dict(asked.config)
                 retry = f", retry of trial {attrs['retry_of']}" if "retry_of" in attrs else ""
                 log.info("leased trial %d of %s to %s (%s%s)", asked.number, ctx.name, request.worker_id, asked.role,
                          retry)
@@ -584,27 +597,30 @@ class TuningService:
         assert record is not None, "a lease always names a study"
         return record
 
+    def _refusal(self, trial_id: int, worker_id: str, verb: str) -> ServiceError:
+        """Why `worker_id` may not `verb` the trial, after `_refresh_lease` found no active lease
+        of it: NotFound (no such trial) or the Conflict of `_not_yours`."""
+        with self.db.read() as session:
+            try:
+                lease = self._lease_of(session, trial_id)
+            except NotFound as e:
+                return e
+        return _not_yours(trial_id, lease, worker_id, verb) or Conflict(
+            f"cannot {verb} trial {trial_id}: its lease changed meanwhile; stop running it and lease a new trial")
+
     def heartbeat(self, trial_id: int, request: HeartbeatRequest) -> HeartbeatReply:
-        """Record that the worker still runs the trial; say stop when it should not go on."""
+        """Record that the worker still runs the trial; say stop when it should not go on (its
+        study was stopped, or the trial finished meanwhile). A trial the worker does not hold is
+        the 409 report and complete give (`_not_yours`), not a "stop"."""
         record = self._refresh_lease(trial_id, request.worker_id, utcnow())
         if record is None:
-            with self.db.read() as session:
-                why = _not_ours(self._lease_of(session, trial_id), request.worker_id)
-            return HeartbeatReply(action="stop", reason=f"trial {trial_id}: {why or 'its lease changed meanwhile'}")
+            raise self._refusal(trial_id, request.worker_id, "heartbeat")
         if record.state == "stopped":
             return HeartbeatReply(action="stop", reason=f"study {record.name!r} was stopped")
         trial = self.bridge.get_trial(trial_id)
         if trial is not None and trial.finished:
             return HeartbeatReply(action="stop", reason=f"trial {trial_id} already finished ({trial.state})")
         return HeartbeatReply(action="continue")
-
-    def _active_lease(self, session: Session, trial_id: int, worker_id: str, verb: str) -> crud.LeaseRecord:
-        lease = self._lease_of(session, trial_id)
-        why = _not_ours(lease, worker_id)
-        if why is not None:
-            raise Conflict(f"cannot {verb} trial {trial_id}: {why}; lease a new trial")
-        assert lease is not None
-        return lease
 
     def report(self, trial_id: int, request: ReportRequest) -> ReportReply:
         """Store an intermediate report and say whether the trial should stop (prune).
@@ -617,9 +633,7 @@ class TuningService:
         now = utcnow()
         record = self._refresh_lease(trial_id, request.worker_id, now)
         if record is None:
-            with self.db.read() as session:
-                self._active_lease(session, trial_id, request.worker_id, "report on")  # raises the right 404/409
-            raise Conflict(f"cannot report on trial {trial_id}: its lease changed meanwhile; lease a new trial")
+            raise self._refusal(trial_id, request.worker_id, "report on")
         study_name = record.name
         if record.state == "stopped":
             decision = Decision(True, f"study {study_name!r} was stopped", "stopped")
@@ -638,19 +652,44 @@ class TuningService:
                             decision.reason)
         return ReportReply(prune=decision.prune, reason=decision.reason)
 
+    def _check_config(self, trial_id: int, reported: Any) -> None:
+        """Invalid (422, nothing changed) when a result's config is not the one the trial was
+        leased with (`api.outcome.config_differences`): its numbers would be filed under a config
+        that was not measured. No config (or an empty one) keeps the leased config, as before."""
+        if not isinstance(reported, dict) or not reported:
+            return
+        leased = self._leased_configs.get(trial_id)
+        if leased is None:
+            trial = self.bridge.get_trial(trial_id)
+            config = trial.user_attrs.get("config") if trial is not None else None
+            leased = config if isinstance(config, dict) else {}
+        differences = config_differences(leased, reported)
+        if differences:
+            raise Invalid("result.config", f"result.config: not the config trial {trial_id} was leased with: it "
+                          f"differs in {'; '.join(differences)}. Send the result of the leased config "
+                          "(TrialLease.config; knobs it leaves out are at their defaults, batch_size, accum_steps "
+                          "and lr at the preset's), or leave config out")
+
     def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
         """Finish the trial with the worker's ProbeResult (see api/outcome.py for the mapping).
 
         Idempotent: the same worker completing a trial it already completed gets the stored
-        TrialInfo back and nothing changes. Conflict for any other worker, or a reaped lease.
+        TrialInfo back and nothing changes (the first result stands). 409 (`_not_yours`) for a
+        trial finished otherwise, held by another worker, or whose lease was reaped. A result
+        for another config than the leased one is Invalid (422) and changes nothing: the trial
+        stays leased to the worker, whose corrected complete goes through. (A malformed result
+        never gets here: the route's validation answers 422, `autotune.protocol.TrialResult`.)
         """
         now = utcnow()
+        result = request.result.as_dict()
         with self.db.read() as session:
             lease = self._lease_of(session, trial_id)
             if lease is not None:
                 record = crud.get_study(session, lease.study_name)
-        if lease is None:
-            raise Conflict(f"cannot complete trial {trial_id}: it was not leased by this service")
+        if lease is None:  # never leased here
+            refusal = _not_yours(trial_id, None, request.worker_id, "complete")
+            assert refusal is not None
+            raise refusal
         assert record is not None
         ctx = self._ctx(record)
         with self._study_lock(ctx.name):
@@ -661,22 +700,25 @@ class TuningService:
                     trial = self.bridge.get_trial(trial_id)
                     assert trial is not None
                     return self._trial_view(ctx, trial)
-                lease = self._active_lease(session, trial_id, request.worker_id, "complete")
-                pruned_because = crud.prune_reason(session, trial_id) if request.result.get("stopped_early") else None
+                refusal = _not_yours(trial_id, lease, request.worker_id, "complete")
+                if refusal is not None:
+                    raise refusal
+                pruned_because = crud.prune_reason(session, trial_id) if request.result.stopped_early else None
+            self._check_config(trial_id, result.get("config"))
             # a trial finished already (a crash between tell and the lease update) is left as it is: repair
             trial_role = self._role_of(trial_id)
             gate = self._gate(ctx)
-            outcome = probe_outcome(request.result, ctx.spec, request.worker_id, gate,
-                                    baseline=trial_role == "baseline")
+            outcome = probe_outcome(result, ctx.spec, request.worker_id, gate, baseline=trial_role == "baseline")
             if outcome.state == "PRUNED":
                 outcome.attrs["prune_reason"] = pruned_because or "stopped early by the worker"
             trial, told = self.bridge.finish_once(ctx, trial_id, outcome.state, outcome.values, outcome.attrs)
             log.info("trial %d of %s (%s): %s", trial.number, ctx.name, trial_role, trial.state)
-            metric = request.result.get("quality_metric")
+            metric = result.get("quality_metric")
             if told and outcome.state == "COMPLETE" and isinstance(metric, str):
                 self.bridge.name_quality_metric(ctx, metric)  # a plugin's metric, known from its result
             self._reports.pop(trial_id, None)
             self._roles.pop(trial_id, None)
+            self._leased_configs.pop(trial_id, None)
             summary = self._summaries.get(ctx.name)
             if trial_role == "baseline":
                 gate = self._gate(ctx)  # set once the last baseline seed is in
@@ -742,6 +784,7 @@ class TuningService:
                     log.warning("trial %d of %s lost: %s", lease.trial_number, ctx.name, attrs["failure_message"])
                 with self.db.transaction() as session:
                     crud.finish_lease(session, lease.trial_id, "lost", now)
+                self._leased_configs.pop(lease.trial_id, None)
         # Optuna's datetimes are naive local time: compare them with a local cutoff.
         local_cutoff = datetime.now() + (now - utcnow()) - grace
         for name, record in records.items():

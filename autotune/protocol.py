@@ -16,6 +16,21 @@ the protocol is written down once. Routes, all under /v1:
   POST   /v1/trials/{id}/complete    CompleteRequest      → TrialInfo
   GET    /v1/health                                       → {"status": "ok", ...}
 
+A trial's calls (heartbeat, report, complete) are answered alike when the trial is not the
+caller's: 404 when no such trial exists; 409 "cannot <verb> trial N: it is leased to worker
+'w1', not 'w2'" (or its lease was reaped: no heartbeat within the grace period, or it was
+never leased by this service) with the fix "stop running it and lease a new trial"; 409
+"cannot <verb> trial N: it is already completed" once its result is in. The one exception:
+the worker that completed it repeating its complete (a network retry) gets the stored
+TrialInfo again, 200, and nothing changes. A heartbeat says "stop" (200) only to the worker
+that holds the trial: its study was stopped, or the trial finished meanwhile.
+
+complete's result is validated (`TrialResult`): a wrong type or range (throughput
+"fast", a NaN quality, a failure kind no worker sends), a measurement without throughput
+or quality, or a config other than the leased one is a 422 naming the field; nothing
+changes and the trial stays leased to its worker, so a corrected complete goes through.
+Keys the model does not know are accepted and ignored (a newer worker may send more).
+
 A study runs `baseline_seeds` baseline trials (role "baseline"; the search waits for them:
 they set the quality gate), then search trials (role "search") up to n_trials in all, then
 re-measures its top feasible configs with a longer probe (role "remeasure"). A lease's probe
@@ -28,20 +43,25 @@ This module imports pydantic, the config/space validators and the workload regis
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    FieldSerializationInfo,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
+    StrictBool,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
 from autotune.config import ConfigError, check_hardware, parse_config
+from autotune.errors import FAILURE_KINDS
 from autotune.space import Space, SpaceError, load_space, parse_space, validate_for
 from autotune.starting import check_points
 from autotune.workloads import UnknownWorkloadError, check_workload
@@ -342,9 +362,128 @@ class ReportReply(BaseModel):
     reason: str | None = None
 
 
+# The failure kinds a worker may report: the probe's (autotune/errors.py) and the worker's own,
+# "refused" (a workload off its allow-list, or not installed) and "interrupted" (SIGTERM/SIGINT).
+# "lost" is the service's alone (the reaper's verdict on a silent worker).
+ReportedFailureKind = Literal["oom", "nan", "timeout", "unsupported", "error", "refused", "interrupted"]
+WORKER_FAILURE_KINDS = ("refused", "interrupted")
+assert set(get_args(ReportedFailureKind)) == {*FAILURE_KINDS, *WORKER_FAILURE_KINDS}, \
+    "ReportedFailureKind and autotune.errors.FAILURE_KINDS disagree"
+
+# Numbers of a result. Strict: a string ("12.5", "fast") or a boolean is not a number here,
+# where pydantic's lax mode would convert the first and accept the second as 1.
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)]
+Count = Annotated[int, Field(strict=True, ge=0)]
+# a telemetry reading (GPU clock, page faults, ...): any number, NaN included (an odd counter is
+# still a reading); kept for the analysis, never judged
+Reading = Annotated[float, Field(strict=True)]
+
+
+class ProbeFailure(BaseModel):
+    """A result's failure record: `kind` says what went wrong, `message` says it to a person.
+    Other keys are kept (a distributed probe names the failing rank in "rank")."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: ReportedFailureKind = Field(..., description="oom | nan | timeout | unsupported | error (the probe's); "
+                                                       "refused | interrupted (the worker's: the trial is re-run)")
+    message: Annotated[str, Field(strict=True)]
+
+
+class TrialResult(BaseModel):
+    """What a worker hands in to complete a trial: `autotune.probe.ProbeResult.to_dict()`.
+
+    Every field is typed and range-checked, so a malformed result is a 422 naming the field
+    rather than a trial failed for a bad payload (a baseline that "fails" because of a typo
+    would fail the whole study's gate). Measurements are finite numbers, throughputs, times
+    and byte counts are not negative, counts are non-negative integers, the failure kind is
+    one a worker reports. Every field is optional, as a worker that could not measure sends
+    little (`autotune.worker.minimal_result`); what completing a trial needs on top
+    (throughput and quality unless it failed or stopped early) is checked by
+    `CompleteRequest`. Keys this model does not declare are accepted and ignored: a newer
+    worker may send fields this service does not know yet, and must still be able to complete.
+    A dump holds only the keys that were given (`exclude_unset`): the result goes on the wire
+    as the worker built it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    workload: str | None = None
+    preset: str | None = None
+    config: dict[str, Any] | None = Field(None, description="the effective config the probe ran (the leased one "
+                                                            "with the preset's defaults filled in, and the derived "
+                                                            "effective_batch); must be the leased config")
+    device: str | None = None
+    torch_version: str | None = None
+    throughput_samples_per_s: NonNegative | None = Field(None, description="timed samples per second")
+    throughput_spread: NonNegative | None = Field(None, description="(max - min) / throughput over the windows")
+    window_throughputs: list[NonNegative] | None = None
+    raw_window_throughputs: list[NonNegative] | None = None
+    val_nrmse: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)] | None = Field(
+        None, description="older workers' quality field (NRMSE workloads)")
+    quality_metric: Text | None = Field(None, max_length=200, description="the quality metric's name, e.g. val_nrmse")
+    quality: Finite | None = Field(None, description="the workload's quality metric on the validation set")
+    quality_direction: Literal["minimize", "maximize"] | None = None
+    warmup_s: NonNegative | None = None
+    setup_s: NonNegative | None = None
+    setup_phases: dict[str, NonNegative] | None = None
+    process_start_s: Finite | None = None
+    train_s: NonNegative | None = None
+    peak_mem_reserved_bytes: Count | None = None
+    peak_mem_allocated_bytes: Count | None = None
+    data_wait_fraction: NonNegative | None = None
+    window_data_wait_s: list[NonNegative] | None = None
+    window_gpu: list[dict[str, Reading | None]] | None = None
+    window_host: list[dict[str, Reading | None]] | None = None
+    epoch_micro_batches: Count | None = None
+    epoch_boundaries: list[dict[str, Any]] | None = None
+    epoch_cost_s: NonNegative | None = None
+    traced_steps: Count | None = None
+    compile_workers: dict[str, Any] | None = None
+    host_cpu: str | None = None
+    measurement_notes: list[Annotated[str, Field(strict=True)]] | None = None
+    loss_curve: list[tuple[Count, Finite]] | None = Field(None, description="[samples, loss] per timed window")
+    samples_trained: Count | None = None
+    steps: Count | None = None
+    warmup_steps: Count | None = None
+    window_steps: Count | None = None
+    inverse_steps: Count | None = None
+    world_size: Annotated[int, Field(strict=True, ge=1)] | None = None
+    knobs: dict[str, Annotated[str, Field(strict=True)]] | None = Field(None, description="what each knob did")
+    stopped_early: StrictBool = Field(False, description="pruned, or stopped by the service: no values")
+    failure: ProbeFailure | None = Field(None, description="set when the probe failed: {kind, message}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result as the worker sent it (given keys only, unknown ones included), validated."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
 class CompleteRequest(Strict):
     worker_id: Text = Field(..., min_length=1, max_length=200)
-    result: dict[str, Any] = Field(..., description="ProbeResult.to_dict(); failure set when it failed")
+    result: TrialResult = Field(..., description="ProbeResult.to_dict(); failure set when it failed")
+
+    @model_validator(mode="after")
+    def _measured(self) -> CompleteRequest:
+        """A result that neither failed nor stopped early is a measurement: it needs both numbers
+        the gate and the recommendation read. Without them the trial would fail for a payload
+        the worker can fix, not for its config."""
+        result = self.result
+        if result.failure is None and not result.stopped_early:
+            if result.throughput_samples_per_s is None:
+                raise ValueError("result.throughput_samples_per_s: missing; a result without a failure that was not "
+                                 "stopped early must carry its throughput (a probe that could not measure reports "
+                                 "failure: {kind, message})")
+            if result.quality is None and result.val_nrmse is None:
+                raise ValueError("result.quality: missing; a result without a failure that was not stopped early "
+                                 "must carry its quality metric (quality, or val_nrmse from older workers; a probe "
+                                 "that could not validate reports failure: {kind, message})")
+        return self
+
+    @field_serializer("result", mode="wrap")
+    def _given_keys(self, result: TrialResult, handler: SerializerFunctionWrapHandler,
+                    info: FieldSerializationInfo) -> dict[str, Any]:
+        """On the wire, only the keys the worker gave (no nulls for every field it left out)."""
+        return result.model_dump(mode=info.mode, exclude_unset=True)
 
 
 class TrialInfo(BaseModel):

@@ -2,9 +2,24 @@
 
 Every route needs a worker (or admin) token. The token is not tied to a worker id: a
 worker token may act for any worker (workers are trusted alike; the token keeps others out).
+
+heartbeat, report and complete answer a trial that is not the caller's the same way: 404 when
+no such trial exists, 409 when it is held by another worker, its lease was reaped or it was
+never leased here ("cannot <verb> trial N: <why>; stop running it and lease a new trial"),
+409 "cannot <verb> trial N: it is already completed ..." once its result is in. A worker
+needs one rule: 409 = the trial is no longer its own; stop the probe, lease the next one.
+The one 200 after completion is the completing worker repeating its complete (a network
+retry): it gets the stored TrialInfo, nothing changes. A heartbeat's "stop" is an
+instruction to the trial's holder (its study was stopped, or the trial finished meanwhile).
+
+complete validates its result (`autotune.protocol.TrialResult`): a malformed one, or one
+whose config is not the leased config, is a 422 naming the field; nothing changes and the
+trial stays leased to the worker, so a corrected complete goes through.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Path, Response, status
 
@@ -25,6 +40,11 @@ TrialId = Path(..., ge=0, le=2**31 - 1, description="the trial's id (TrialLease.
 router = APIRouter(prefix="/trials", tags=["trials"],
                    responses={401: {"description": "no valid token (missing, unknown or revoked)"},
                               403: {"description": "the token's role may not do this"}})
+# heartbeat, report and complete: the answers for a trial that is not the caller's (see the module docstring)
+NOT_YOURS: dict[int | str, dict[str, Any]] = {
+    404: {"description": "no trial with this id"},
+    409: {"description": "the trial is not this worker's: held by another worker, its lease reaped, or already "
+                         "completed (the detail says which); stop it and lease a new trial"}}
 
 
 @router.post("/lease", response_model=TrialLease,
@@ -37,20 +57,24 @@ def lease_trial(request: LeaseRequest, service: ServiceDep, _caller: WorkerAuth)
     return lease
 
 
-@router.post("/{trial_id}/heartbeat", response_model=HeartbeatReply)
+@router.post("/{trial_id}/heartbeat", response_model=HeartbeatReply, responses=NOT_YOURS)
 def heartbeat(request: HeartbeatRequest, service: ServiceDep, _caller: WorkerAuth,
               trial_id: int = TrialId) -> HeartbeatReply:
-    """continue, or stop (study stopped, trial no longer leased to this worker)."""
+    """continue, or stop (the study was stopped, or the trial finished meanwhile). 409 if the trial is not
+    leased to this worker, as report and complete."""
     return service.heartbeat(trial_id, request)
 
 
-@router.post("/{trial_id}/report", response_model=ReportReply)
+@router.post("/{trial_id}/report", response_model=ReportReply, responses=NOT_YOURS)
 def report(request: ReportRequest, service: ServiceDep, _caller: WorkerAuth, trial_id: int = TrialId) -> ReportReply:
     """Store intermediate metrics; the reply says whether to prune. 409 if the trial is not leased to this worker."""
     return service.report(trial_id, request)
 
 
-@router.post("/{trial_id}/complete", response_model=TrialInfo)
+@router.post("/{trial_id}/complete", response_model=TrialInfo,
+             responses=NOT_YOURS)  # 422 (FastAPI's validation error): a malformed result, or another config
 def complete(request: CompleteRequest, service: ServiceDep, _caller: WorkerAuth, trial_id: int = TrialId) -> TrialInfo:
-    """Finish the trial with its ProbeResult; repeating it from the same worker is harmless."""
+    """Finish the trial with its ProbeResult; repeating it from the same worker is harmless. 422 names the bad
+    field of a malformed result (or the config keys that differ from the leased config); the trial stays
+    leased, so send the corrected result."""
     return service.complete(trial_id, request)
