@@ -11,6 +11,19 @@ calls them for one study under that study's lock, never concurrently.
 
 Writes are batched: the user attrs of a trial are written in one transaction (one multi-row
 upsert), not one transaction per attribute as `storage.set_trial_user_attr` would.
+
+What Optuna holds is what its samplers and its dashboard are shown, so it follows autotune's
+one definition of the front (api/results.py): a trial's measurement is in its user attrs
+(throughput_samples_per_s, quality, ...), and its Optuna *values* are that measurement only for
+a candidate (a feasible search trial that is not the baseline's config drawn again); every
+other trial is told the worst-case values (`projected_values`): baseline seeds, re-measurements,
+infeasible and failed trials, so none of them is ever on the dashboard's front or its "best
+trials". Once a study's re-measurement has settled, each re-measured candidate's values are
+replaced by its re-measured ones (`set_front_values`), or by the worst case when its
+re-measurement failed or its quality failed the gate at that budget: the dashboard's front is
+then `autotune best`'s. Baseline seeds and re-measurements carry the params of the config they
+ran (where the value lies in the space), and the samplers never see them (`_SamplerView`):
+they are not draws of the search.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from datetime import datetime, timezone
 from typing import Any, cast
 
 import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage, RDBStorage
@@ -43,9 +57,10 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
+from autotune.config import normalised
 from autotune.protocol import NAME_PATTERN, StudySpec
-from autotune.samplers import make_sampler
-from autotune.space import Space, SpaceError, suggest
+from autotune.samplers import CONSTRAINT_ATTR, make_sampler
+from autotune.space import Param, Space, SpaceError, params_of, suggest
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +124,29 @@ class StudyContext:
     space: Space
 
 
+NOT_SEARCH_ROLES = ("baseline", "remeasure")
+
+
+def _sampler_sees(trial: FrozenTrial) -> bool:
+    """A search trial: baseline seeds and re-measurements are not draws of the sampler."""
+    return trial.user_attrs.get("role") not in NOT_SEARCH_ROLES
+
+
+class _SamplerView:
+    """The storage a study's sampler reads: Optuna's, less the baseline and re-measurement
+    trials (their worst-case values would teach it that the baseline's config is bad)."""
+
+    def __init__(self, base: Any) -> None:
+        self._base = base
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+    def get_all_trials(self, study_id: int, deepcopy: bool = True, states: Any = None) -> list[FrozenTrial]:
+        trials: list[FrozenTrial] = self._base.get_all_trials(study_id, deepcopy=deepcopy, states=states)
+        return [t for t in trials if _sampler_sees(t)]
+
+
 class _AskSnapshot:
     """The storage a TPE study's sampler sees: Optuna's shared storage, except `get_all_trials`
     within `scope()` (one ask, under the study's lock), answered from a view of the study's
@@ -166,10 +204,10 @@ class _AskSnapshot:
     def get_all_trials(self, study_id: int, deepcopy: bool = True, states: Any = None) -> list[FrozenTrial]:
         if not self._in_scope:
             trials: list[FrozenTrial] = self._base.get_all_trials(study_id, deepcopy=deepcopy, states=states)
-            return trials
+            return [t for t in trials if _sampler_sees(t)]
         if self._memo is None:
             self._memo = self._read(study_id)
-        trials = self._memo
+        trials = [t for t in self._memo if _sampler_sees(t)]
         if states is not None:
             trials = [t for t in trials if t.state in states]
         return copy.deepcopy(trials) if deepcopy else list(trials)
@@ -247,6 +285,30 @@ class _BufferedSystemAttrs:
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
         self.attrs[key] = value
+
+
+def _distribution(param: Param) -> BaseDistribution:
+    """The Optuna distribution `autotune.space.suggest` draws `param` from."""
+    if param.choices is not None:
+        return CategoricalDistribution(list(param.choices))
+    assert param.low is not None and param.high is not None
+    if param.is_int:
+        return IntDistribution(int(param.low), int(param.high), step=int(param.step or 1), log=param.log)
+    return FloatDistribution(float(param.low), float(param.high), step=param.step, log=param.log)
+
+
+def projected_values(spec: StudySpec, attrs: Mapping[str, Any], values: list[float] | None) -> list[float] | None:
+    """The values Optuna is told for a finished trial with user attrs `attrs` (see the module
+    docstring): its measurement for a candidate, the worst case for every other trial."""
+    if values is None:
+        return None
+    from api.outcome import worst_values  # api.outcome imports nothing of this module
+
+    constraint = attrs.get(CONSTRAINT_ATTR)
+    if (attrs.get("role") in NOT_SEARCH_ROLES or attrs.get("baseline_repeat_of") is not None
+            or (isinstance(constraint, (int, float)) and constraint > 0)):
+        return worst_values(spec)
+    return values
 
 
 def _engine_kwargs(url: str, busy_timeout_s: float) -> dict[str, Any]:
@@ -334,6 +396,7 @@ class OptunaBridge:
 
     def _new_handle(self, ctx: StudyContext, study: optuna.Study) -> _Handle:
         if ctx.spec.sampler != "tpe":
+            study._storage = cast(BaseStorage, _SamplerView(self.storage))  # duck-typed, as below
             return _Handle(study)
         snapshot = _AskSnapshot(self.storage, self._rdb)
         study._storage = cast(BaseStorage, snapshot)  # a stand-in (duck-typed); only this Study object reads through it
@@ -398,6 +461,7 @@ class OptunaBridge:
             trial = study.ask()
             config = dict(baseline_config)
             role = role or "baseline"
+            self._set_params(ctx, trial._trial_id, config)
         else:
             role = "search"
             drawn = params is None and ctx.spec.sampler != "grid"  # the sampler's own draw (may repeat one)
@@ -430,8 +494,16 @@ class OptunaBridge:
         is_baseline = role == "baseline"
         self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": is_baseline, "role": role,
                                               "config": config})
-        return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=dict(trial.params),
+        params = dict(trial.params) if baseline_config is None else params_of(ctx.space, config)
+        return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=params,
                           config=config, is_baseline=is_baseline, role=role)
+
+    def _set_params(self, ctx: StudyContext, trial_id: int, config: Mapping[str, Any]) -> None:
+        """Give a baseline or re-measurement trial the params of the config it runs (those the
+        space could draw: `params_of`), so that Optuna's tables and its dashboard show them."""
+        for name, value in params_of(ctx.space, config).items():
+            dist = _distribution(ctx.space.params[name])
+            self.storage.set_trial_param(trial_id, name, dist.to_internal_repr(value), dist)
 
     def _created(self, ctx: StudyContext, created: int | None) -> int:
         """The study's configurations so far: `created` when the caller knows it, else counted."""
@@ -518,6 +590,13 @@ class OptunaBridge:
         frozen = self.storage.get_trial(trial_id)
         if frozen.state.is_finished():
             return _record(frozen), False
+        merged = {**frozen.user_attrs, **(attrs or {})}
+        if told == TrialState.COMPLETE and merged.get("role", "search") == "search" and not merged.get("failure_kind"):
+            base = self._baseline_number(ctx, merged.get("config"))
+            if base is not None:
+                attrs = {**(attrs or {}), "baseline_repeat_of": base}
+                merged["baseline_repeat_of"] = base
+        values = projected_values(ctx.spec, merged, values)
         study._thread_local.cached_all_trials = None
         done_at = datetime.now()  # naive local time, as Optuna stores it
         # the sampler's after_trial reads the trial's constraint (a user attr set below) and stores
@@ -555,6 +634,43 @@ class OptunaBridge:
         return TrialRecord(trial_id=trial_id, number=frozen.number, state=told.name, params=dict(frozen.params),
                            values=values, user_attrs=user_attrs, datetime_start=frozen.datetime_start,
                            datetime_complete=done_at), True
+
+    def _baseline_number(self, ctx: StudyContext, config: Any) -> int | None:
+        """The number of the study's first completed baseline seed when `config` normalises to its
+        config (a search trial that drew the user's own config), else None."""
+        if not isinstance(config, dict):
+            return None
+        for t in self.storage.get_all_trials(self.study_id(ctx.name), deepcopy=False, states=(TrialState.COMPLETE,)):
+            attrs = t.user_attrs
+            config_attr = attrs.get("config")
+            if attrs.get("role") == "baseline" and not attrs.get("failure_kind") and isinstance(config_attr, dict):
+                return t.number if normalised(config_attr) == normalised(config) else None
+        return None
+
+    def set_front_values(self, ctx: StudyContext, values: Mapping[int, list[float] | None]) -> None:
+        """Replace the Optuna values of finished trials (trial number -> values in objective
+        order; None: the worst case): a re-measured candidate's, once the study's re-measurement
+        has settled (see the module docstring). Optuna offers no update of a finished trial, so
+        this writes its value rows directly; the measurement itself stays in the user attrs,
+        which is what the service reads (a service process's cache may keep the old values)."""
+        if not values:
+            return
+        from api.outcome import worst_values
+
+        worst = worst_values(ctx.spec)
+        study_id = self.study_id(ctx.name)
+        model = rdb_models.TrialModel
+        with _create_scoped_session(self._rdb.scoped_session, True) as session:
+            for number, vs in values.items():
+                row = session.scalars(select(model).where(model.study_id == study_id, model.number == number)).one()
+                for objective, value in enumerate(worst if vs is None else vs):
+                    stored, value_type = rdb_models.TrialValueModel.value_to_stored_repr(float(value))
+                    found = rdb_models.TrialValueModel.find_by_trial_and_objective(row, objective, session)
+                    if found is None:
+                        session.add(rdb_models.TrialValueModel(trial_id=row.trial_id, objective=objective,
+                                                               value=stored, value_type=value_type))
+                    else:
+                        found.value, found.value_type = stored, value_type
 
     def get_trial(self, trial_id: int) -> TrialRecord | None:
         """The trial with Optuna's global id `trial_id`, or None if there is none."""

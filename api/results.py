@@ -26,11 +26,25 @@ finished, feasibility is unknown (None). `quality_name` is the metric's name sho
 Failed probes are told to Optuna as COMPLETE with worst-case values (api/outcome.py); every
 view here reads `service_state`, which says FAIL for them.
 
-The recommendation is the fastest feasible config: among the re-measured configs (throughput
-= the timed samples over the timed seconds of all its re-measure runs' windows, which hold
-equal steps, with the CI over those windows) and the baseline when re-measurement happened,
-else among every feasible trial (CI over the trial's own windows). A config one of whose
-re-measurements failed is not recommended.
+Candidates and the front (one definition everywhere: API, CLI, report, YAML, and the values
+Optuna holds for its dashboard): the *candidates* are the feasible search trials that ran,
+less any whose config is the baseline's (`baseline_repeat_of`: the user's own config drawn
+again measures the baseline, it is not a finding). Baseline seeds are the reference, never a
+candidate. The front is the non-dominated candidates, each at its re-measured value where
+one exists (`front_values`).
+
+Re-measurement (`remeasurement`): once the search is done, the top_k candidates by throughput
+*and the baseline* are re-measured with a longer probe, in interleaved rounds. A re-measured
+config's quality is judged against the baseline re-measured at the same budget (a longer
+probe trains further: its loss is not comparable with a gate set at the short budget); a
+config whose re-measurement failed, or whose re-measured quality fails that gate, is out.
+
+The recommendation (`recommend`) is the fastest re-measured candidate still in; its throughput
+pools its rounds' windows (the timed samples over the timed seconds), and its speedup is over
+the baseline's re-measured throughput, with a 95 % interval on the ratio from the run-to-run
+spread (`speedup_interval`). When that interval reaches 1, `verdict` says that no config beat
+the baseline beyond the noise. There is no recommendation while the re-measurement runs;
+with re-measurement off (remeasure.top_k 0) it is the fastest candidate, with a note.
 """
 
 from __future__ import annotations
@@ -45,8 +59,8 @@ import yaml
 
 from api.optuna_bridge import TrialRecord
 from api.outcome import NOT_ABOUT_THE_CONFIG
-from autotune.config import KNOBS
-from autotune.gate import BaselineStats, Estimate, Gate, window_rate
+from autotune.config import KNOBS, normalised
+from autotune.gate import BaselineStats, Estimate, Gate, t_quantile, window_rate
 from autotune.gate import is_feasible as gate_feasible
 from autotune.protocol import OBJECTIVES, Recommendation, StudySpec, TrialInfo
 
@@ -149,19 +163,24 @@ def first_attempts(trials: Sequence[TrialRecord]) -> list[TrialRecord]:
 
 
 def metric(trial: TrialRecord, spec: StudySpec, name: str) -> float | None:
-    """`name` (throughput_samples_per_s | quality) of a trial: its objective value, else its user
-    attr (quality: ``quality``, or ``val_nrmse`` of a trial stored before the generic field).
-    None for a failed trial (its told values are the worst case, not a measurement)."""
+    """`name` (throughput_samples_per_s | quality) of a trial as its probe measured it: its user
+    attr (quality: ``quality``, or ``val_nrmse`` of a trial stored before the generic field),
+    else its objective value (a trial stored before the measurement attrs). None for a failed
+    trial. Optuna's values are not read first: they are what the samplers and the dashboard are
+    shown (`optuna_values`), which for a trial that is not a candidate is the worst case."""
     if trial.user_attrs.get("failure_kind"):
         return None
     if name == "val_nrmse":
         name = "quality"
+    attr = trial.user_attrs.get(name)
+    if name == "quality" and attr is None:
+        attr = trial.user_attrs.get("val_nrmse")
+    if attr is not None:
+        return _finite(attr)
     objective_names = [OBJECTIVES[o][0] for o in spec.objectives]
     if trial.values is not None and name in objective_names:
         return _finite(trial.values[objective_names.index(name)])
-    if name == "quality" and trial.user_attrs.get("quality") is None:
-        return _finite(trial.user_attrs.get("val_nrmse"))
-    return _finite(trial.user_attrs.get(name))
+    return None
 
 
 def quality_name(spec: StudySpec, trials: Sequence[TrialRecord] = ()) -> str:
@@ -239,9 +258,11 @@ def is_feasible(trial: TrialRecord, spec: StudySpec, gate: float | None) -> bool
 
 
 def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: int | None = None,
-               quality_metric: str | None = None) -> TrialInfo:
+               quality_metric: str | None = None, context: TrialContext | None = None) -> TrialInfo:
     """The wire view of `trial`; `retry`: the number of the trial that re-runs it (a lost trial);
-    `quality_metric`: the study's metric name (default: `quality_name` of this trial)."""
+    `quality_metric`: the study's metric name (default: `quality_name` of this trial); `context`:
+    what the study's other trials say about it (its params when it is a baseline or a
+    re-measurement, a re-measurement's gate, the baseline's config)."""
     name = quality_metric or quality_name(spec, [trial])
     quality = metric(trial, spec, "quality")
     attrs = trial.user_attrs
@@ -253,22 +274,76 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
     starting_point = attrs.get("starting_point")
     repeat_of = attrs.get("repeat_of")
     prune_reason = attrs.get("prune_reason")
-    failed = service_state(trial) == "FAIL"
+    feasible = is_feasible(trial, spec, gate)
+    note = None
+    params = trial.params
+    base_repeat = None
+    if context is not None:
+        params = context.params(trial)
+        base_repeat = context.baseline_repeat_of(trial)
+        if role(trial) == "remeasure" and trial.finished:
+            feasible, note = context.remeasure_feasibility(trial, spec)
+    measured = [metric(trial, spec, OBJECTIVES[o][0]) for o in spec.objectives]
     return TrialInfo(
-        trial_id=trial.trial_id, number=trial.number, state=service_state(trial), params=trial.params,
+        trial_id=trial.trial_id, number=trial.number, state=service_state(trial), params=params,
         config=config if isinstance(config, dict) else None,
-        values=None if failed else trial.values,
+        values=measured if completed(trial) and all(v is not None for v in measured) else None,  # type: ignore[arg-type]
         throughput_samples_per_s=metric(trial, spec, "throughput_samples_per_s"),
         val_nrmse=quality if name == "val_nrmse" else None, quality=quality, quality_metric=name,
-        feasible=is_feasible(trial, spec, gate), failure=failure,
+        feasible=feasible, failure=failure,
         worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
         prune_reason=str(prune_reason) if prune_reason else None,
         remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None,
         remeasure_round=key[1] if (key := remeasure_key(trial)) else None,
         starting_point=starting_point if isinstance(starting_point, int) else None,
-        repeat_of=repeat_of if isinstance(repeat_of, int) else None, duration_s=trial.duration_s,
+        repeat_of=repeat_of if isinstance(repeat_of, int) else None, baseline_repeat_of=base_repeat,
+        feasibility_note=note, duration_s=trial.duration_s,
         attempt=attempt_of(trial), retry_of=retry_of(trial), retried_as=retry,
     )
+
+
+class TrialContext:
+    """What a trial's view needs from the rest of its study: the params a baseline or a
+    re-measurement stands for (the search's knobs, from its config or its target's), the gate at
+    the re-measure budget, and the baseline's config (a search trial that drew it)."""
+
+    def __init__(self, spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> None:
+        self._trials = trials
+        self._by_number = {t.number: t for t in trials}
+        self._names = sorted({k for t in trials if role(t) == "search" for k in t.params})
+        self._base = baseline_target(trials)
+        self._base_config = knob_config(self._base) if self._base is not None else None
+        self._rm = remeasurement(spec, trials, gate) if any(role(t) == "remeasure" for t in trials) else None
+
+    def params(self, trial: TrialRecord) -> dict[str, Any]:
+        if role(trial) == "remeasure":
+            target = self._by_number.get(trial.user_attrs.get("remeasure_of", -1))
+            if target is not None and role(target) == "search":
+                return dict(target.params)
+        if role(trial) != "search" or not trial.params:
+            config = trial.user_attrs.get("config")
+            if isinstance(config, dict):
+                return {k: config[k] for k in self._names if k in config}
+        return dict(trial.params)
+
+    def baseline_repeat_of(self, trial: TrialRecord) -> int | None:
+        if role(trial) != "search" or self._base is None or self._base_config is None:
+            return None
+        return self._base.number if knob_config(trial) == self._base_config else None
+
+    def remeasure_feasibility(self, trial: TrialRecord, spec: StudySpec) -> tuple[bool | None, str | None]:
+        """A re-measurement's feasibility, judged against the baseline at its own budget."""
+        rm = self._rm
+        if rm is None or rm.gate is None:
+            why = rm.unjudged if rm is not None and rm.unjudged else \
+                "the baseline's re-measurement at this budget has not finished"
+            return None, f"not judged: {why}"
+        if not completed(trial):
+            return False, None
+        quality = metric(trial, spec, "quality")
+        side = "≤" if spec.quality_direction == "minimize" else "≥"
+        ok = bool(gate_feasible(quality, rm.gate, spec.quality_direction)) and fits_memory(trial, spec)
+        return ok, f"judged at the re-measure budget: gate {side} {rm.gate:.6g} (the baseline re-measured)"
 
 
 def trial_infos(trials: Sequence[TrialRecord], spec: StudySpec, all_trials: Sequence[TrialRecord] | None = None
@@ -278,7 +353,8 @@ def trial_infos(trials: Sequence[TrialRecord], spec: StudySpec, all_trials: Sequ
     gate = gate_quality(spec, every)
     links = retried_as(every)
     name = quality_name(spec, every)
-    return [trial_info(t, spec, gate, links.get(t.number), name) for t in trials]
+    context = TrialContext(spec, every, gate)
+    return [trial_info(t, spec, gate, links.get(t.number), name, context) for t in trials]
 
 
 def counts_by_state(trials: Sequence[TrialRecord]) -> dict[str, int]:
@@ -306,11 +382,46 @@ def is_repeat(trial: TrialRecord) -> bool:
     return "repeat_of" in trial.user_attrs
 
 
+def knob_config(trial: TrialRecord) -> dict[str, Any] | None:
+    """The trial's config (the effective one once it ran), every knob normalised
+    (`autotune.config.normalised`); None without one."""
+    config = trial.user_attrs.get("config")
+    return normalised(config) if isinstance(config, dict) else None
+
+
+def baseline_target(trials: Sequence[TrialRecord]) -> TrialRecord | None:
+    """The baseline seed that stands for the baseline config: the first completed one."""
+    return next((t for t in baselines(trials) if completed(t) and knob_config(t) is not None), None)
+
+
+def baseline_repeat_of(trial: TrialRecord, trials: Sequence[TrialRecord]) -> int | None:
+    """The baseline trial number when `trial` is a search trial whose config is the baseline's
+    (a draw of the user's own config: a repeat of the baseline, never a candidate), else None."""
+    if role(trial) != "search":
+        return None
+    base = baseline_target(trials)
+    config = knob_config(trial)
+    if base is None or config is None:
+        return None
+    return base.number if config == knob_config(base) else None
+
+
+def candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
+    """The trials a recommendation may name: feasible search trials that ran (not a repeat of
+    another trial, not the baseline's config drawn again). Baseline seeds never are: a
+    baseline that happens to measure fastest is the baseline, not a finding."""
+    return [t for t in trials if role(t) == "search" and not is_repeat(t) and is_feasible(t, spec, gate)
+            and baseline_repeat_of(t, trials) is None]
+
+
 def pareto_front(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialRecord]:
-    """The non-dominated completed trials (failed ones and repeats excluded), by number."""
+    """The front: the non-dominated candidates (feasible search trials, `candidates`), each at
+    its re-measured value where it has one (`front_values`), by number. The API, the CLI, the
+    report and the values Optuna holds for the dashboard (`optuna_values`) all use this one."""
     signs = [1.0 if direction == "maximize" else -1.0 for direction in spec.objective_directions()]
-    points = [(t, [s * v for s, v in zip(signs, t.values, strict=True)]) for t in trials
-              if completed(t) and not is_repeat(t) and t.values is not None and all(math.isfinite(v) for v in t.values)]
+    values = front_values(spec, trials)
+    points = [(t, [s * v for s, v in zip(signs, vs, strict=True)]) for t in trials
+              if (vs := values.get(t.number)) is not None]
 
     def dominates(a: list[float], b: list[float]) -> bool:
         return all(x >= y for x, y in zip(a, b, strict=True)) and any(x > y for x, y in zip(a, b, strict=True))
@@ -345,13 +456,18 @@ def remeasure_plan(spec: StudySpec, targets: Sequence[TrialRecord]) -> list[tupl
 
 
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
-    """The top_k feasible search trials by throughput (the configs to re-measure), fastest first."""
+    """The configs to re-measure: the top_k candidates by throughput, fastest first, then the
+    baseline (its first completed seed), so that every re-measured config is compared with the
+    baseline at the same sample budget, in the same interleaved rounds. Nothing when no
+    candidate is feasible."""
     if spec.remeasure.top_k <= 0 or gate is None:
         return []
-    ranked = [(thr, t) for t in trials if role(t) == "search" and not is_repeat(t) and is_feasible(t, spec, gate)
-              and (thr := metric(t, spec, "throughput_samples_per_s")) is not None]
+    ranked = [(thr, t) for t in candidates(spec, trials, gate)
+              if (thr := metric(t, spec, "throughput_samples_per_s")) is not None]
     ranked.sort(key=lambda c: (-c[0], c[1].number))
-    return [t for _, t in ranked[:spec.remeasure.top_k]]
+    targets = [t for _, t in ranked[:spec.remeasure.top_k]]
+    base = baseline_target(trials)
+    return [*targets, base] if targets and base is not None else targets
 
 
 def baseline_failed_message(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> str | None:
@@ -372,8 +488,147 @@ def _windows(trial: TrialRecord) -> list[float]:
     return [float(v) for v in windows if isinstance(v, (int, float)) and math.isfinite(v)]
 
 
+@dataclass(frozen=True)
+class Remeasurement:
+    """Where a study's re-measurement stands (`remeasurement`)."""
+
+    targets: list[TrialRecord]  # the configs re-measured: candidates fastest first, then the baseline
+    runs: dict[int, list[TrialRecord]]  # target number -> its completed re-measurements, round by round
+    dropped: dict[int, str]  # target number -> why it is out (a re-measurement failed for good)
+    pending: bool  # a planned re-measurement has not settled (or the search is still on)
+    baseline: int | None  # the baseline target's number
+    gate: float | None  # the gate at the re-measure budget (from the baseline's re-measurement)
+    unjudged: str | None  # why quality at the re-measure budget is not judged (gate None)
+
+    def judged(self, spec: StudySpec, number: int) -> bool | None:
+        """Whether target `number`'s re-measured quality passes the gate at its own budget
+        (the mean over its rounds, and each round's peak memory); None when not judged."""
+        runs = self.runs.get(number)
+        if not runs or self.gate is None:
+            return None
+        quality = [q for r in runs if (q := metric(r, spec, "quality")) is not None]
+        return (bool(quality) and bool(gate_feasible(statistics.fmean(quality), self.gate, spec.quality_direction))
+                and all(fits_memory(r, spec) for r in runs))
+
+
+def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> Remeasurement:
+    """The re-measurements of the study's targets. A re-measured config is judged against the
+    baseline re-measured at the same sample budget: the gate there is the baseline's
+    re-measured quality (mean over its rounds) widened by the same tolerance as the search's
+    gate, with the baseline seeds' spread (every re-measurement runs one seed, so its rounds
+    do not show a seed spread). The longer probe may train a model to a better (or, when it
+    overfits, a worse) quality: a gate set at the short budget would judge it by the wrong
+    yardstick. Without a baseline re-measurement the re-measured quality is not judged."""
+    targets = remeasure_targets(spec, trials, gate)
+    state = retries(spec, trials)
+    runs: dict[int, list[TrialRecord]] = {}
+    dropped: dict[int, str] = {}
+    settled: set[tuple[int, int]] = set()
+    for t in trials:
+        key = remeasure_key(t)
+        if key is None or not state.settled(t):
+            continue
+        settled.add(key)
+        if completed(t) and metric(t, spec, "throughput_samples_per_s") is not None:
+            runs.setdefault(key[0], []).append(t)
+        else:
+            kind = t.user_attrs.get("failure_kind") or service_state(t).lower()
+            dropped.setdefault(key[0], f"its re-measurement (trial {t.number}) failed ({kind})")
+    for number in runs:
+        runs[number].sort(key=lambda r: ((remeasure_key(r) or (0, 0))[1], r.number))
+    pending = spec.remeasure.top_k > 0 and (
+        not targets or any((t.number, r) not in settled for t, r in remeasure_plan(spec, targets)))
+    base = baseline_target(trials)
+    base_number = base.number if base is not None and any(t.number == base.number for t in targets) else None
+    gate_long, unjudged = None, None
+    if base_number is not None:
+        quality = [q for r in runs.get(base_number, []) if (q := metric(r, spec, "quality")) is not None]
+        seeds = baseline_summary(spec, trials).quality
+        if quality and seeds is not None:
+            stats = BaselineStats(mean=statistics.fmean(quality), std=seeds.std, n=seeds.n)
+            gate_long = Gate(spec.gate.abs_tol, spec.gate.k).threshold(stats, spec.quality_direction)
+        elif base_number in dropped:
+            unjudged = (f"the baseline's {dropped[base_number]}: quality at the re-measure budget is not judged "
+                        "(the re-measured configs keep the search's verdict)")
+    return Remeasurement(targets=targets, runs=runs, dropped=dropped, pending=pending, baseline=base_number,
+                         gate=gate_long, unjudged=unjudged)
+
+
+def front_values(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[int, list[float]]:
+    """Trial number -> the objective values (the spec's order) of every candidate on which the
+    front is computed: a feasible search trial at its re-measured value where it has one (the
+    pooled throughput and mean quality of its rounds). A candidate whose re-measurement failed,
+    or whose re-measured quality fails the gate at its budget, is left out."""
+    gate = gate_quality(spec, trials)
+    rm = remeasurement(spec, trials, gate)
+    out: dict[int, list[float]] = {}
+    for t in candidates(spec, trials, gate):
+        if t.number in rm.dropped or rm.judged(spec, t.number) is False:
+            continue
+        runs = rm.runs.get(t.number) or [t]
+        throughput = _pooled_throughput(runs, spec)
+        quality = [q for r in runs if (q := metric(r, spec, "quality")) is not None]
+        if throughput is None or not quality:
+            continue
+        measured = {"throughput_samples_per_s": throughput, "quality": statistics.fmean(quality)}
+        out[t.number] = [measured[OBJECTIVES[o][0]] for o in spec.objectives]
+    return out
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """A speedup with its 95 % confidence interval (`speedup_interval`)."""
+
+    ratio: float
+    low: float | None
+    high: float | None
+    basis: str  # how the interval was formed, for the notes
+
+
+def speedup_interval(pick: Sequence[TrialRecord], base: Sequence[TrialRecord],
+                     groups: Sequence[Sequence[TrialRecord]], spec: StudySpec) -> Speedup | None:
+    """The pick's throughput over the baseline's, with a 95 % interval on the ratio.
+
+    Each probe run (a process) is one measurement: the log of its throughput varies from run
+    to run with the host's state, far more than its windows do. That run-to-run spread is
+    pooled over every config measured more than once (`groups`: the baseline seeds, each
+    re-measured config's rounds), assuming the host's noise is the same relative size for all
+    of them, and the interval on log(ratio) is Student-t with the pooled degrees of freedom:
+    ± t · s · √(1/n_pick + 1/n_base). With no config run twice the run-to-run spread is unknown
+    and the interval falls back to the windows of each side's runs (it is then too narrow,
+    and the notes say so)."""
+    pick_thr, base_thr = _pooled_throughput(pick, spec), _pooled_throughput(base, spec)
+    if pick_thr is None or not base_thr:
+        return None
+    ratio = pick_thr / base_thr
+    squares, dof = 0.0, 0
+    for group in groups:
+        logs = [math.log(v) for r in group if (v := metric(r, spec, "throughput_samples_per_s")) and v > 0]
+        if len(logs) >= 2:
+            mean = statistics.fmean(logs)
+            squares += sum((x - mean) ** 2 for x in logs)
+            dof += len(logs) - 1
+    if dof > 0:
+        half = t_quantile(0.95, dof) * math.sqrt(squares / dof) * math.sqrt(1 / len(pick) + 1 / len(base))
+        basis = (f"run-to-run spread pooled over {dof + sum(1 for g in groups if len(g) >= 2)} runs of "
+                 f"{sum(1 for g in groups if len(g) >= 2)} configs ({dof} degrees of freedom)")
+    else:
+        halves = []
+        for runs in (pick, base):
+            windows = [w for r in runs for w in _windows(r)]
+            if len(windows) < 2:
+                return Speedup(ratio, None, None, "no interval: a side has fewer than 2 timed windows")
+            est = Estimate.for_rate(windows)
+            halves.append(math.log(est.high / est.low) / 2)
+        half = math.hypot(*halves)
+        basis = ("the windows of one run per side: no config was run twice, so the run-to-run spread is not "
+                 "in this interval (run more baseline_seeds or remeasure.rounds)")
+    return Speedup(ratio, ratio * math.exp(-half), ratio * math.exp(half), basis)
+
+
 def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> Recommendation:
-    """The fastest feasible config (see the module docstring). Raises NoRecommendation when there is none yet."""
+    """The fastest candidate that kept its quality at the re-measure budget (see the module
+    docstring). Raises NoRecommendation when there is none yet, or none at all."""
     runs = baselines(trials)
     if not runs:
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: its baseline trial has not been "
@@ -388,56 +643,115 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: the baseline runs "
                                f"({len(runs)}/{spec.baseline_seeds} started; waiting for trials {waiting}) have not "
                                f"all finished; the quality gate needs their {quality_name(spec, trials)}")
+    assert summary.quality is not None
     gate = gate_quality(spec, trials)
-    remeasured: dict[int, list[TrialRecord]] = {}
-    dropped: set[int] = set()
-    state = retries(spec, trials)
-    for t in trials:
-        key = remeasure_key(t)
-        if key is not None and state.settled(t):
-            if completed(t) and metric(t, spec, "throughput_samples_per_s") is not None:
-                remeasured.setdefault(key[0], []).append(t)
-            else:
-                dropped.add(key[0])  # failed to reproduce (or lost for good): not recommended
-    # (original trial, the measurements whose throughput counts)
-    candidates = [(t, remeasured.get(t.number, [t])) for t in trials if role(t) != "remeasure" and not is_repeat(t)
-                  and is_feasible(t, spec, gate) and t.number not in dropped]
-    if remeasured:
-        candidates = [c for c in candidates if c[0].number in remeasured or role(c[0]) == "baseline"]
-    scored = [(thr, orig, runs) for orig, runs in candidates if (thr := _pooled_throughput(runs, spec)) is not None]
-    if not scored:
-        raise NoRecommendation(f"study {study_name!r} has no feasible completed trial with a throughput yet")
-    throughput, best, runs = max(scored, key=lambda c: (c[0], -c[1].number))
-    run = runs[-1]  # the latest measurement: its notes and peak memory
-    windows = [w for r in runs for w in _windows(r)]
+    pool = candidates(spec, trials, gate)
+    scored_pool = sorted(((thr, t) for t in pool if (thr := metric(t, spec, "throughput_samples_per_s")) is not None),
+                         key=lambda c: (-c[0], c[1].number))
+    if not scored_pool:
+        raise NoRecommendation(f"study {study_name!r} has no feasible search trial with a throughput yet "
+                               "(baseline seeds are the reference, never a recommendation)")
+    rm = remeasurement(spec, trials, gate)
+    name = quality_name(spec, trials)
+    caveats: list[str] = []
+    if spec.remeasure.top_k > 0:
+        if rm.pending:
+            thr0, first = scored_pool[0]
+            done = sum(len(v) for v in rm.runs.values()) + len(rm.dropped)
+            raise NoRecommendation(
+                f"study {study_name!r} has no recommendation yet: its top configs and the baseline are being "
+                f"re-measured with a longer probe ({done} of {len(remeasure_plan(spec, rm.targets)) or '?'} "
+                f"re-measurements settled); the fastest search trial so far is trial {first.number} at "
+                f"{thr0:,.1f} samples/s, not yet re-measured")
+        ranked = []
+        for target in rm.targets:
+            if target.number == rm.baseline or target.number in rm.dropped or not rm.runs.get(target.number):
+                continue
+            if rm.judged(spec, target.number) is False:
+                continue
+            if (thr := _pooled_throughput(rm.runs[target.number], spec)) is not None:
+                ranked.append((thr, target, rm.runs[target.number]))
+        if not ranked:
+            why = "; ".join([f"trial {n}: {w}" for n, w in rm.dropped.items() if n != rm.baseline]
+                            + [f"trial {t.number}: its re-measured {name} fails the gate at the re-measure budget"
+                               for t in rm.targets if t.number != rm.baseline and rm.judged(spec, t.number) is False])
+            raise NoRecommendation(f"study {study_name!r} has nothing to recommend: no re-measured config kept its "
+                                   f"speed and quality ({why}); keep the baseline config, or widen the search")
+        if rm.unjudged:
+            caveats.append(rm.unjudged)
+    else:
+        ranked = [(thr, t, [t]) for thr, t in scored_pool]
+        caveats.append("not re-measured (remeasure.top_k is 0): this is the search's own measurement of the config, "
+                     "and the fastest of many noisy measurements is flattered by its luck (winner's curse)")
+    throughput, best, pick_runs = max(ranked, key=lambda c: (c[0], -c[1].number))
+    remeasured = pick_runs[0] is not best
+    base_runs = rm.runs.get(rm.baseline, []) if remeasured and rm.baseline is not None else []
+    seeds = [t for t in runs if completed(t) and not retries(spec, trials).superseded(t)]
+    if not base_runs:
+        base_runs = seeds
+    groups = [seeds] + [rm.runs[t.number] for t in rm.targets if t.number in rm.runs]
+    speed = speedup_interval(pick_runs, base_runs, groups, spec)
+    run = pick_runs[-1]  # the latest measurement: its notes and peak memory
+    windows = [w for r in pick_runs for w in _windows(r)]
     ci = Estimate.for_rate(windows) if len(windows) >= 2 else None  # throughput: the windows' rate
-    rounds = sorted(runs, key=lambda r: ((remeasure_key(r) or (0, 0))[1], r.number)) if run is not best else []
-    round_rates = [thr for r in rounds if (thr := metric(r, spec, "throughput_samples_per_s")) is not None]
+    round_rates = [thr for r in pick_runs if (thr := metric(r, spec, "throughput_samples_per_s")) is not None] \
+        if remeasured else []
     notes = [str(n) for n in run.user_attrs.get("measurement_notes") or []]
     if ci is not None and len(round_rates) >= 2 and (min(round_rates) < ci.low or max(round_rates) > ci.high):
         notes.append(_rounds_note(round_rates, throughput))
+    if speed is not None:
+        caveats.append(f"speedup interval: {speed.basis}")
     config = best.user_attrs.get("config") or {}
     peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
-    base_thr = summary.throughput
-    assert summary.quality is not None
-    name = quality_name(spec, trials)
+    base_thr = _pooled_throughput(base_runs, spec)
+    judged_long = remeasured and rm.gate is not None
+    quality_runs = pick_runs if judged_long else [best]
+    qualities = [q for r in quality_runs if (q := metric(r, spec, "quality")) is not None]
+    quality = statistics.fmean(qualities) if qualities else None
+    base_quality = summary.quality.mean
+    if judged_long:
+        base_q = [q for r in base_runs if (q := metric(r, spec, "quality")) is not None]
+        base_quality = statistics.fmean(base_q) if base_q else base_quality
+    gate_used = rm.gate if judged_long else gate
     nrmse = name == "val_nrmse"  # the val_nrmse fields are set for NRMSE only: a loss is not an NRMSE
-    quality = metric(best, spec, "quality")
+    beats = None if speed is None or speed.low is None else speed.low > 1.0
     return Recommendation(
         study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=best.number,
         throughput_samples_per_s=throughput, val_nrmse=quality if nrmse else None,
-        baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=summary.quality.mean if nrmse else None,
-        speedup=throughput / base_thr if base_thr else None, gate_nrmse=gate if nrmse else None,
+        baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=base_quality if nrmse else None,
+        speedup=speed.ratio if speed else None, gate_nrmse=gate_used if nrmse else None,
         quality_metric=name, quality_direction=spec.quality_direction, quality=quality,
-        baseline_quality=summary.quality.mean, baseline_quality_std=summary.quality.std, gate_quality=gate,
+        baseline_quality=base_quality, baseline_quality_std=summary.quality.std, gate_quality=gate_used,
         peak_mem_reserved_bytes=int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None,
         throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
-        remeasured=run is not best, remeasure_rounds=len(runs) if run is not best else 0,
+        remeasured=remeasured, remeasure_rounds=len(pick_runs) if remeasured else 0,
         round_throughputs=round_rates,
         baseline_val_nrmse_std=summary.quality.std if nrmse else None,
         baseline_seeds=summary.quality.n,
-        measurement_notes=notes,
+        measurement_notes=notes, caveats=caveats,
+        speedup_ci_low=speed.low if speed else None, speedup_ci_high=speed.high if speed else None,
+        beats_baseline=beats, verdict=_verdict(speed, beats),
+        quality_budget="remeasure" if judged_long else "search",
+        search_quality=metric(best, spec, "quality"), search_gate_quality=gate,
+        search_throughput_samples_per_s=metric(best, spec, "throughput_samples_per_s"),
+        baseline_remeasured=bool(remeasured and rm.baseline is not None and rm.runs.get(rm.baseline)),
     )
+
+
+NOISE_ADVICE = ("keep the baseline config; to tell smaller differences apart, re-measure more "
+                "(remeasure.rounds, baseline_seeds) or measure on a quieter host")
+
+
+def _verdict(speed: Speedup | None, beats: bool | None) -> str:
+    """One sentence: whether the pick beat the baseline beyond the noise."""
+    if speed is None:
+        return "the speedup is unknown: the baseline has no throughput"
+    if beats is None:
+        return f"{speed.ratio:.2f}× the baseline's throughput; no confidence interval ({speed.basis})"
+    interval = f"{speed.ratio:.2f}× (95 % CI {speed.low:.2f}–{speed.high:.2f}×)"
+    if beats:
+        return f"{interval} the baseline's throughput: faster beyond the noise"
+    return f"no config beat the baseline beyond the noise: {interval}; {NOISE_ADVICE}"
 
 
 def _rounds_note(rates: Sequence[float], pooled: float) -> str:
@@ -470,8 +784,13 @@ def recommendation_yaml(rec: Recommendation) -> str:
              f"# throughput: {rec.throughput_samples_per_s:.1f} samples/s"]
     if rec.baseline_throughput_samples_per_s is not None:
         speedup = f"{rec.speedup:.2f}x" if rec.speedup is not None else "n/a"
-        lines.append(f"# baseline throughput: {rec.baseline_throughput_samples_per_s:.1f} samples/s "
+        if rec.speedup_ci_low is not None and rec.speedup_ci_high is not None:
+            speedup += f", 95% CI {rec.speedup_ci_low:.2f}-{rec.speedup_ci_high:.2f}x"
+        same = " at the same budget" if rec.baseline_remeasured else ""
+        lines.append(f"# baseline throughput: {rec.baseline_throughput_samples_per_s:.1f} samples/s{same} "
                      f"(speedup {speedup})")
+    if rec.beats_baseline is False:
+        lines.append(f"# WARNING: {rec.verdict}")
     name = rec.quality_metric
     side = "<=" if rec.quality_direction == "minimize" else ">="
     gate = f" (gate: {side} {rec.gate_quality:.6g})" if rec.gate_quality is not None else ""
@@ -479,7 +798,11 @@ def recommendation_yaml(rec: Recommendation) -> str:
     if rec.baseline_quality_std is not None and rec.baseline_seeds > 1:
         base += f" ± {rec.baseline_quality_std:.2g} over {rec.baseline_seeds} seeds"
     value = "n/a" if rec.quality is None else f"{rec.quality:.6g}"
-    lines.append(f"# {name}: {value}{gate}; baseline {name}: {base}")
+    budget = " (re-measured, against the baseline re-measured at that budget)" if rec.quality_budget == "remeasure" \
+        else ""
+    lines.append(f"# {name}: {value}{gate}; baseline {name}: {base}{budget}")
+    if rec.quality_budget == "remeasure" and rec.search_quality is not None:
+        lines.append(f"# {name} in the search's shorter probe: {rec.search_quality:.6g}")
     if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
         lines.append(f"# throughput 95% CI: {rec.throughput_ci_low:.1f}–{rec.throughput_ci_high:.1f} samples/s"
                      f"{' (re-measured)' if rec.remeasured else ''}")
@@ -491,3 +814,22 @@ def recommendation_yaml(rec: Recommendation) -> str:
                      "unless use_config_lr=True")
     body = yaml.safe_dump(rec.config, sort_keys=False, default_flow_style=False) if rec.config else "{}\n"
     return "\n".join(lines) + "\n" + body
+
+
+def front_infos(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialInfo]:
+    """The front's trials (`pareto_front`), each shown at the values the front was computed on:
+    a re-measured config at its re-measured throughput and quality."""
+    values = front_values(spec, trials)
+    names = [OBJECTIVES[o][0] for o in spec.objectives]
+    infos = []
+    for info in trial_infos(pareto_front(trials, spec), spec, all_trials=trials):
+        point = dict(zip(names, values[info.number], strict=True))
+        update: dict[str, Any] = {"values": values[info.number]}
+        if "throughput_samples_per_s" in point:
+            update["throughput_samples_per_s"] = point["throughput_samples_per_s"]
+        if "quality" in point:
+            update["quality"] = point["quality"]
+            if info.quality_metric == "val_nrmse":
+                update["val_nrmse"] = point["quality"]
+        infos.append(info.model_copy(update=update))
+    return infos

@@ -65,15 +65,17 @@ from api.results import (
     completed,
     counts_by_state,
     failures_by_kind,
+    front_infos,
+    front_values,
     gate_nrmse,
     is_feasible,
     may_retry,
     metric,
-    pareto_front,
     recommend,
     remeasure_key,
     remeasure_plan,
     remeasure_targets,
+    remeasurement,
     retried_as,
     retries,
     role,
@@ -369,7 +371,7 @@ class TuningService:
     def pareto(self, name: str) -> list[TrialInfo]:
         spec = _spec(self._record(name))
         trials = self.bridge.trials(name)
-        return trial_infos(pareto_front(trials, spec), spec, all_trials=trials)
+        return front_infos(trials, spec)
 
     def best(self, name: str) -> Recommendation:
         spec = _spec(self._record(name))
@@ -724,10 +726,25 @@ class TuningService:
                 gate = self._gate(ctx)  # set once the last baseline seed is in
             if summary is not None and told:  # a repair (told before a crash) is in the summary already
                 self._learn(ctx, summary, trial, gate)
+            if trial_role == "remeasure" and told:
+                self._publish_front(ctx)
             with self.db.transaction() as session:
                 crud.finish_lease(session, trial_id, "completed", now)
                 crud.see_worker(session, request.worker_id, now)
             return self._trial_view(ctx, trial)
+
+    def _publish_front(self, ctx: StudyContext) -> None:
+        """Once the study's re-measurement has settled, give each re-measured candidate its
+        re-measured values in Optuna (the worst case when it is out), so the dashboard shows the
+        front and the best trial `best` shows (api/optuna_bridge.py). Called under the study's lock."""
+        trials = self.bridge.trials(ctx.name)
+        gate = gate_nrmse(ctx.spec, trials)
+        rm = remeasurement(ctx.spec, trials, gate)
+        if rm.pending:
+            return
+        front = front_values(ctx.spec, trials)
+        self.bridge.set_front_values(ctx, {t.number: front.get(t.number) for t in rm.targets
+                                           if t.number != rm.baseline})
 
     # --- the reaper ----------------------------------------------------------------------------
 

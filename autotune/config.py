@@ -273,3 +273,17 @@ def load_config_arg(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", f"expected a mapping of knob -> value, got {type(data).__name__}")
     return data
+
+
+def normalised(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every knob's value in `config`, a knob left out at its default, coerced to the knob's
+    type (25 and 25.0 are one bucket size); a value the knob refuses is kept as given. Two
+    configs that normalise alike run the same training."""
+    out: dict[str, Any] = {}
+    for name, knob in KNOBS.items():
+        value = config.get(name, knob.default)
+        try:
+            out[name] = knob.check(value)
+        except ConfigError:
+            out[name] = value
+    return out

@@ -121,11 +121,11 @@ class Estimate:
         mean = statistics.fmean(values)
         if len(values) < 2:
             return cls(mean, mean, mean, len(values))
-        half = _t_quantile(confidence, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+        half = t_quantile(confidence, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
         return cls(mean, mean - half, mean + half, len(values))
 
 
-def _t_quantile(confidence: float, dof: int) -> float:
+def t_quantile(confidence: float, dof: int) -> float:
     """Two-sided Student-t quantile (scipy when available, else a table for 95 %)."""
     try:
         from scipy.stats import t

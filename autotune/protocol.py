@@ -509,6 +509,10 @@ class TrialInfo(BaseModel):
                                                          "trial ran (0 = the first; None: the sampler's draw)")
     repeat_of: int | None = Field(None, description="the measured trial whose params the sampler drew again: this "
                                                     "trial was told its result and not run")
+    baseline_repeat_of: int | None = Field(None, description="the baseline trial whose config this search trial "
+                                             "drew: it measures the baseline again and is never a candidate")
+    feasibility_note: str | None = Field(None, description="how `feasible` was judged when not by the study's gate "
+                                         "(a re-measurement: against the baseline at its own budget, or not judged)")
     duration_s: float | None = None
     attempt: int = Field(1, description="1 for a first run; k for the (k-1)-th retry of a lost trial")
     retry_of: int | None = Field(None, description="the lost trial number this trial re-runs")
@@ -548,3 +552,21 @@ class Recommendation(BaseModel):
     baseline_seeds: int = 0
     measurement_notes: list[str] = Field(default_factory=list, description="what qualifies the recommended "
                                          "throughput's measurement (e.g. the GPU was throttled during it)")
+    speedup_ci_low: float | None = Field(None, description="95 % confidence interval of the speedup (the ratio), "
+                                         "from the run-to-run spread of the baseline's and the pick's runs")
+    speedup_ci_high: float | None = None
+    beats_baseline: bool | None = Field(None, description="the speedup's interval lies above 1 (False: no config "
+                                        "beat the baseline beyond the noise; None: no interval)")
+    verdict: str = Field("", description="one sentence: the speedup, its interval, and whether it is beyond noise")
+    quality_budget: Literal["search", "remeasure"] = Field(
+        "search", description="the sample budget `quality` and `gate_quality` are at: the re-measurement's "
+        "(judged against the baseline re-measured at that budget) or the search probe's")
+    search_quality: float | None = Field(None, description="the pick's quality in its search trial (short probe)")
+    search_gate_quality: float | None = Field(None, description="the gate at the search's sample budget (from "
+                                              "the baseline seeds), which judged every search trial")
+    search_throughput_samples_per_s: float | None = Field(None, description="the pick's search-trial throughput")
+    caveats: list[str] = Field(default_factory=list, description="what qualifies the recommendation itself (not "
+                               "re-measured, quality not judged at the re-measure budget, how the speedup's "
+                               "interval was formed)")
+    baseline_remeasured: bool = Field(False, description="the baseline was re-measured with the pick: the speedup "
+                                      "and quality compare the two at the same budget")

@@ -3,12 +3,18 @@
 Figures (matplotlib, written next to report.html):
 
 pareto.png        throughput vs the study's quality metric (validation NRMSE for ups,
-                  validation loss for gpt, ...) of every completed trial; feasible
-                  (passes the quality gate) and infeasible marked apart, the baseline
-                  starred, the gate drawn, the Pareto front connected
-progress.png      best feasible speedup over the baseline so far, by trial number
+                  validation loss for gpt, ...) of every completed search trial; feasible
+                  (passes the quality gate) and infeasible marked apart, the baseline seeds
+                  as one entry, the gate drawn, and the front the service computes (GET
+                  /pareto: candidates only, at their re-measured values) connected, with the
+                  recommendation marked: an infeasible point is never on the line
+progress.png      best feasible speedup so far, by trial number, over the same baseline
+                  throughput as the recommendation's speedup, which is drawn with its
+                  interval
 importances.png   parameter importances (optuna.importance, fANOVA by default) for
-                  throughput and for the quality metric, over the completed trials
+                  throughput and for the quality metric, over the completed search trials,
+                  only from MIN_IMPORTANCE_TRIALS of them (fewer rank noise); the count is
+                  on the plot
 failures.png      trials by final state and failed trials by failure kind
 
 The report works from the REST API's answers only (study, trials, recommendation), so it
@@ -29,6 +35,10 @@ from typing import Any
 from autotune.protocol import Recommendation, StudyInfo, TrialInfo
 
 log = logging.getLogger(__name__)
+
+# Importances from fewer completed search trials rank noise: a knob that did nothing can come
+# out above the one that changed quality (seen at 10 trials), so they are not drawn.
+MIN_IMPORTANCE_TRIALS = 20
 
 
 @dataclass(frozen=True)
@@ -61,9 +71,18 @@ def _completed(trials: list[TrialInfo]) -> list[TrialInfo]:
     return [t for t in trials if t.state == "COMPLETE" and t.throughput_samples_per_s and quality_of(t) is not None]
 
 
+def candidates(trials: list[TrialInfo]) -> list[TrialInfo]:
+    """The trials the front and the recommendation are made of: feasible search trials that ran,
+    less any that drew the baseline's config (api/results.py `candidates`)."""
+    return [t for t in _completed(trials) if t.role == "search" and not t.is_baseline and t.feasible
+            and t.repeat_of is None and t.baseline_repeat_of is None]
+
+
 def pareto_front(trials: list[TrialInfo], direction: str = "minimize") -> list[TrialInfo]:
-    """Completed trials not dominated in (max throughput, best quality in `direction`), by throughput."""
-    done = _completed(trials)
+    """Candidates (`candidates`) not dominated in (max throughput, best quality in `direction`),
+    by throughput. The service's GET /pareto is the same set at re-measured values; this is the
+    fallback for answers without it."""
+    done = candidates(trials)
     sign = 1.0 if direction == "minimize" else -1.0
     front = []
     for t in done:
@@ -79,14 +98,25 @@ def pareto_front(trials: list[TrialInfo], direction: str = "minimize") -> list[T
     return sorted(front, key=lambda t: t.throughput_samples_per_s or 0.0)
 
 
-def best_so_far(trials: list[TrialInfo]) -> list[tuple[int, float | None]]:
-    """(trial number, best feasible speedup over the baseline among trials up to it)."""
-    baseline = next((t for t in trials if t.is_baseline and t.state == "COMPLETE"), None)
-    base = baseline.throughput_samples_per_s if baseline else None
+def baseline_throughput(trials: list[TrialInfo], recommendation: Recommendation | None = None) -> float | None:
+    """The baseline throughput speedups are over: the recommendation's (the baseline re-measured
+    with the pick, or its seeds' mean), else the mean of the completed baseline seeds."""
+    if recommendation is not None and recommendation.baseline_throughput_samples_per_s:
+        return recommendation.baseline_throughput_samples_per_s
+    seeds = [t.throughput_samples_per_s for t in trials if t.is_baseline and t.state == "COMPLETE"
+             and t.throughput_samples_per_s]
+    return sum(seeds) / len(seeds) if seeds else None
+
+
+def best_so_far(trials: list[TrialInfo], base: float | None = None) -> list[tuple[int, float | None]]:
+    """(trial number, best speedup over `base` (default: `baseline_throughput`) among the
+    candidates up to it)."""
+    base = base or baseline_throughput(trials)
+    eligible = {t.number for t in candidates(trials)}
     best: float | None = None
     out = []
     for t in sorted(trials, key=lambda t: t.number):
-        if base and t.feasible and t.throughput_samples_per_s:
+        if base and t.number in eligible and t.throughput_samples_per_s:
             speedup = t.throughput_samples_per_s / base
             best = speedup if best is None else max(best, speedup)
         out.append((t.number, best))
@@ -113,8 +143,9 @@ def importances(study: StudyInfo, trials: list[TrialInfo]) -> dict[str, dict[str
             dists[p.name] = IntDistribution(int(p.low or 0), int(p.high or 0), log=p.log)
         else:
             dists[p.name] = FloatDistribution(float(p.low or 0), float(p.high or 0), log=p.log)
-    rows = [t for t in _completed(trials) if not t.is_baseline and t.params]
-    if len(rows) < 3:
+    rows = [t for t in _completed(trials) if t.role == "search" and not t.is_baseline and t.params
+            and t.repeat_of is None]
+    if len(rows) < MIN_IMPORTANCE_TRIALS:
         return {}
     names = sorted({k for t in rows for k in t.params if k in dists})
     if not names:
@@ -134,28 +165,49 @@ def importances(study: StudyInfo, trials: list[TrialInfo]) -> dict[str, dict[str
     return out
 
 
-def _plot_pareto(study: StudyInfo, trials: list[TrialInfo], gate: float | None, path: Path) -> None:
+def _plot_pareto(study: StudyInfo, trials: list[TrialInfo], gate: float | None, path: Path,
+                 front: list[TrialInfo] | None = None, recommendation: Recommendation | None = None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
-    done = _completed(trials)
+    done = [t for t in _completed(trials) if t.role != "remeasure"]  # re-measurements: at their config's front point
     label_q = quality_label(study, trials)
     direction = study.spec.quality_direction
-    for feasible, style, label in ((True, dict(c="#2a9d8f", marker="o"), "feasible"),
-                                   (False, dict(c="#e76f51", marker="x"), "infeasible"),
-                                   (None, dict(c="#999999", marker="."), "not judged yet")):
+    for feasible, style, label in ((True, dict(c="#2a9d8f", marker="o"), "search trial: feasible"),
+                                   (False, dict(c="#e76f51", marker="x"), "search trial: infeasible"),
+                                   (None, dict(c="#999999", marker="."), "search trial: not judged yet")):
         pts = [t for t in done if t.feasible is feasible and not t.is_baseline]
         if pts:
             ax.scatter([t.throughput_samples_per_s for t in pts], [quality_of(t) for t in pts], label=label, **style)
-    for t in done:
-        if t.is_baseline:
-            ax.scatter([t.throughput_samples_per_s], [quality_of(t)], marker="*", s=250, c="#264653",
-                       label="baseline", zorder=5)
-    front = pareto_front(trials, direction)
-    if len(front) > 1:
-        ax.plot([t.throughput_samples_per_s for t in front], [quality_of(t) for t in front], "k--", lw=0.8,
-                label="Pareto front")
+    seeds = [t for t in done if t.is_baseline]
+    if seeds:  # one legend entry for every seed
+        ax.scatter([t.throughput_samples_per_s for t in seeds], [quality_of(t) for t in seeds], marker="*", s=200,
+                   c="#264653", label=f"baseline ({len(seeds)} seed{'s' if len(seeds) != 1 else ''})", zorder=5)
+    line = sorted(front if front is not None else pareto_front(trials, direction),
+                  key=lambda t: t.throughput_samples_per_s or 0.0)
+    if line:
+        searched = {t.number: t for t in done}
+        moved = [(searched[t.number], t) for t in line if t.number in searched
+                 and (searched[t.number].throughput_samples_per_s, quality_of(searched[t.number]))
+                 != (t.throughput_samples_per_s, quality_of(t))]
+        for old, new in moved:  # a re-measured config: from its search point to where its re-measurement put it
+            ax.annotate("", xy=(new.throughput_samples_per_s, quality_of(new)),
+                        xytext=(old.throughput_samples_per_s, quality_of(old)),
+                        arrowprops=dict(arrowstyle="->", color="#6a4c93", lw=0.8, alpha=0.7))
+        ax.plot([t.throughput_samples_per_s for t in line], [quality_of(t) for t in line], "k--", lw=0.8,
+                marker="s", mfc="none", ms=9,
+                label="front" + (" (arrows: search → re-measured value)" if moved else ""))
+    if recommendation is not None:
+        rq = recommendation.quality if recommendation.quality is not None else recommendation.val_nrmse
+        ax.scatter([recommendation.throughput_samples_per_s], [rq], marker="D", s=90, facecolors="none",
+                   edgecolors="#6a4c93", linewidths=2, label=f"recommended (trial {recommendation.trial_number})",
+                   zorder=6)
     side = "≤" if direction == "minimize" else "≥"
-    if gate is not None:
+    search_gate = recommendation.search_gate_quality if recommendation is not None else None
+    if search_gate is not None and gate is not None and search_gate != gate:  # the pick judged at its re-measurement
+        ax.axhline(search_gate, color="#e9c46a", lw=1.2, label=f"quality gate, search probe ({side} {search_gate:.4f})")
+        ax.axhline(gate, color="#e9c46a", lw=1.2, ls=":",
+                   label=f"quality gate, re-measure probe ({side} {gate:.4f})")
+    elif gate is not None:
         ax.axhline(gate, color="#e9c46a", lw=1.2, label=f"quality gate ({label_q} {side} {gate:.4f})")
     ax.set_xlabel("throughput (samples/s, higher is better)")
     ax.set_ylabel(f"validation {label_q} ({'lower' if direction == 'minimize' else 'higher'} is better)"
@@ -169,26 +221,38 @@ def _plot_pareto(study: StudyInfo, trials: list[TrialInfo], gate: float | None, 
     plt.close(fig)
 
 
-def _plot_progress(study: StudyInfo, trials: list[TrialInfo], path: Path) -> None:
+def _plot_progress(study: StudyInfo, trials: list[TrialInfo], path: Path,
+                   recommendation: Recommendation | None = None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    points = [(n, s) for n, s in best_so_far(trials) if s is not None]
+    base = baseline_throughput(trials, recommendation)
+    points = [(n, s) for n, s in best_so_far(trials, base) if s is not None]
     if points:
-        ax.step([p[0] for p in points], [p[1] for p in points], where="post", color="#264653")
+        ax.step([p[0] for p in points], [p[1] for p in points], where="post", color="#264653",
+                label="best search trial so far (its own probe)")
         ax.scatter([p[0] for p in points], [p[1] for p in points], s=10, color="#264653")
     else:
         ax.text(0.5, 0.5, "no feasible trial yet", ha="center", va="center", transform=ax.transAxes)
+    r = recommendation
+    if r is not None and r.speedup is not None:
+        ax.axhline(r.speedup, color="#6a4c93", lw=1.2,
+                   label=f"recommended: {r.speedup:.2f}×" + (" (re-measured)" if r.remeasured else ""))
+        if r.speedup_ci_low is not None and r.speedup_ci_high is not None:
+            ax.axhspan(r.speedup_ci_low, r.speedup_ci_high, color="#6a4c93", alpha=0.15, label="its 95 % interval")
     ax.axhline(1.0, color="#999999", lw=0.8)
     ax.set_xlabel("trial number")
-    ax.set_ylabel("best feasible speedup (×)")
-    ax.set_title(f"{study.name}: best so far")
+    ax.set_ylabel("speedup (×)")
+    ax.set_title(f"{study.name}: best so far, over the baseline's "
+                 + (f"{base:,.1f} samples/s" if base else "throughput"), fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _plot_importances(study: StudyInfo, imp: dict[str, dict[str, float]], path: Path, label: str = "NRMSE"
-                      ) -> None:
+def _plot_importances(study: StudyInfo, imp: dict[str, dict[str, float]], path: Path, label: str = "NRMSE",
+                      count: int = 0) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, (objective, title) in zip(axes, (("throughput", "throughput"), ("quality", label)), strict=True):
@@ -197,8 +261,10 @@ def _plot_importances(study: StudyInfo, imp: dict[str, dict[str, float]], path: 
             names = list(values)[::-1]
             ax.barh(names, [values[n] for n in names], color="#2a9d8f")
         else:
-            ax.text(0.5, 0.5, "too few trials", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, f"not shown: {count} completed search trial{'s' if count != 1 else ''},\n"
+                    f"importances need {MIN_IMPORTANCE_TRIALS}", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(f"importance for {title}")
+    fig.suptitle(f"from {count} completed search trials", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -226,17 +292,19 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Recommendation | None,
-                 out: Path) -> ReportFiles:
-    """Write report.html and the PNGs into `out` (created if missing)."""
+                 out: Path, front: list[TrialInfo] | None = None) -> ReportFiles:
+    """Write report.html and the PNGs into `out` (created if missing); `front`: the service's
+    GET /pareto (default: computed from `trials` the same way, without re-measured values)."""
     out.mkdir(parents=True, exist_ok=True)
     gate = (recommendation.gate_quality if recommendation.gate_quality is not None
             else recommendation.gate_nrmse) if recommendation else None
     label = quality_label(study, trials)
     side = "≤" if study.spec.quality_direction == "minimize" else "≥"
     figures = {name: out / f"{name}.png" for name in ("pareto", "progress", "importances", "failures")}
-    _plot_pareto(study, trials, gate, figures["pareto"])
-    _plot_progress(study, trials, figures["progress"])
-    _plot_importances(study, importances(study, trials), figures["importances"], label)
+    _plot_pareto(study, trials, gate, figures["pareto"], front, recommendation)
+    _plot_progress(study, trials, figures["progress"], recommendation)
+    searched = [t for t in _completed(trials) if t.role == "search" and not t.is_baseline and t.repeat_of is None]
+    _plot_importances(study, importances(study, trials), figures["importances"], label, len(searched))
     _plot_failures(study, trials, figures["failures"])
 
     esc = html.escape
@@ -256,9 +324,12 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
                f" ({_fmt(r.speedup, '.2f')}× the baseline's {_fmt(r.baseline_throughput_samples_per_s, ',.1f')}),"
                f" {esc(label)} {_fmt(quality, '.4f')} (baseline {_fmt(baseline_quality, '.4f')},"
                f" gate {side} {_fmt(gate, '.4f')}).</p>"
-               f"<pre>{esc(json.dumps(r.config, indent=2))}</pre>")
+               + (f"<p><b>{esc(r.verdict)}</b></p>" if r.verdict else "")
+               + "".join(f"<p><i>{esc(c)}</i></p>" for c in r.caveats)
+               + f"<pre>{esc(json.dumps(r.config, indent=2))}</pre>")
     else:
-        rec = "<p>No recommendation yet: no completed trial passes the quality gate.</p>"
+        rec = ("<p>No recommendation yet: no search trial passes the quality gate, or its re-measurement has "
+               "not finished (<code>autotune best</code> says which).</p>")
     space_name = study.spec.resolved_space().name
     counts = ", ".join(f"{k}: {v}" for k, v in study.counts.items()) or "none"
     failures = ", ".join(f"{k}: {v}" for k, v in study.failures.items()) or "none"

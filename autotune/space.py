@@ -34,6 +34,7 @@ import itertools
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -417,3 +418,10 @@ def suggest(space: Space, trial: TrialLike) -> dict[str, Any]:
     config = {**space.fixed, **values}
     parse_config(config)  # every drawn config must pass the knob rules
     return config
+
+
+def params_of(space: Space, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The space's params as `config` sets them: each active param whose value the space could
+    draw (a config from outside the space, like a user's baseline, keeps only those)."""
+    return {p.name: config[p.name] for p in space.params.values()
+            if p.name in config and _active(p, dict(config)) and _can_take(p, config[p.name])}

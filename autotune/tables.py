@@ -83,7 +83,9 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         role = " [cyan](baseline)[/]" if t.is_baseline else \
             f" [cyan](re-measure of {t.remeasure_of}{round_})[/]" if t.role == "remeasure" else \
             f" [cyan](starting point {t.starting_point + 1})[/]" if t.starting_point is not None else \
-            f" [cyan](same as {t.repeat_of}, not run)[/]" if t.repeat_of is not None else ""
+            f" [cyan](same as {t.repeat_of}, not run)[/]" if t.repeat_of is not None else \
+            f" [cyan](the baseline's config: a repeat of trial {t.baseline_repeat_of})[/]" \
+            if t.baseline_repeat_of is not None else ""
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
         if t.prune_reason and t.state == "PRUNED":
             failure = "pruned"
@@ -106,7 +108,14 @@ def recommendation_table(rec: Recommendation) -> Table:
     if len(rec.round_throughputs) >= 2:
         table.add_row("re-measurements", ", ".join(f"{r:,.1f}" for r in rec.round_throughputs)
                       + " samples/s (round by round)")
-    table.add_row("speedup", "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline")
+    speedup = "-" if rec.speedup is None else f"{rec.speedup:.2f}× over the baseline"
+    if rec.speedup is not None and rec.speedup_ci_low is not None and rec.speedup_ci_high is not None:
+        speedup += f" (95% CI {rec.speedup_ci_low:.2f}–{rec.speedup_ci_high:.2f}×)"
+    if rec.baseline_remeasured:
+        speedup += ", both re-measured at the same budget"
+    table.add_row("speedup", speedup)
+    if rec.beats_baseline is False:
+        table.add_row("[red]verdict[/]", f"[red]{rich_escape(rec.verdict)}[/]")
     name = "val NRMSE" if rec.quality_metric == "val_nrmse" else rec.quality_metric
     if rec.baseline_quality is None or rec.quality is None:
         quality_vs = ""
@@ -115,13 +124,16 @@ def recommendation_table(rec: Recommendation) -> Table:
         seeds = f" over {rec.baseline_seeds} seed{'s' if rec.baseline_seeds != 1 else ''}" if rec.baseline_seeds else ""
         quality_vs = (f" (baseline {rec.baseline_quality:.4f}{spread}{seeds}, "
                       f"{rec.quality - rec.baseline_quality:+.4f})")
-    table.add_row(name, ("-" if rec.quality is None else f"{rec.quality:.4f}") + quality_vs)
+    budget = " at the re-measure budget" if rec.quality_budget == "remeasure" else ""
+    table.add_row(name, ("-" if rec.quality is None else f"{rec.quality:.4f}") + quality_vs + budget)
+    if rec.quality_budget == "remeasure" and rec.search_quality is not None:
+        table.add_row(f"{name} (search)", f"{rec.search_quality:.4f} in the search's shorter probe")
     if rec.gate_quality is not None:
         side = "<=" if rec.quality_direction == "minimize" else ">="
         table.add_row("quality gate", f"{name} {side} {rec.gate_quality:.4f}")
     table.add_row("peak memory", "n/a (not measured on this device)" if rec.peak_mem_reserved_bytes is None
                   else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB reserved")
-    for note in rec.measurement_notes:
+    for note in [*rec.measurement_notes, *rec.caveats]:
         table.add_row("[yellow]note[/]", rich_escape(note))
     for knob, value in rec.config.items():
         table.add_row(f"  {knob}", json.dumps(value))

@@ -15,7 +15,7 @@ def trial(number: int, tp: float | None, nrmse: float | None, feasible: bool | N
           baseline: bool = False, failure: dict[str, str] | None = None, **params: object) -> TrialInfo:
     return TrialInfo(trial_id=100 + number, number=number, state=state, params=dict(params),
                      throughput_samples_per_s=tp, val_nrmse=nrmse, feasible=feasible, is_baseline=baseline,
-                     failure=failure)
+                     role="baseline" if baseline else "search", failure=failure)
 
 
 @pytest.fixture
@@ -40,21 +40,25 @@ def trials() -> list[TrialInfo]:
     ]
 
 
-def test_pareto_front_keeps_only_non_dominated_trials(trials: list[TrialInfo]) -> None:
-    assert [t.number for t in pareto_front(trials)] == [3, 6, 2]
+def test_pareto_front_keeps_only_non_dominated_candidates(trials: list[TrialInfo]) -> None:
+    """Not the baseline (the reference), not the faster infeasible trial 2: candidates only."""
+    assert [t.number for t in pareto_front(trials)] == [3, 6]
 
 
 def test_best_so_far_tracks_feasible_speedup(trials: list[TrialInfo]) -> None:
     curve = dict(best_so_far(trials))
-    assert curve[0] == pytest.approx(1.0)  # the baseline passes its own gate
+    assert curve[0] is None  # the baseline is the reference, not a finding
     assert curve[1] == pytest.approx(1.5)
     assert curve[2] == pytest.approx(1.5)  # infeasible, even though faster
     assert curve[6] == pytest.approx(2.0)
     assert curve[7] == pytest.approx(2.0)
 
 
-def test_importances_name_searched_params(study: StudyInfo, trials: list[TrialInfo]) -> None:
-    imp = importances(study, trials)
+def test_importances_need_enough_trials(study: StudyInfo, trials: list[TrialInfo]) -> None:
+    assert importances(study, trials) == {}  # 6 completed search trials rank noise
+    many = [trial(10 + i, 100.0 + 10 * i * (1 + (i % 2)), 0.5, True, batch_size=[4, 8, 16, 32][i % 4],
+                  precision=["fp32", "bf16"][i % 2]) for i in range(20)]
+    imp = importances(study, many)
     assert set(imp) == {"throughput", "quality"}
     assert set(imp["throughput"]) == {"batch_size", "precision"}
     assert sum(imp["throughput"].values()) == pytest.approx(1.0)
@@ -63,7 +67,8 @@ def test_importances_name_searched_params(study: StudyInfo, trials: list[TrialIn
 def test_write_report_produces_html_and_images(study: StudyInfo, trials: list[TrialInfo], tmp_path: Path) -> None:
     rec = Recommendation(study="s", config={"batch_size": 16}, trial_number=6, throughput_samples_per_s=200.0,
                          val_nrmse=0.51, baseline_throughput_samples_per_s=100.0, baseline_val_nrmse=0.5,
-                         speedup=2.0, gate_nrmse=0.51)
+                         speedup=2.0, gate_nrmse=0.51, speedup_ci_low=1.8, speedup_ci_high=2.2,
+                         verdict="2.00× (95 % CI 1.80–2.20×) the baseline's throughput: faster beyond the noise")
     files = write_report(study, trials, rec, tmp_path / "out")
     page = files.html.read_text()
     assert "2.00× the baseline" in page and "oom: out of memory" in page
@@ -86,12 +91,12 @@ def test_a_report_names_the_studys_own_metric_and_its_direction(tmp_path: Path) 
     def acc_trial(number: int, tp: float, accuracy: float, feasible: bool, **params: object) -> TrialInfo:
         return TrialInfo(trial_id=number, number=number, state="COMPLETE", params=dict(params),
                          throughput_samples_per_s=tp, quality=accuracy, quality_metric="val_accuracy",
-                         feasible=feasible, is_baseline=number == 0)
+                         feasible=feasible, is_baseline=number == 0, role="baseline" if number == 0 else "search")
 
     trials = [acc_trial(0, 100.0, 0.90, True), acc_trial(1, 200.0, 0.80, False, batch_size=8),
               acc_trial(2, 150.0, 0.95, True, batch_size=4), acc_trial(3, 120.0, 0.85, True, batch_size=16)]
-    assert [t.number for t in pareto_front(trials, "maximize")] == [2, 1]  # higher accuracy is better
-    assert [t.number for t in pareto_front(trials)] == [1]  # the same points, minimized: the fastest wins
+    assert [t.number for t in pareto_front(trials, "maximize")] == [2]  # higher accuracy is better
+    assert [t.number for t in pareto_front(trials)] == [3, 2]  # the same points, minimized: neither dominates
     rec = Recommendation(study="acc", config={"batch_size": 4}, trial_number=2, throughput_samples_per_s=150.0,
                          baseline_throughput_samples_per_s=100.0, speedup=1.5, quality_metric="val_accuracy",
                          quality_direction="maximize", quality=0.95, baseline_quality=0.90, gate_quality=0.89)

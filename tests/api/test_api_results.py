@@ -49,8 +49,11 @@ def test_no_recommendation_before_the_baseline(client: TestClient, make_study: S
     trials = client.get("/v1/studies/s/trials").json()["data"]
     assert [t["feasible"] for t in trials] == [None, None]  # no gate before every baseline seed is done
     complete(client, base, "w0", failure={"kind": "oom", "message": "boom"})
-    r = client.get("/v1/studies/s/best")  # one seed is enough for a gate
-    assert r.status_code == 200 and r.json()["baseline_seeds"] == 1
+    r = client.get("/v1/studies/s/best")  # one seed is enough for a gate, but the baseline is not a candidate
+    assert r.status_code == 404 and "never a recommendation" in r.json()["detail"]
+    _run(client, "w2", FAST_OK)
+    r = client.get("/v1/studies/s/best")
+    assert r.status_code == 200 and r.json()["baseline_seeds"] == 1 and r.json()["trial_number"] == 2
 
 
 def test_every_baseline_failing_is_said_clearly(client: TestClient, make_study: StudyFactory) -> None:
@@ -80,10 +83,11 @@ def test_trials_carry_the_gate(client: TestClient, study: dict[str, dict[str, An
 
 
 def test_pareto(client: TestClient, study: dict[str, dict[str, Any]]) -> None:
+    """The front holds candidates only: not the baseline (the reference) nor the faster
+    trial that fails the gate."""
     front = client.get("/v1/studies/s/pareto").json()
-    assert front["count"] == 3
-    assert {t["number"] for t in front["data"]} == {0, 1, 2}
-    assert {t["number"]: t["feasible"] for t in front["data"]} == {0: True, 1: True, 2: False}
+    assert front["count"] == 1
+    assert [(t["number"], t["feasible"]) for t in front["data"]] == [(1, True)]
 
 
 def test_best_json(client: TestClient, study: dict[str, dict[str, Any]]) -> None:
@@ -116,7 +120,6 @@ def test_the_recommendation_carries_the_notes_on_its_measurement(client: TestCli
     """A pick measured on a throttled GPU says so, in JSON, in the YAML header and in `autotune best`."""
     make_study("s", n_trials=10, seed=0, baseline={"batch_size": 4})
     _run(client, "w0", BASELINE)
-    assert client.get("/v1/studies/s/best").json()["measurement_notes"] == []  # nothing to qualify
     note = "the driver held the GPU's clocks down (power or heat) during the timed windows: window 3 30%"
     got = lease(client, "w1")
     assert got is not None
@@ -129,12 +132,22 @@ def test_the_recommendation_carries_the_notes_on_its_measurement(client: TestCli
     assert "window 3 30%" in console.export_text()
 
 
-def test_the_baseline_can_be_the_best(client: TestClient, make_study: StudyFactory) -> None:
-    make_study("s")
-    _run(client, "w0", BASELINE)
-    _run(client, "w1", (50.0, 0.1))
+def test_the_baseline_is_never_recommended_even_when_it_measures_fastest(client: TestClient,
+                                                                         make_study: StudyFactory) -> None:
+    """A baseline seed that happens to be fastest is the reference, not a finding: the pick is
+    a search config, and its verdict says it did not beat the baseline."""
+    make_study("s", baseline_seeds=2)
+    for worker in ("w0", "w1"):
+        got = lease(client, worker)
+        assert got is not None and got["role"] == "baseline"
+        complete(client, got, worker, throughput=100.0 if worker == "w0" else 104.0, nrmse=0.1)
+    _run(client, "w2", (98.0, 0.1))
     best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] == 0 and best["speedup"] == pytest.approx(1.0)
+    assert best["trial_number"] == 2 and best["speedup"] == pytest.approx(98.0 / 102.0)
+    assert best["beats_baseline"] is False and "no config beat the baseline beyond the noise" in best["verdict"]
+    assert best["speedup_ci_low"] < 1.0 < best["speedup_ci_high"]
+    text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
+    assert "# WARNING: no config beat the baseline beyond the noise" in text
 
 
 def test_single_objective_study(client: TestClient, make_study: StudyFactory) -> None:
@@ -142,6 +155,7 @@ def test_single_objective_study(client: TestClient, make_study: StudyFactory) ->
     base = _run(client, "w0", BASELINE)
     assert base["values"] == [BASELINE[0]] and base["val_nrmse"] == BASELINE[1]
     _run(client, "w1", FASTEST_BAD)
+    ok = _run(client, "w2", FAST_OK)["number"]
     front = client.get("/v1/studies/s/pareto").json()["data"]
-    assert [t["number"] for t in front] == [1]  # the fastest, whatever its quality
-    assert client.get("/v1/studies/s/best").json()["trial_number"] == 0  # the gate still rules the recommendation
+    assert [t["number"] for t in front] == [ok]  # the fastest candidate: the faster trial 1 fails the gate
+    assert client.get("/v1/studies/s/best").json()["trial_number"] == ok

@@ -207,7 +207,8 @@ def test_a_complete_after_a_crash_between_tell_and_lease_update_is_a_repair(app:
     assert base is not None
     service = _service(app)
     ctx = service._ctx(service._record("s"))
-    service.bridge.finish(ctx, base["trial_id"], "COMPLETE", [100.0, 0.1], {"failure_kind": None})
+    service.bridge.finish(ctx, base["trial_id"], "COMPLETE", [100.0, 0.1],
+                          {"failure_kind": None, "throughput_samples_per_s": 100.0, "quality": 0.1})
     _, told = service.bridge.finish_once(ctx, base["trial_id"], "COMPLETE", [1.0, 9.0])
     assert told is False
     info = complete(client, base, "w0", throughput=5.0)  # the worker's retry finds the trial told already
@@ -262,7 +263,10 @@ def test_a_lost_remeasurement_is_retried_and_the_study_waits_for_it(app: FastAPI
     assert search is not None
     complete(client, search, "w1", nrmse=0.1, throughput=200.0)
     lost = lease(client, "w2")
-    assert lost is not None and lost["role"] == "remeasure"
+    assert lost is not None and lost["role"] == "remeasure" and not lost["is_baseline"]
+    base_again = lease(client, "w5")  # round 0 re-measures the baseline too, at the same budget
+    assert base_again is not None and base_again["role"] == "remeasure"
+    complete(client, base_again, "w5", nrmse=0.1, throughput=95.0)
     _reap(app)
     assert client.get("/v1/studies/s").json()["state"] == "running"  # the re-measurement is still to come
     retry = lease(client, "w3")
@@ -273,12 +277,15 @@ def test_a_lost_remeasurement_is_retried_and_the_study_waits_for_it(app: FastAPI
         (search["number"], 0)  # the retry re-runs round 0 ...
     complete(client, retry, "w3", nrmse=0.1, throughput=190.0)
     assert client.get("/v1/studies/s").json()["state"] == "running"  # ... and round 1 is still to come
-    second = lease(client, "w4")
-    assert second is not None and _trials(client)[second["number"]]["remeasure_round"] == 1
-    complete(client, second, "w4", nrmse=0.1, throughput=190.0)
+    for worker in ("w4", "w6"):  # round 1: the baseline, then the pick (the reverse order)
+        second = lease(client, worker)
+        assert second is not None and _trials(client)[second["number"]]["remeasure_round"] == 1
+        is_pick = _trials(client)[second["number"]]["remeasure_of"] == search["number"]
+        complete(client, second, worker, nrmse=0.1, throughput=190.0 if is_pick else 95.0)
     study = client.get("/v1/studies/s").json()
     assert study["state"] == "finished" and study["best"]["remeasured"] is True
     assert study["best"]["throughput_samples_per_s"] == 190.0 and study["best"]["remeasure_rounds"] == 2
+    assert study["best"]["speedup"] == pytest.approx(2.0)  # over the baseline re-measured alongside: 95
 
 
 # --- workloads a worker does not run ---------------------------------------------------------
