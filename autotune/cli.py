@@ -502,18 +502,24 @@ def worker(
         help="Run trials of this workload (repeatable; default: every built-in workload). NAME=module:attr "
              "also defines it: the probe children import module:attr for studies naming NAME. A trial of any "
              "other workload is refused: completed as failed (kind 'refused') without running anything.")] = None,
+    spool_dir: Annotated[Path | None, typer.Option(
+        help="Where results wait until the service has them (one JSON file each; written before every complete, "
+             "removed once delivered; results the service will not take are kept in its rejected/ folder). "
+             "Default: $AUTOTUNE_SPOOL_DIR, else $XDG_STATE_HOME/autotune/spool, else "
+             "~/.local/state/autotune/spool.")] = None,
 ) -> None:
     """Pull trials from the service and run their probes, one child process per trial.
 
     Exit status: 0 after --max-trials or --idle-exit; 128 + N when stopped by signal N;
-    1 when the service refuses this worker (unknown study, bad token); 2 for bad input.
+    1 when the service refuses this worker (unknown study, bad token); 2 for bad input;
+    3 when --idle-exit ran out while the service could not be reached.
     """
     from autotune.worker import WorkerOptions, run_worker
 
     options = WorkerOptions(api=api, token=resolve_token(token, token_file), study=study, device=device,
                             max_trials=max_trials,
                             idle_exit_s=idle_exit, worker_id=worker_id, heartbeat_s=heartbeat, threads=threads,
-                            gpus_per_trial=gpus_per_trial,
+                            gpus_per_trial=gpus_per_trial, spool_dir=spool_dir,
                             allow_workloads=tuple(dict.fromkeys(allow_workload)) if allow_workload else None)
     try:
         code = run_worker(options)

@@ -152,14 +152,20 @@ class Client:
     # --- transport -------------------------------------------------------------------------------
 
     def request(self, method: str, path: str, *, json_body: Any = None, params: dict[str, str] | None = None,
-                retry_for_s: float | bool | None = True,
+                retry_for_s: float | bool | None = True, interruptible: bool | None = None,
+                cancel: threading.Event | None = None,
                 on_retry: Callable[[str, float], None] | None = None) -> httpx.Response:
         """Send one request, retrying transient failures; returns a 2xx response or raises.
 
-        `retry_for_s`: True → the client's budget; None → forever (stops when `cancel` is
-        set); a number → that many seconds (ignores `cancel`: used for a last report)."""
+        `retry_for_s`: True → the client's budget; None → forever; a number → that many
+        seconds. `interruptible`: whether setting `cancel` ends the retries early (default:
+        only for a forever retry; a bounded one is usually a last report that must not be cut
+        short, but a worker's lease loop retries in bounded slices and wants both). `cancel`:
+        this call's own cancel event instead of the client's (a thread that must be able to
+        abandon its call without stopping everyone else's)."""
         budget = self.retry_for_s if retry_for_s is True else retry_for_s
-        honour_cancel = budget is None
+        honour_cancel = budget is None if interruptible is None else interruptible
+        cancel = self.cancel if cancel is None else cancel
         assert budget is None or isinstance(budget, (int, float))
         started = time.monotonic()
         delay = 0.25
@@ -180,7 +186,7 @@ class Client:
             elapsed = time.monotonic() - started
             if budget is not None and elapsed + delay > budget:
                 raise ServiceUnavailable(self.base_url, cause)
-            if honour_cancel and self.cancel is not None and self.cancel.is_set():
+            if honour_cancel and cancel is not None and cancel.is_set():
                 raise ServiceUnavailable(self.base_url, f"{cause} (gave up: interrupted)")
             if on_retry is not None:
                 on_retry(cause, delay)
@@ -188,8 +194,8 @@ class Client:
                 log.warning("autotune service at %s: %s; retrying (backoff up to %.0f s)", self.base_url, cause,
                             self.max_backoff_s)
                 self._outage_logged = True
-            if self.cancel is not None and honour_cancel:
-                if self.cancel.wait(delay):
+            if cancel is not None and honour_cancel:
+                if cancel.wait(delay):
                     raise ServiceUnavailable(self.base_url, f"{cause} (gave up: interrupted)")
             else:
                 time.sleep(delay)

@@ -9,10 +9,17 @@ worker leases only studies whose ``gpus_per_trial`` equals its own (the lease re
 it; pinned with --study to another world size, the service answers 422 naming the fix).
 The loop of one group (`Worker.run`):
 
+spool     first, results not yet delivered (`autotune.spool`: a directory, one JSON file per
+          result) are handed in, at the worker's start and around every lease.
 lease     POST /v1/trials/lease with the worker's hardware class, its allow-list (the service
           offers it only studies of those workloads; a --study of another workload is a 422
           naming the fix) and the study, if given.
           204: nothing to do: wait with backoff (capped at 5 s); exit after `idle_exit_s`.
+          Unreachable (connection refused, timeouts, 5xx): retried in slices of LEASE_RETRY_S;
+          the time counts toward `idle_exit_s` too, and a worker that gives up so exits with
+          status 3, naming the URL it could not reach and for how long.
+          A lease of a trial whose result lies in the spool is not run again: the spooled
+          result is delivered.
           While idle it reads GET /v1/studies (at once, then every minute) and names, once per
           distinct set, the running studies it cannot take and why: another hardware class,
           a workload off its allow-list, another gpus_per_trial (`skipped_studies`).
@@ -32,20 +39,28 @@ probe     `python -m autotune.probe_child` in its own process group (see probe_c
           ranks, CUDA_VISIBLE_DEVICES = the group's GPUs), the job in a job directory: prune
           = its stop file; a kill ends the launcher's group and every rank's group; a rank's
           failure record (kind, message naming the rank) becomes the trial's result.
-monitor   the child's report lines go to POST /report (reply prune → SIGTERM the child: it
-          stops at the next window and its result says stopped_early, or SIGKILL after a
-          grace and a partial result is built from the reports); a heartbeat every
-          `heartbeat_s` (reply stop → kill the child, complete the trial as failed).
-complete  POST /complete with the ProbeResult. A child that dies without a result (crash,
-          OOM kill, signal), hangs past the hard limit, or is interrupted becomes a failure
-          record; the worker itself goes on.
+monitor   drains the child's stdout (its report lines and its result) and acts on decisions;
+          it never waits on the network. A `Courier` thread carries the reports to POST /report
+          and a heartbeat every `heartbeat_s` to the service (reply prune → SIGTERM the child:
+          it stops at the next window and its result says stopped_early, or SIGKILL after a
+          grace and a partial result is built from the reports; heartbeat reply stop → kill the
+          child, complete the trial as failed). While the service is away the courier keeps at
+          most MAX_PENDING_REPORTS reports, dropping the oldest: a prune decision comes late,
+          the probe's timed windows (measured in the child) are never touched.
+complete  the result is written to the spool, then POST /complete (retried COMPLETE_RETRY_S);
+          the file is removed once the service has it. Not delivered, it stays in the spool
+          and the lease loop delivers it when the service answers. A child that dies without
+          a result (crash, OOM kill, signal), hangs past the hard limit, or is interrupted
+          becomes a failure record; the worker itself goes on.
 
-Resilience: lease and complete retry connection errors and 5xx forever (backoff capped at
-10 s), so a worker outlives a service restart; reports and heartbeats retry briefly and are
-skipped if the service stays away (the probe keeps running). A 409 means the trial is no
-longer this worker's: it is dropped. SIGINT/SIGTERM: the running child is killed, its trial
-completed as failed, kind "interrupted" ("worker interrupted by SIGTERM"; the service re-runs
-it on another worker: a preemption says nothing about the config), and the worker exits 128 + signal.
+Resilience: every call retries connection errors and 5xx (backoff capped at 10 s), so a
+worker outlives a service restart, and no result is lost meanwhile: it waits in the spool,
+also across a kill of the worker (the next worker on that spool delivers it). A 409 means the
+trial is no longer this worker's: the child is stopped, and a result it gave anyway is kept
+in the spool's rejected/ folder. How this meets the service's lease grace: `autotune.spool`.
+SIGINT/SIGTERM: the running child is killed, its trial completed as failed, kind
+"interrupted" ("worker interrupted by SIGTERM"; the service re-runs it on another worker: a
+preemption says nothing about the config), and the worker exits 128 + signal.
 """
 
 from __future__ import annotations
@@ -67,7 +82,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -86,7 +101,8 @@ from autotune.distributed import JOB_DIR_ENV, collect_failure, kill_ranks, launc
 from autotune.gate import window_rate
 from autotune.hardware import Hardware
 from autotune.probe_child import ChildJob
-from autotune.protocol import LeaseRequest, TrialInfo, TrialLease
+from autotune.protocol import LeaseRequest, TrialLease
+from autotune.spool import Delivery, Spool, SpoolEntry, default_spool_dir, deliver, unauthorized_hint
 from autotune.workloads import (
     ENTRY_POINT_GROUP,
     builtin_workload_names,
@@ -94,8 +110,6 @@ from autotune.workloads import (
     registered_workloads,
     workload_paths,
 )
-
-ReplyT = TypeVar("ReplyT")
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +119,22 @@ IDLE_BACKOFF_CAP_S = 5.0
 PRUNE_GRACE_S = 5.0  # a pruned child gets this long to stop at a window boundary and print its result
 KILL_GRACE_S = 2.0  # SIGTERM → SIGKILL when the child's result is not wanted
 STDERR_TAIL_CHARS = 1500
-# A last complete after SIGINT/SIGTERM retries this long, then the worker exits anyway
-# (the service's reaper fails the trial as "lost" later).
+# A last complete after SIGINT/SIGTERM retries this long, then the worker exits anyway (the
+# result stays in the spool; the service's reaper fails the trial as "lost" later).
 FINAL_COMPLETE_RETRY_S = 20.0
+# A complete retries this long; then its result waits in the spool and the lease loop (which
+# needs the service anyway) delivers it when the service answers.
+COMPLETE_RETRY_S = 10.0
+# One lease call retries this long; the loop calls again (counting --idle-exit meanwhile).
+LEASE_RETRY_S = 10.0
+SPOOL_RETRY_S = 2.0  # one spooled result's delivery from the lease loop: short, the loop comes back
+# A spooled result the service would not take yet (a 401, a trial it does not know) is offered again after this
+SPOOL_RECHECK_S = 60.0
+UNREACHABLE_EXIT = 3  # --idle-exit ran out while the service could not be reached
+# Reports the courier keeps while the service is away (the oldest are dropped beyond this).
+MAX_PENDING_REPORTS = 8
+COURIER_CLOSE_S = 2.0  # after the probe, the courier gets this long to hand in what it holds
+AWAY_PAUSE_S = 1.0  # the courier's pause between two tries while the service is away (each try has its budget)
 # An idle worker rereads the studies this often to name the running ones it cannot take.
 SKIPPED_RECHECK_S = 60.0
 SKIPPED_LIST_RETRY_S = 2.0  # the listing is a hint: a service that does not answer soon is not waited for
@@ -240,6 +267,7 @@ class WorkerOptions:
     threads: int | None = None  # torch threads in the child (default: torch's)
     allow_workloads: tuple[str, ...] | None = None  # workloads it runs (default: the built-in ones)
     gpus_per_trial: int = 1  # GPUs (cpu: gloo processes) per trial; the device is split into groups of this many
+    spool_dir: Path | None = None  # undelivered results (default: autotune.spool.default_spool_dir())
     child_argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", CHILD_MODULE])
     launch_argv: list[str] = field(default_factory=launch_argv)  # the distributed launcher (gpus_per_trial > 1)
 
@@ -457,6 +485,198 @@ class ProbeProcess:
         return returncode
 
 
+# --- the courier: reports and heartbeats off the monitor's path -----------------------------------
+
+
+class Courier:
+    """Carries one trial's reports and heartbeats to the service, on a thread of its own.
+
+    Why a thread: the monitor must keep draining the child's stdout whatever the service does.
+    Forwarded inline, each report waited out its retries while the service was down (up to
+    5 s each), so the monitor fell behind the probe: the trial took seconds longer per report,
+    the hard deadline could fire on a probe that had long finished, and the worker could act
+    on a prune or stop only after the backlog. `post` never blocks: it queues the report,
+    keeping at most `max_pending` (the oldest are dropped and counted: a late prune is fine,
+    a stalled monitor is not). Decisions (`decisions`: prune, stop, conflict) are set here and
+    acted on by the monitor, which `wake` nudges; the child is only ever handled there.
+
+    While the service is away a report is retried (kept at the head of the queue) after each
+    failed try's budget plus AWAY_PAUSE_S; heartbeats go on at their interval. `close` gives
+    the queue COURIER_CLOSE_S to reach a service that answers, then abandons the thread
+    (whatever it would still send is not wanted)."""
+
+    def __init__(self, client: Client, trial_id: int, worker_id: str, heartbeat_s: float,
+                 wake: Callable[[], None] = lambda: None, max_pending: int = MAX_PENDING_REPORTS) -> None:
+        self.client = client
+        self.trial_id = trial_id
+        self.worker_id = worker_id
+        self.heartbeat_s = heartbeat_s
+        self.budget_s = min(heartbeat_s, 5.0)  # one call's retries
+        self.wake = wake
+        self.max_pending = max_pending
+        self._cond = threading.Condition()
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._closing = False
+        self._done = False
+        self._away = False  # the last call did not reach the service
+        self._retry_at = 0.0
+        self._abort = threading.Event()  # ends the call in flight (close, while the service is away)
+        self.sent = 0  # reports the service took
+        self.dropped = 0  # reports dropped: the queue was full, or the service refused them
+        self.peak_pending = 0
+        self.heartbeats = 0
+        self.prune: tuple[int, str] | None = None  # (step, reason): the service said prune
+        self.stop: str | None = None  # the heartbeat said stop (why)
+        self.conflict: str | None = None  # 409: the trial is no longer ours (the service's words)
+        self._thread = threading.Thread(target=self._run, name=f"courier-{trial_id}", daemon=True)
+
+    def start(self) -> Courier:
+        self._thread.start()
+        return self
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def decisions(self) -> tuple[tuple[int, str] | None, str | None, str | None]:
+        """(prune, stop, conflict) as decided so far."""
+        with self._cond:
+            return self.prune, self.stop, self.conflict
+
+    def post(self, report: dict[str, Any]) -> None:
+        """Queue `report` for the service; never blocks."""
+        with self._cond:
+            if self._done or self.prune is not None:
+                return  # pruned or no longer ours: reports are not wanted any more
+            self._pending.append(report)
+            while len(self._pending) > self.max_pending:
+                self._pending.popleft()
+                self.dropped += 1
+            self.peak_pending = max(self.peak_pending, len(self._pending))
+            self._cond.notify()
+
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop: hand in the queued reports while the service answers, for up to `wait_s`
+        (default COURIER_CLOSE_S); a call still retrying for a service that is away is
+        abandoned at once."""
+        wait_s = COURIER_CLOSE_S if wait_s is None else wait_s
+        with self._cond:
+            self._closing = True
+            if self._away:
+                self._abort.set()
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(wait_s)
+        self._abort.set()
+        with self._cond:
+            self._done = True
+            self.dropped += len(self._pending)
+            self._pending.clear()
+
+    def _next(self, next_heartbeat: float) -> tuple[str, dict[str, Any] | None]:
+        """Wait for the next thing to send: ("heartbeat", None), ("report", r) or ("end", None)."""
+        with self._cond:
+            while True:
+                if self._done:
+                    return "end", None
+                now = time.monotonic()
+                if self._closing:
+                    if self._pending and not self._away and self.prune is None:
+                        return "report", self._pending.popleft()
+                    return "end", None
+                if now >= next_heartbeat:
+                    return "heartbeat", None
+                if self._pending and now >= self._retry_at:
+                    return "report", self._pending.popleft()
+                until = next_heartbeat if not self._pending else min(next_heartbeat, self._retry_at)
+                self._cond.wait(max(0.0, until - now))
+
+    def _run(self) -> None:
+        next_heartbeat = time.monotonic() + self.heartbeat_s
+        while True:
+            what, report = self._next(next_heartbeat)
+            if what == "end":
+                return
+            if what == "heartbeat":
+                next_heartbeat = time.monotonic() + self.heartbeat_s
+                self._heartbeat()
+            else:
+                assert report is not None
+                self._report(report)
+
+    def _decide(self, **decision: Any) -> None:
+        with self._cond:
+            for name, value in decision.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, value)
+            if self.stop is not None or self.conflict is not None:
+                self._done = True
+            self.dropped += len(self._pending)
+            self._pending.clear()
+        self.wake()
+
+    def _unreachable(self, what: str, error: ServiceUnavailable) -> None:
+        with self._cond:
+            if not self._away:
+                log.warning("%s for trial %d waits: %s (the probe goes on; reports are kept, at most %d)",
+                            what, self.trial_id, error, self.max_pending)
+            self._away = True
+            self._retry_at = time.monotonic() + AWAY_PAUSE_S
+
+    def _reached(self) -> None:
+        with self._cond:
+            if self._away:
+                log.warning("the service takes trial %d's reports and heartbeats again", self.trial_id)
+            self._away = False
+
+    def _heartbeat(self) -> None:
+        try:
+            reply = self.client.heartbeat(self.trial_id, self.worker_id, retry_for_s=self.budget_s,
+                                          interruptible=True, cancel=self._abort)
+        except ServiceUnavailable as e:
+            self._unreachable("the heartbeat", e)
+            return
+        except Conflict as e:
+            self._decide(conflict=e.message)
+            return
+        except ApiError as e:
+            log.warning("heartbeat for trial %d refused: %s", self.trial_id, e)
+            return
+        self._reached()
+        self.heartbeats += 1
+        if reply.action == "stop":
+            self._decide(stop=reply.reason or "the service said stop")
+
+    def _report(self, report: dict[str, Any]) -> None:
+        metrics = {k: float(v) for k, v in report["metrics"].items() if isinstance(v, (int, float))}
+        step = int(report["step"])
+        try:
+            reply = self.client.report(self.trial_id, self.worker_id, step, metrics, retry_for_s=self.budget_s,
+                                       interruptible=True, cancel=self._abort)
+        except ServiceUnavailable as e:
+            with self._cond:  # back at the head of the queue, if the queue has room
+                if not self._done and self.prune is None and len(self._pending) < self.max_pending:
+                    self._pending.appendleft(report)
+                else:
+                    self.dropped += 1
+            self._unreachable("a report", e)
+            return
+        except Conflict as e:
+            self._decide(conflict=e.message)
+            return
+        except ApiError as e:
+            log.warning("report for trial %d refused: %s", self.trial_id, e)
+            with self._cond:
+                self.dropped += 1
+            return
+        self._reached()
+        with self._cond:
+            self.sent += 1
+        if reply.prune:
+            self._decide(prune=(step, reply.reason or "pruned"))
+
+
 # --- outcomes ------------------------------------------------------------------------------------
 
 
@@ -475,6 +695,8 @@ class TrialRun:
     timed_out: bool = False
     dropped: str | None = None  # why the trial is no longer ours (no complete)
     rank_failure: dict[str, Any] | None = None  # a distributed probe's earliest rank failure record
+    courier: Courier | None = None  # carried its reports and heartbeats
+    child_ended: float | None = None  # monotonic time the monitor saw the child's stdout end
 
     @property
     def elapsed_s(self) -> float:
@@ -585,6 +807,9 @@ class Worker:
         self.stop_event = threading.Event()
         self.client = client or Client(options.api, options.token, retry_for_s=None, cancel=self.stop_event)
         self.console = console or Console(soft_wrap=True, highlight=False)
+        self.spool = Spool(options.spool_dir or default_spool_dir())
+        self._spool_later: dict[Path, float] = {}  # spooled results the service would not take yet → when to retry
+        self._spool_said: set[tuple[Path, str]] = set()  # (file, why) kept-notices said once
         self.signal_name: str | None = None
         self.signal_number: int | None = None
         self.allowed = options.allowed_workloads()
@@ -630,11 +855,24 @@ class Worker:
         note = f" [yellow](not installed here: {escape(', '.join(missing))}; their trials are refused)[/]" \
             if missing else ""
         self.console.print(f"  workloads {escape(', '.join(self.allowed) or 'none')} (--allow-workload){note}")
+        self.console.print(f"  spool    {escape(str(self.spool.root))} (results not yet delivered; --spool-dir)")
+        pending = self.spool.pending()
+        mine = [e for e in pending if e.api == self.client.base_url]
+        if mine:
+            self.console.print(f"  [yellow]{len(mine)} undelivered result(s) for this service in the spool[/] "
+                               f"({escape(', '.join(e.label for e in mine[:5]))}{', …' if len(mine) > 5 else ''}): "
+                               "delivering them before any new trial")
+        if len(pending) > len(mine):
+            services = sorted({e.api for e in pending if e.api != self.client.base_url})
+            self.console.print(f"  {len(pending) - len(mine)} spooled result(s) for other services "
+                               f"({escape(', '.join(services))}) are left for workers with that --api")
 
     def run(self) -> int:
-        """Serve trials until told to stop; the exit status (128 + signal when interrupted)."""
+        """Serve trials until told to stop; the exit status (128 + signal when interrupted,
+        UNREACHABLE_EXIT when --idle-exit ran out without a reachable service)."""
         self.announce()
         idle_since: float | None = None
+        unreachable_since: float | None = None  # when the lease calls started failing
         delay = IDLE_BACKOFF_START_S
         waiting_shown = False
         skips_checked: float | None = None  # when the running studies were last read (None: this idle spell: not yet)
@@ -644,19 +882,54 @@ class Worker:
         try:
             while not self.stop_event.is_set():
                 if self.options.max_trials is not None and self.trials_done >= self.options.max_trials:
+                    # the last results first: wait for the service as long as --idle-exit allows (default: until
+                    # it answers or a signal comes), as a worker's complete always did
+                    self.deliver_spool(retry_for_s=self.options.idle_exit_s)
                     self.console.print(f"done: {self.trials_done} trial(s) (--max-trials)")
+                    self.say_spool_left()
                     return 0
+                if unreachable_since is None:  # a service that does not answer is not asked twice per round
+                    self.deliver_spool()
+                budget = LEASE_RETRY_S
+                if self.options.idle_exit_s is not None:
+                    idle = 0.0 if idle_since is None else time.monotonic() - idle_since
+                    budget = min(budget, max(0.5, self.options.idle_exit_s - idle))
+                asked = time.monotonic()
                 try:
-                    lease = self.client.lease(request, retry_for_s=None)
-                except ServiceUnavailable:
-                    break  # interrupted while the service was away
+                    lease = self.client.lease(request, retry_for_s=budget, interruptible=True)
+                except ServiceUnavailable as e:
+                    if self.stop_event.is_set():
+                        break  # interrupted while the service was away
+                    now = time.monotonic()
+                    unreachable_since = unreachable_since or asked
+                    idle_since = idle_since or asked
+                    if self.options.idle_exit_s is not None and now - idle_since >= self.options.idle_exit_s:
+                        self.console.print(
+                            f"[bold red]error:[/] could not reach the autotune service at "
+                            f"{escape(self.client.base_url)} for {now - unreachable_since:.0f} s "
+                            f"({escape(e.cause)}); --idle-exit {self.options.idle_exit_s:g} s ran out: exiting "
+                            f"after {self.trials_done} trial(s). Check that the service runs (autotune serve) "
+                            "and that --api names its address")
+                        self.say_spool_left()
+                        return UNREACHABLE_EXIT
+                    continue  # the lease call waited (its backoff) already
                 except Conflict as e:  # the service refused a second lease for this worker: ask again
                     log.warning("lease refused: %s", e.message)
                     self.stop_event.wait(1.0)
                     continue
                 except (NotFound, Unauthorized, Invalid) as e:
-                    self.console.print(f"[bold red]error:[/] the service refused the lease: {e.message}")
+                    message = unauthorized_hint(self.client.base_url, f"HTTP {e.status_code}: {e.message}") \
+                        if isinstance(e, Unauthorized) else e.message
+                    self.console.print(f"[bold red]error:[/] the service refused the lease: {escape(message)}")
+                    self.say_spool_left()
                     return 2 if isinstance(e, Invalid) else 1
+                if unreachable_since is not None:
+                    self.console.print(f"the service at {escape(self.client.base_url)} answers again (away "
+                                       f"{time.monotonic() - unreachable_since:.0f} s)")
+                    unreachable_since = None
+                    self.deliver_spool()
+                if lease is not None and self._deliver_instead(lease):
+                    continue  # measured already: its spooled result went in (or waits for the service)
                 if lease is None:
                     now = time.monotonic()
                     if idle_since is None:
@@ -670,6 +943,7 @@ class Worker:
                     idle = now - idle_since
                     if self.options.idle_exit_s is not None and idle >= self.options.idle_exit_s:
                         self.console.print(f"idle for {idle:.0f} s: exiting after {self.trials_done} trial(s)")
+                        self.say_spool_left()
                         return 0
                     wait = delay
                     if self.options.idle_exit_s is not None:
@@ -685,6 +959,7 @@ class Worker:
                 self.current.finish()
         if self.signal_number is not None:
             self.console.print(f"stopped by {self.signal_name} after {self.trials_done} trial(s)")
+            self.say_spool_left()
             return 128 + self.signal_number
         return 0
 
@@ -708,6 +983,86 @@ class Worker:
                            f"{escape(repr(self.hardware.hardware_class))}, gpus_per_trial {self.group.world_size}):")
         for s in skipped:
             self.console.print(f"  {escape(s.name)} (hardware {escape(repr(s.hardware))}): {escape(s.reason)}")
+
+    # --- the spool ------------------------------------------------------------------------------
+
+    def deliver_spool(self, retry_for_s: float | None = SPOOL_RETRY_S) -> bool:
+        """Hand in the spooled results of this service, oldest first (`autotune.spool.deliver`).
+        False when the service could not be reached (the rest wait for the next round). A result
+        the service would not take yet (401, a trial it does not know) is offered again after
+        SPOOL_RECHECK_S; a 401 ends the round (no other delivery would fare better)."""
+        now = time.monotonic()
+        for entry in self.spool.pending(self.client.base_url):
+            if entry.path is not None and self._spool_later.get(entry.path, 0.0) > now:
+                continue
+            with self.spool.claim(entry) as mine:
+                if not mine:
+                    continue  # another worker on this spool is delivering it (or has)
+                outcome = deliver(self.spool, self.client, entry, retry_for_s, interruptible=True)
+            self._say_delivery(entry, outcome, spooled=True)
+            if outcome.status == "unreachable":
+                return False
+            if outcome.status == "kept" and entry.path is not None:
+                self._spool_later[entry.path] = now + SPOOL_RECHECK_S
+                if outcome.unauthorized:
+                    break
+        return True
+
+    def _deliver_instead(self, lease: TrialLease) -> bool:
+        """True when `lease` is a trial this worker measured already (its result in the spool:
+        the service handed back the lease it still holds); the result is delivered, not re-run."""
+        entry = self.spool.find(self.client.base_url, lease.trial_id, self.worker_id)
+        if entry is None:
+            return False
+        self.console.print(f"  {escape(entry.label)}: measured already, its result is in the spool: delivering it "
+                           "instead of running the trial again")
+        with self.spool.claim(entry) as mine:
+            if mine:
+                self._say_delivery(entry, deliver(self.spool, self.client, entry, COMPLETE_RETRY_S,
+                                                  interruptible=True), spooled=True)
+        if self.spool.find(self.client.base_url, lease.trial_id, self.worker_id) is not None:
+            self.stop_event.wait(1.0)  # still not taken: the loop tries again, without running it
+        return True
+
+    def _say_delivery(self, entry: SpoolEntry, outcome: Delivery, spooled: bool) -> None:
+        """One line on what became of a result (`spooled`: an earlier result from the spool)."""
+        what = f"spooled result of {entry.label}" if spooled else f"trial {entry.number}"
+        where = escape(str(outcome.path)) if outcome.path is not None else "memory only: the spool could not be written"
+        if outcome.status == "delivered":
+            assert outcome.info is not None
+            info = outcome.info
+            feasible = {True: " · feasible", False: " · infeasible", None: ""}[info.feasible] \
+                if info.state == "COMPLETE" else ""
+            prefix = f"  {what} delivered" if spooled else f"  trial {entry.number}"
+            self.console.print(f"{prefix} → {info.state}{feasible}")
+        elif outcome.status == "already":
+            self.console.print(f"  {what}: {escape(outcome.message)}; nothing more to deliver")
+        elif outcome.status == "rejected" and outcome.path is None and not entry.measured:
+            self.console.print(f"  {what}: not ours any more, dropped ({escape(outcome.message)})")
+        elif outcome.status == "rejected":
+            self.console.print(f"  [red]{what} not taken by the service[/]: {escape(outcome.message)}. The "
+                               f"measurement is kept in {where} (the service re-runs or has re-run the trial)")
+        elif outcome.status == "unreachable":
+            if not spooled:
+                self.console.print(f"  [yellow]{what}: the service did not answer[/] ({escape(outcome.message)}); "
+                                   f"the result is kept in {where} and delivered when the service at "
+                                   f"{escape(self.client.base_url)} answers again")
+        else:  # kept
+            key = (outcome.path or Path(), outcome.message)
+            if key not in self._spool_said:
+                self._spool_said.add(key)
+                self.console.print(f"  [red]{what}: not delivered[/]: {escape(outcome.message)}. The result is kept "
+                                   f"in {where}; it is offered again every {SPOOL_RECHECK_S:.0f} s")
+
+    def say_spool_left(self) -> None:
+        """Before exiting: what the spool still holds, and where."""
+        pending = self.spool.pending(self.client.base_url)
+        if pending:
+            self.console.print(f"[yellow]{len(pending)} result(s) not delivered[/], kept in "
+                               f"{escape(str(self.spool.root))} ({escape(', '.join(e.label for e in pending[:5]))}"
+                               f"{', …' if len(pending) > 5 else ''}): a worker started with --spool-dir "
+                               f"{escape(str(self.spool.root))} delivers them when the service at "
+                               f"{escape(self.client.base_url)} answers")
 
     # --- one trial ------------------------------------------------------------------------------
 
@@ -738,35 +1093,52 @@ class Worker:
                 argv = self.options.launch_argv
             child = ProbeProcess(argv, job, env, job_dir=job_dir)
             self.current = child
+            courier = Courier(self.client, lease.trial_id, self.worker_id, self.options.heartbeat_s,
+                              wake=lambda: child.events.put(("wake", None)))
+            run.courier = courier.start()
             try:
                 if self.console.is_terminal and self.show_status:
                     with self.console.status("") as status:
-                        self._monitor(run, child, lambda text: status.update(text))
+                        self._monitor(run, child, courier, lambda text: status.update(text))
                 else:
-                    self._monitor(run, child, None)
+                    self._monitor(run, child, courier, None)
             finally:
                 run.returncode = child.finish()
                 self.current = None
+                courier.close()
                 if job_dir is not None:
                     run.rank_failure = collect_failure(job_dir)
                     shutil.rmtree(job_dir, ignore_errors=True)
             tail = child.stderr_tail()
+            if courier.dropped:
+                self.console.print(f"  trial {lease.number}: {courier.dropped} report(s) not delivered while the "
+                                   "service was away (the result holds every timed window)")
         else:  # interrupted between lease and start
             run.interrupted_by = self.signal_name
             tail = ""
         if run.dropped:
-            self.console.print(f"  trial {lease.number}: dropped: {run.dropped}")
+            self.console.print(f"  trial {lease.number}: dropped: {escape(run.dropped)}")
+            entry = self._entry(lease, final_result(run, self.hardware, tail))
+            if run.result is not None and entry.measured:  # the child finished anyway: never throw a measurement away
+                try:
+                    where = str(self.spool.reject(entry, run.dropped))
+                except OSError as e:
+                    where = f"nowhere (the spool could not be written: {e})"
+                self.console.print(f"  trial {lease.number}: its result is kept in {escape(where)}")
+            else:
+                self.spool.remove(entry)  # a failure record written ahead: it measured nothing
             return run
         result = final_result(run, self.hardware, tail)
         self._complete(run, result)
         return run
 
-    def _monitor(self, run: TrialRun, child: ProbeProcess, show: Callable[[str], None] | None) -> None:
-        """Follow the child until it exits or must be stopped."""
+    def _monitor(self, run: TrialRun, child: ProbeProcess, courier: Courier,
+                 show: Callable[[str], None] | None) -> None:
+        """Follow the child until it exits or must be stopped. Nothing here waits on the service
+        (the courier does): the child's stdout is drained as fast as it comes."""
         lease = run.lease
         timeout = lease.probe.timeout_s
         hard_deadline = run.started + timeout + hard_timeout_grace_s(timeout)
-        next_heartbeat = run.started + self.options.heartbeat_s
         eof = False
         while True:
             if self.signal_name is not None:
@@ -778,10 +1150,8 @@ class Worker:
                 run.timed_out = True
                 child.stop(KILL_GRACE_S)
                 return
-            if now >= next_heartbeat:
-                next_heartbeat = now + self.options.heartbeat_s
-                if not self._heartbeat(run, child):
-                    return
+            if not self._act(run, child, courier):
+                return
             if show is not None:
                 last = run.reports[-1]["metrics"].get("throughput") if run.reports else None
                 speed = f", last window {last:,.1f} samples/s" if isinstance(last, (int, float)) else ""
@@ -796,87 +1166,73 @@ class Worker:
                 continue
             if kind == "report":
                 run.reports.append(payload)
-                if run.prune_reason is None and not self._forward_report(run, child, payload):
-                    return
+                if run.prune_reason is None:
+                    courier.post(payload)
             elif kind == "result":
                 run.result = payload
+                self._write_ahead(run)
             elif kind == "eof":
                 eof = True
+                run.child_ended = time.monotonic()
                 run.returncode = child.finish()
                 return
 
-    def _call_while_running(self, run: TrialRun, child: ProbeProcess, what: str,
-                            call: Callable[[float], ReplyT]) -> ReplyT | bool:
-        """A call made while the probe runs: retried briefly (the probe goes on meanwhile).
-        Returns the reply; True when it was skipped or refused (keep going); False when the
-        service says the trial is no longer ours (409): the child is then stopped for good."""
-        try:
-            return call(min(self.options.heartbeat_s, 5.0))
-        except ServiceUnavailable as e:
-            log.warning("%s for trial %d skipped: %s", what, run.lease.trial_id, e)
-            return True
-        except Conflict as e:
-            run.dropped = f"the service says the trial is no longer ours ({e.message})"
+    def _act(self, run: TrialRun, child: ProbeProcess, courier: Courier) -> bool:
+        """Carry out what the service decided (the courier's `decisions`); False when the child
+        has been stopped for good (409: no longer ours; heartbeat: stop)."""
+        prune, stop, conflict = courier.decisions()
+        if conflict is not None:
+            run.dropped = f"the service says the trial is no longer ours ({conflict})"
             child.stop(KILL_GRACE_S)
             return False
-        except ApiError as e:
-            log.warning("%s for trial %d refused: %s", what, run.lease.trial_id, e)
-            return True
-
-    def _heartbeat(self, run: TrialRun, child: ProbeProcess) -> bool:
-        """Heartbeat; False when the child has been stopped (service said stop, or 409)."""
-        reply = self._call_while_running(
-            run, child, "heartbeat",
-            lambda budget: self.client.heartbeat(run.lease.trial_id, self.worker_id, retry_for_s=budget))
-        if isinstance(reply, bool):
-            return reply
-        if reply.action == "stop":
-            run.stop_reason = reply.reason or "the service said stop"
-            self.console.print(f"  trial {run.lease.number}: the service said stop ({run.stop_reason})")
+        if stop is not None:
+            run.stop_reason = stop
+            self.console.print(f"  trial {run.lease.number}: the service said stop ({escape(stop)})")
             child.stop(KILL_GRACE_S)
             return False
-        return True
-
-    def _forward_report(self, run: TrialRun, child: ProbeProcess, report: dict[str, Any]) -> bool:
-        """POST one report; on prune, ask the child to stop. False when the child was stopped
-        for good (409: the trial is no longer ours)."""
-        metrics = {k: float(v) for k, v in report["metrics"].items() if isinstance(v, (int, float))}
-        reply = self._call_while_running(
-            run, child, "report",
-            lambda budget: self.client.report(run.lease.trial_id, self.worker_id, int(report["step"]), metrics,
-                                              retry_for_s=budget))
-        if isinstance(reply, bool):
-            return reply
-        if reply.prune:
-            run.prune_reason = reply.reason or "pruned"
-            self.console.print(f"  trial {run.lease.number}: pruned at step {report['step']} ({run.prune_reason})")
+        if prune is not None and run.prune_reason is None:
+            step, reason = prune
+            run.prune_reason = reason
+            self.console.print(f"  trial {run.lease.number}: pruned at step {step} ({escape(reason)})")
             # The child stops at its next window boundary and prints a stopped_early result;
             # a separate thread escalates to SIGKILL after the grace period.
             child.request_stop()
             threading.Thread(target=_kill_after, args=(child, PRUNE_GRACE_S), daemon=True).start()
         return True
 
+    def _entry(self, lease: TrialLease, result: dict[str, Any]) -> SpoolEntry:
+        entry = SpoolEntry(api=self.client.base_url, trial_id=lease.trial_id, worker_id=self.worker_id,
+                           study=lease.study, number=lease.number, result=result)
+        if (self.spool.root / entry.filename).exists():
+            entry.path = self.spool.root / entry.filename  # written ahead (`_write_ahead`)
+        return entry
+
+    def _write_ahead(self, run: TrialRun) -> None:
+        """Spool the child's result the moment it arrives: the worker may die (SIGKILL, OOM)
+        before it completes the trial; the next worker on this spool then delivers it. The
+        complete that follows rewrites the same file with the final result."""
+        try:
+            self.spool.put(self._entry(run.lease, final_result(run, self.hardware, "")))
+        except OSError as e:
+            log.warning("could not write trial %d's result to the spool %s: %s", run.lease.trial_id,
+                        self.spool.root, e)
+
     def _complete(self, run: TrialRun, result: dict[str, Any]) -> None:
+        """Spool the result (write-ahead), then hand it in; the spool file goes once the service has it."""
         lease = run.lease
-        retry: float | None = FINAL_COMPLETE_RETRY_S if self.signal_name is not None else None
+        retry = FINAL_COMPLETE_RETRY_S if self.signal_name is not None else COMPLETE_RETRY_S
         self.console.print(f"  trial {lease.number} ({run.elapsed_s:.1f} s): {summarize_result(result)}")
         for note in result.get("measurement_notes") or ():
             self.console.print(f"  [yellow]trial {lease.number}: {escape(str(note))}[/]")
+        entry = self._entry(lease, result)
         try:
-            info: TrialInfo = self.client.complete(lease.trial_id, self.worker_id, result, retry_for_s=retry)
-        except Conflict as e:
-            self.console.print(f"  trial {lease.number}: not ours any more, dropped ({e.message})")
-            return
-        except ServiceUnavailable as e:
-            self.console.print(f"  [red]trial {lease.number}: could not be completed[/] ({e}); the service will "
-                               "fail it as lost")
-            return
-        except ApiError as e:
-            self.console.print(f"  [red]trial {lease.number}: the service refused the result[/]: {e.message}")
-            return
-        feasible = {True: " · feasible", False: " · infeasible", None: ""}[info.feasible] \
-            if info.state == "COMPLETE" else ""
-        self.console.print(f"  trial {lease.number} → {info.state}{feasible}")
+            self.spool.put(entry)
+        except OSError as e:
+            self.console.print(f"  [yellow]trial {lease.number}: could not write the spool "
+                               f"{escape(str(self.spool.root))} ({escape(str(e))})[/]: the result is only in "
+                               "memory until the service takes it; point --spool-dir at a writable directory")
+        outcome = deliver(self.spool, self.client, entry, retry, interruptible=self.signal_name is None)
+        self._say_delivery(entry, outcome, spooled=False)
 
 
 def _kill_after(child: ProbeProcess, grace_s: float) -> None:

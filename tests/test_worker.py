@@ -170,6 +170,7 @@ def fake_child(tmp_path: Path, code: str) -> list[str]:
 
 
 def make_worker(client: FakeClient, argv: list[str], heartbeat_s: float = 5.0, **options: Any) -> Worker:
+    options.setdefault("spool_dir", Path(argv[-1]).parent / "spool")  # beside the fake child, in the test's tmp_path
     opts = WorkerOptions(worker_id="w1", heartbeat_s=heartbeat_s, child_argv=argv, **options)
     return Worker(opts, HARDWARE, client=client, console=Console(file=open(os.devnull, "w")))  # type: ignore[arg-type]
 
