@@ -494,14 +494,14 @@ class OptunaBridge:
         is_baseline = role == "baseline"
         self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": is_baseline, "role": role,
                                               "config": config})
-        params = dict(trial.params) if baseline_config is None else params_of(ctx.space, config)
+        params = dict(trial.params) if baseline_config is None else params_of(ctx.space, normalised(config))
         return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=params,
                           config=config, is_baseline=is_baseline, role=role)
 
     def _set_params(self, ctx: StudyContext, trial_id: int, config: Mapping[str, Any]) -> None:
         """Give a baseline or re-measurement trial the params of the config it runs (those the
         space could draw: `params_of`), so that Optuna's tables and its dashboard show them."""
-        for name, value in params_of(ctx.space, config).items():
+        for name, value in params_of(ctx.space, normalised(config)).items():  # a knob left out: its default
             dist = _distribution(ctx.space.params[name])
             self.storage.set_trial_param(trial_id, name, dist.to_internal_repr(value), dist)
 

@@ -772,6 +772,7 @@ def report(
         try:
             info = client.get_study(study)
             trials = client.trials(study).data
+            front = client.pareto(study).data  # the service's front: one definition everywhere
         except NotFound as e:
             err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
@@ -779,7 +780,7 @@ def report(
             recommendation = client.best(study)
         except NotFound:
             recommendation = None  # nothing passes the gate yet: the report says so
-    files = write_report(info, trials, recommendation, out)
+    files = write_report(info, trials, recommendation, out, front)
     Console().print(f"wrote {files.html} and {len(files.figures)} figures", highlight=False)
 
 

@@ -26,7 +26,9 @@ Delivery (`deliver`) is idempotent, because the service keeps the first result i
         worker's)                       reply was lost): the file is removed
     409 another worker's / reaped /     the service re-ran the trial, or will: a measurement is
         ended lease; 422                moved to rejected/ with the reason (never deleted); a
-                                        failure record (it measured nothing) is dropped
+                                        failure record (it measured nothing) is dropped; after
+                                        a 422 the trial is completed as failed (kind error,
+                                        naming the refusal): its lease ends, it is not re-run
     409 "not leased by this service",   the service does not know the trial: most likely one
         404                             started on another database; kept, offered again later
     401/403                             the token is not accepted (a service started on another
@@ -65,6 +67,7 @@ from typing import Any, Literal
 from autotune.client import (
     ApiError,
     Client,
+    ClientError,
     Conflict,
     Invalid,
     NotFound,
@@ -78,6 +81,7 @@ log = logging.getLogger(__name__)
 SPOOL_ENV = "AUTOTUNE_SPOOL_DIR"
 REJECTED = "rejected"
 FORMAT = 1
+COMPLETE_REFUSED_RETRY_S = 10.0  # how long the failure record that ends a refused result's lease is retried
 _ALREADY = re.compile(r"already completed(?: \(by worker (?P<who>'[^']*'|\"[^\"]*\")\))?")
 
 
@@ -309,6 +313,18 @@ def _reject(spool: Spool, entry: SpoolEntry, reason: str) -> Path | None:
         return None
 
 
+def _fail_refused(client: Client, entry: SpoolEntry, message: str) -> None:
+    """End the lease of a trial whose result the service refused (422: malformed, or another
+    config than the leased one) with a failure record, which always passes: otherwise the trial
+    stays leased to this worker, the next lease hands it back, and the same probe runs again
+    and again. The refused measurement itself is in rejected/."""
+    try:
+        client.complete(entry.trial_id, entry.worker_id, {"failure": {"kind": "error", "message": message[:1900]}},
+                        retry_for_s=COMPLETE_REFUSED_RETRY_S)
+    except ClientError as e:  # the lease ends with the grace period instead; the service re-runs it
+        log.warning("could not fail %s after its result was refused: %s", entry.label, e)
+
+
 def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float | None,
             interruptible: bool | None = None) -> Delivery:
     """Complete `entry`'s trial with its result, as the worker that measured it; remove the file
@@ -339,12 +355,14 @@ def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float 
         return Delivery("kept", f"the service at {client.base_url} does not know trial {entry.trial_id} "
                                 f"({e.message}): was it started on another database (e.g. without --db)?", path=kept)
     except Invalid as e:
-        return Delivery("rejected", f"the service refused the result: {e.message}",
-                        path=_reject(spool, entry, f"HTTP 422: {e.message}"))
+        path = _reject(spool, entry, f"HTTP 422: {e.message}")
+        _fail_refused(client, entry, f"the service refused the probe's result: {e.message}")
+        return Delivery("rejected", f"the service refused the result: {e.message}", path=path)
     except ApiError as e:
         return Delivery("kept", f"the service answered {e}", path=kept)
     except ValueError as e:  # the wire model refused the result before it was sent
-        return Delivery("rejected", f"the result is not one the protocol accepts: {e}",
-                        path=_reject(spool, entry, f"invalid result: {e}"))
+        path = _reject(spool, entry, f"invalid result: {e}")
+        _fail_refused(client, entry, f"the probe's result is not one the protocol accepts: {e}")
+        return Delivery("rejected", f"the result is not one the protocol accepts: {e}", path=path)
     spool.remove(entry)
     return Delivery("delivered", f"→ {info.state}", info=info)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +29,16 @@ def autotune_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AUTOTUNE_DATA_DIR", str(path))
         yield path
+
+
+@pytest.fixture(autouse=True)
+def worker_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test's workers (in-process or started as subprocesses, which inherit the
+    environment) spool into a folder of their own: never the user's ~/.local/state, and never
+    a folder another test (or another xdist process) writes the same trial ids into."""
+    path = tmp_path_factory.mktemp("spool")
+    monkeypatch.setenv("AUTOTUNE_SPOOL_DIR", str(path))
+    return path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

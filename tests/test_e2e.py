@@ -73,7 +73,7 @@ def test_two_workers_finish_a_study_without_running_a_trial_twice(service: LiveS
     roles = [t["role"] for t in trials]
     assert roles[:2] == ["baseline", "baseline"] and roles[2:6] == ["search"] * 4
     feasible_search = [t for t in trials if t["role"] == "search" and t["feasible"]]
-    assert roles[6:] == (["remeasure"] if feasible_search else [])
+    assert roles[6:] == (["remeasure", "remeasure"] if feasible_search else [])  # the pick, and the baseline
     # a trial may be pruned (slow and no better than the best feasible): with its reason
     assert all(t["state"] == "COMPLETE" or (t["state"] == "PRUNED" and t["prune_reason"]) for t in trials), \
         [(t["number"], t["role"], t["state"], t["failure"], t["prune_reason"]) for t in trials][-2:]
@@ -85,13 +85,16 @@ def test_two_workers_finish_a_study_without_running_a_trial_twice(service: LiveS
     for t in trials:  # ... and completed by the worker that leased it
         assert t["trial_id"] in leased[t["worker_id"][-1]]
     pareto = service.get("/v1/studies/e2e/pareto")
-    assert pareto["count"] >= 1
+    if not feasible_search:  # the baseline is never on the front nor the recommendation
+        assert pareto["count"] == 0
+        return
     best = service.get("/v1/studies/e2e/best")
     assert best["throughput_samples_per_s"] > 0 and best["speedup"] > 0
     assert best["baseline_seeds"] == 2 and best["baseline_val_nrmse_std"] is not None
     assert best["throughput_ci_low"] is not None and best["throughput_ci_low"] <= best["throughput_ci_high"]
-    if feasible_search and best["trial_number"] != 0 and best["trial_number"] != 1:
-        assert best["remeasured"] is True
+    assert best["remeasured"] is True and best["baseline_remeasured"] is True
+    assert best["trial_number"] in {t["number"] for t in feasible_search}
+    assert best["speedup_ci_low"] is not None and best["verdict"]
 
 
 def test_a_killed_probe_child_fails_its_trial_and_the_worker_goes_on(service: LiveService,
@@ -170,7 +173,9 @@ def test_the_demo_runs_a_study_and_stops_everything_it_started(tmp_path: Path, t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "finished in" in out and "3 complete" in out
-    assert "Pareto front" in out and "recommended config" in out and "speedup" in out
+    assert "Pareto front" in out
+    # a recommendation, or the reason there is none (e.g. every search trial pruned): both are answers
+    assert ("recommended config" in out and "speedup" in out) or "no recommendation:" in out
     assert f"optuna-dashboard sqlite:///{workdir.resolve()}/autotune.db" in out
     assert {p.name for p in workdir.iterdir()} >= {"autotune.db", "serve.log", "worker-1.log", "worker-2.log"}
     leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))

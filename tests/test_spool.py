@@ -134,6 +134,11 @@ def test_each_reply_of_the_service_decides_where_the_result_goes(tmp_path: Path,
         (rejected,) = spool.rejected()
         assert not path.exists() and delivery.path == rejected.path
         assert rejected.result == RESULT and str(status) in (rejected.reason or "")
+    if status == 422:  # the lease is ended by a failure record naming the refusal: the trial is not run again
+        assert len(seen) == 2 and seen[1]["path"] == "/v1/trials/7/complete"
+        assert seen[1]["result"]["failure"]["kind"] == "error" and "refused" in seen[1]["result"]["failure"]["message"]
+    else:
+        assert all(not request["result"].get("failure") for request in seen)
     if status == 401:
         assert delivery.unauthorized
         assert "another database" in delivery.message and "--db" in delivery.message
