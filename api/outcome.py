@@ -7,7 +7,12 @@ The mapping is explicit (one place, one function):
 * otherwise                           → COMPLETE with values in the study's objective order,
   provided both throughput_samples_per_s (> 0) and the quality value are finite numbers:
   the gate and the recommendation need both, whichever objectives the study optimises.
-  Otherwise *failed* with kind "error" saying which value was bad.
+  Otherwise *failed* with kind "error" saying which value was bad. A study with the energy
+  objective also needs ``energy_j_per_sample``; a result without it (the worker's GPU
+  answered no energy reading, or nvidia-ml-py is missing there) is Optuna FAIL with kind
+  "error" and a message naming the fix: it says nothing about the config, so the samplers
+  do not see it, and it is not re-run (another worker of the same kind would measure none
+  either).
 
 A result reaches this module validated (`autotune.protocol.TrialResult`, `CompleteRequest`):
 a wrong type, a non-finite or negative measurement, an unknown failure kind or a missing
@@ -62,7 +67,8 @@ RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "pea
                 "peak_mem_allocated_bytes", "data_wait_fraction", "samples_trained", "throughput_samples_per_s",
                 "val_nrmse", "window_throughputs", "raw_window_throughputs", "epoch_cost_s", "window_data_wait_s",
                 "window_gpu", "window_host", "host_cpu", "compile_workers",
-                "measurement_notes", "loss_curve", "quality_metric")
+                "measurement_notes", "loss_curve", "quality_metric", "energy_j_per_sample",
+                "window_energy_j_per_sample", "gpu_energy_j_per_sample", "energy_method")
 MAX_MESSAGE = 2000
 # Failures that say nothing about the trial's config: the worker refused its workload (not on
 # its allow-list, or not installed there), or was interrupted (SIGTERM/SIGINT: a preemption).
@@ -71,6 +77,7 @@ MAX_MESSAGE = 2000
 NOT_ABOUT_THE_CONFIG = ("refused", "interrupted")
 WORST_NRMSE = 10.0  # the val_nrmse a failed trial is told with (with throughput 0)
 WORST_QUALITY = 1.0e4  # the magnitude for other metrics (a loss can exceed 10)
+WORST_ENERGY = 1.0e4  # J/sample a failed (or not a candidate) trial is told with: far above any GPU's
 GIB = 2**30
 
 
@@ -84,7 +91,7 @@ def worst_quality(spec: StudySpec) -> float:
 
 def worst_values(spec: StudySpec) -> list[float]:
     """The objective values a failed trial is told with (see the module docstring)."""
-    worst = {"throughput_samples_per_s": 0.0, "quality": worst_quality(spec)}
+    worst = {"throughput_samples_per_s": 0.0, "quality": worst_quality(spec), "energy_j_per_sample": WORST_ENERGY}
     return [worst[OBJECTIVES[o][0]] for o in spec.objectives]
 
 
@@ -98,6 +105,15 @@ def quality_mismatch(result: Mapping[str, Any], spec: StudySpec) -> str | None:
         return (f"the workload's quality metric {metric!r} is to {direction} but the study's is to "
                 f"{spec.quality_direction}; submit a study with quality: {{direction: {direction}}}")
     return None
+
+
+def no_energy_message(result: Mapping[str, Any]) -> str:
+    """Why a result cannot be valued by a study with the energy objective, and the fix."""
+    device = result.get("device") or "the worker's device"
+    return (f"the study minimizes energy but the probe measured none on {device} (energy_j_per_sample is "
+            f"{result.get('energy_j_per_sample')!r}): energy is read from NVML (the GPU's total-energy counter, else "
+            "its power readings). Install nvidia-ml-py where the worker runs and check that `nvidia-smi -q -d "
+            "POWER` shows a power draw; or drop energy from the study's objectives")
 
 
 def failed_attrs(kind: str, message: str) -> dict[str, Any]:
@@ -231,7 +247,11 @@ def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, ga
                                   + " (need finite numbers)"))
         return TrialOutcome("COMPLETE", worst_values(spec), attrs)
     assert throughput is not None and nrmse is not None
-    measured = {"throughput_samples_per_s": throughput, "quality": nrmse}
+    energy = _number(result.get("energy_j_per_sample"))
+    if "energy" in spec.objectives and (energy is None or energy <= 0):
+        attrs.update({"failure_kind": "error", "failure_message": no_energy_message(result)})
+        return TrialOutcome("FAIL", None, attrs)
+    measured = {"throughput_samples_per_s": throughput, "quality": nrmse, "energy_j_per_sample": energy or 0.0}
     values = [measured[OBJECTIVES[o][0]] for o in spec.objectives]
     constraint = constraint_of(None if baseline else nrmse, result.get("peak_mem_reserved_bytes"), spec,
                                None if baseline else gate)

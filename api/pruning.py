@@ -4,9 +4,11 @@ Optuna's `Trial.report`/`should_prune` raise for multi-objective studies, so the
 is ours: `decide` delegates to `autotune.pruning.decide` (diverged · cannot reach the front ·
 predicts a gate failure) with a `Reference` built from a cheap per-study summary
 (`StudySummary`) that the service keeps in memory and updates when a trial completes: the
-best feasible throughput and its loss curve, the baseline seeds' mean loss curve, the
-sample budget. The running trial's own curve and window throughputs come from a small
-per-trial cache of its reports (`TrialReports`). No report of the study is ever read.
+best feasible throughput and its loss curve (and energy per sample), the lowest feasible
+energy per sample and its loss curve (studies that minimize energy), the baseline seeds' mean
+loss curve, the sample budget. The running trial's own curve, window throughputs and window
+energy per sample so far come from a small per-trial cache of its reports (`TrialReports`). No
+report of the study is ever read.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class StudySummary:
     total_samples: int | None = None
     best_feasible_throughput: float | None = None
     best_feasible_curve: list[tuple[float, float]] | None = None
+    best_feasible_energy: float | None = None
+    lowest_feasible_energy: float | None = None
+    lowest_energy_curve: list[tuple[float, float]] | None = None
     baseline_curves: list[list[tuple[float, float]]] = field(default_factory=list)
     _baseline_mean: list[tuple[float, float]] | None = None
 
@@ -65,16 +70,24 @@ class StudySummary:
         if self.total_samples is None and samples:
             self.total_samples = samples
 
-    def add_feasible(self, throughput: float, curve: list[tuple[float, float]]) -> None:
+    def add_feasible(self, throughput: float, curve: list[tuple[float, float]], energy: float | None = None) -> None:
+        """A feasible search trial's throughput, loss curve and energy per sample (None: not measured)."""
         if curve and (self.best_feasible_throughput is None or throughput > self.best_feasible_throughput):
             self.best_feasible_throughput, self.best_feasible_curve = throughput, curve
+            self.best_feasible_energy = energy
+        if curve and energy is not None and (self.lowest_feasible_energy is None
+                                             or energy < self.lowest_feasible_energy):
+            self.lowest_feasible_energy, self.lowest_energy_curve = energy, curve
 
     def reference(self) -> rules_.Reference:
         if self._baseline_mean is None:
             self._baseline_mean = mean_curve(self.baseline_curves)
         return rules_.Reference(best_feasible_throughput=self.best_feasible_throughput,
                                 best_feasible_curve=self.best_feasible_curve,
-                                baseline_curve=self._baseline_mean or None, total_samples=self.total_samples)
+                                baseline_curve=self._baseline_mean or None, total_samples=self.total_samples,
+                                best_feasible_energy=self.best_feasible_energy,
+                                lowest_feasible_energy=self.lowest_feasible_energy,
+                                lowest_energy_curve=self.lowest_energy_curve)
 
 
 @dataclass
@@ -83,6 +96,7 @@ class TrialReports:
 
     curve: list[tuple[float, float]] = field(default_factory=list)
     throughputs: list[float] = field(default_factory=list)
+    energy: float | None = None  # J/sample of the windows so far (GPU probes), as last reported
 
     def add(self, step: int, metrics: Mapping[str, float]) -> None:
         loss = metrics.get("loss")
@@ -91,13 +105,17 @@ class TrialReports:
         throughput = metrics.get("throughput")
         if throughput is not None and math.isfinite(throughput):
             self.throughputs.append(float(throughput))
+        energy = metrics.get("energy_j_per_sample")
+        if energy is not None and math.isfinite(energy):
+            self.energy = float(energy)
 
 
 def rules_for(spec: StudySpec) -> rules_.PruneRules:
     p = spec.pruning
     return rules_.PruneRules(rho=p.rho, loss_margin=p.loss_margin, min_fraction=p.min_fraction,
                              throughput_counts="throughput" in spec.objectives,
-                             quality_counts="quality" in spec.objectives)
+                             quality_counts="quality" in spec.objectives,
+                             energy_counts="energy" in spec.objectives)
 
 
 def decide(reports: TrialReports, reference: rules_.Reference | None, spec: StudySpec) -> rules_.Decision:
@@ -105,4 +123,5 @@ def decide(reports: TrialReports, reference: rules_.Reference | None, spec: Stud
     (baseline and re-measure runs are never pruned for being slow). Pure."""
     if not spec.pruning.enabled:
         return KEEP
-    return rules_.decide(reports.curve, reports.throughputs, reference or rules_.Reference(), rules_for(spec))
+    return rules_.decide(reports.curve, reports.throughputs, reference or rules_.Reference(), rules_for(spec),
+                         reports.energy)

@@ -45,6 +45,19 @@ the baseline's re-measured throughput, with a 95 % interval on the ratio from th
 spread (`speedup_interval`). When that interval reaches 1, `verdict` says that no config beat
 the baseline beyond the noise. There is no recommendation while the re-measurement runs;
 with re-measurement off (remeasure.top_k 0) it is the fastest candidate, with a note.
+
+Energy (the objective "energy": GPU joules per sample over the probe's timed windows, the
+user attr ``energy_j_per_sample``): the front and the values Optuna holds take it like any
+objective (a re-measured candidate's energy is the mean over its rounds: every round trains
+the same samples). What picks the recommendation (`chosen_by`): throughput whenever it is an
+objective (``[throughput, quality, energy]`` recommends the fastest, as without energy), the
+lowest energy per sample when energy is and throughput is not (``[energy, quality]``): then
+the top_k candidates by lowest energy are re-measured with the baseline, and the pick is the
+re-measured candidate still in with the lowest pooled energy per sample. Whenever the pick
+and the baseline measured energy, the recommendation carries both, their ratio (pick over
+baseline: below 1 uses less energy per sample) with a 95 % interval formed as the speedup's
+(`ratio_interval`), and a sentence on it (`energy_verdict`); the speedup and its interval are
+given in either case.
 """
 
 from __future__ import annotations
@@ -53,7 +66,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -163,7 +176,7 @@ def first_attempts(trials: Sequence[TrialRecord]) -> list[TrialRecord]:
 
 
 def metric(trial: TrialRecord, spec: StudySpec, name: str) -> float | None:
-    """`name` (throughput_samples_per_s | quality) of a trial as its probe measured it: its user
+    """`name` (throughput_samples_per_s | quality | energy_j_per_sample) of a trial as its probe measured it: its user
     attr (quality: ``quality``, or ``val_nrmse`` of a trial stored before the generic field),
     else its objective value (a trial stored before the measurement attrs). None for a failed
     trial. Optuna's values are not read first: they are what the samplers and the dashboard are
@@ -290,7 +303,7 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         values=measured if completed(trial) and all(v is not None for v in measured) else None,  # type: ignore[arg-type]
         throughput_samples_per_s=metric(trial, spec, "throughput_samples_per_s"),
         val_nrmse=quality if name == "val_nrmse" else None, quality=quality, quality_metric=name,
-        feasible=feasible, failure=failure,
+        energy_j_per_sample=metric(trial, spec, "energy_j_per_sample"), feasible=feasible, failure=failure,
         worker_id=attrs.get("worker_id"), is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
         prune_reason=str(prune_reason) if prune_reason else None,
         remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None,
@@ -455,17 +468,33 @@ def remeasure_plan(spec: StudySpec, targets: Sequence[TrialRecord]) -> list[tupl
     return [(t, r) for r in range(spec.remeasure.rounds) for t in (targets if r % 2 == 0 else targets[::-1])]
 
 
+def chosen_by(spec: StudySpec) -> Literal["throughput", "energy"]:
+    """What ranks the candidates for re-measurement and the recommendation: throughput, unless
+    the study minimizes energy and does not optimise throughput (see the module docstring)."""
+    return "energy" if "energy" in spec.objectives and "throughput" not in spec.objectives else "throughput"
+
+
+RANK_METRIC = {"throughput": "throughput_samples_per_s", "energy": "energy_j_per_sample"}
+
+
+def ranked_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None
+                      ) -> list[tuple[float, TrialRecord]]:
+    """(score, trial) of the candidates that have the ranking metric (`chosen_by`), best first:
+    the fastest, or the lowest energy per sample; ties by trial number."""
+    by = chosen_by(spec)
+    sign = -1.0 if by == "throughput" else 1.0
+    ranked = [(v, t) for t in candidates(spec, trials, gate) if (v := metric(t, spec, RANK_METRIC[by])) is not None]
+    return sorted(ranked, key=lambda c: (sign * c[0], c[1].number))
+
+
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
-    """The configs to re-measure: the top_k candidates by throughput, fastest first, then the
-    baseline (its first completed seed), so that every re-measured config is compared with the
-    baseline at the same sample budget, in the same interleaved rounds. Nothing when no
-    candidate is feasible."""
+    """The configs to re-measure: the top_k candidates by throughput, fastest first (by energy
+    per sample, lowest first, where energy picks: `chosen_by`), then the baseline (its first
+    completed seed), so that every re-measured config is compared with the baseline at the
+    same sample budget, in the same interleaved rounds. Nothing when no candidate is feasible."""
     if spec.remeasure.top_k <= 0 or gate is None:
         return []
-    ranked = [(thr, t) for t in candidates(spec, trials, gate)
-              if (thr := metric(t, spec, "throughput_samples_per_s")) is not None]
-    ranked.sort(key=lambda c: (-c[0], c[1].number))
-    targets = [t for _, t in ranked[:spec.remeasure.top_k]]
+    targets = [t for _, t in ranked_candidates(spec, trials, gate)[:spec.remeasure.top_k]]
     base = baseline_target(trials)
     return [*targets, base] if targets and base is not None else targets
 
@@ -481,8 +510,9 @@ def baseline_failed_message(study_name: str, spec: StudySpec, trials: Sequence[T
     return None
 
 
-def _windows(trial: TrialRecord) -> list[float]:
-    windows = trial.user_attrs.get("window_throughputs")
+def _windows(trial: TrialRecord, key: str = "window_throughputs") -> list[float]:
+    """The trial's finite per-window values of `key` (window_throughputs, window_energy_j_per_sample)."""
+    windows = trial.user_attrs.get(key)
     if not isinstance(windows, list):
         return []
     return [float(v) for v in windows if isinstance(v, (int, float)) and math.isfinite(v)]
@@ -492,7 +522,7 @@ def _windows(trial: TrialRecord) -> list[float]:
 class Remeasurement:
     """Where a study's re-measurement stands (`remeasurement`)."""
 
-    targets: list[TrialRecord]  # the configs re-measured: candidates fastest first, then the baseline
+    targets: list[TrialRecord]  # the configs re-measured: candidates best first (`chosen_by`), then the baseline
     runs: dict[int, list[TrialRecord]]  # target number -> its completed re-measurements, round by round
     dropped: dict[int, str]  # target number -> why it is out (a re-measurement failed for good)
     pending: bool  # a planned re-measurement has not settled (or the search is still on)
@@ -548,7 +578,8 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
             stats = BaselineStats(mean=statistics.fmean(quality), std=seeds.std, n=seeds.n)
             gate_long = Gate(spec.gate.abs_tol, spec.gate.k).threshold(stats, spec.quality_direction)
         elif base_number in dropped:
-            unjudged = (f"the baseline's {dropped[base_number]}: quality at the re-measure budget is not judged "
+            why = dropped[base_number].removeprefix("its ")
+            unjudged = (f"the baseline's {why}: quality at the re-measure budget is not judged "
                         "(the re-measured configs keep the search's verdict)")
     return Remeasurement(targets=targets, runs=runs, dropped=dropped, pending=pending, baseline=base_number,
                          gate=gate_long, unjudged=unjudged)
@@ -568,16 +599,18 @@ def front_values(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[int, li
         runs = rm.runs.get(t.number) or [t]
         throughput = _pooled_throughput(runs, spec)
         quality = [q for r in runs if (q := metric(r, spec, "quality")) is not None]
-        if throughput is None or not quality:
+        energy = _pooled_energy(runs, spec)
+        if throughput is None or not quality or ("energy" in spec.objectives and energy is None):
             continue
-        measured = {"throughput_samples_per_s": throughput, "quality": statistics.fmean(quality)}
-        out[t.number] = [measured[OBJECTIVES[o][0]] for o in spec.objectives]
+        measured = {"throughput_samples_per_s": throughput, "quality": statistics.fmean(quality),
+                    "energy_j_per_sample": energy}
+        out[t.number] = [float(measured[OBJECTIVES[o][0]] or 0.0) for o in spec.objectives]
     return out
 
 
 @dataclass(frozen=True)
 class Speedup:
-    """A speedup with its 95 % confidence interval (`speedup_interval`)."""
+    """A ratio (a speedup, or an energy ratio) with its 95 % confidence interval (`ratio_interval`)."""
 
     ratio: float
     low: float | None
@@ -587,38 +620,52 @@ class Speedup:
 
 def speedup_interval(pick: Sequence[TrialRecord], base: Sequence[TrialRecord],
                      groups: Sequence[Sequence[TrialRecord]], spec: StudySpec) -> Speedup | None:
-    """The pick's throughput over the baseline's, with a 95 % interval on the ratio.
+    """The pick's throughput over the baseline's, with a 95 % interval on the ratio (`ratio_interval`)."""
+    return ratio_interval(pick, base, groups, spec, "throughput_samples_per_s")
 
-    Each probe run (a process) is one measurement: the log of its throughput varies from run
-    to run with the host's state, far more than its windows do. That run-to-run spread is
-    pooled over every config measured more than once (`groups`: the baseline seeds, each
-    re-measured config's rounds), assuming the host's noise is the same relative size for all
-    of them, and the interval on log(ratio) is Student-t with the pooled degrees of freedom:
+
+def ratio_interval(pick: Sequence[TrialRecord], base: Sequence[TrialRecord], groups: Sequence[Sequence[TrialRecord]],
+                   spec: StudySpec, name: str) -> Speedup | None:
+    """The pick's `name` (throughput_samples_per_s: a speedup; energy_j_per_sample: an energy
+    ratio) over the baseline's, with a 95 % interval on the ratio.
+
+    Each probe run (a process) is one measurement: the log of its value varies from run to run
+    with the host's state, far more than its windows do. That run-to-run spread is pooled over
+    every config measured more than once (`groups`: the baseline seeds, each re-measured
+    config's rounds), assuming the host's noise is the same relative size for all of them, and
+    the interval on log(ratio) is Student-t with the pooled degrees of freedom:
     ± t · s · √(1/n_pick + 1/n_base). With no config run twice the run-to-run spread is unknown
     and the interval falls back to the windows of each side's runs (it is then too narrow,
     and the notes say so)."""
-    pick_thr, base_thr = _pooled_throughput(pick, spec), _pooled_throughput(base, spec)
-    if pick_thr is None or not base_thr:
+    pooled = _pooled_throughput if name == "throughput_samples_per_s" else _pooled_energy
+    pick_value, base_value = pooled(pick, spec), pooled(base, spec)
+    if pick_value is None or not base_value:
         return None
-    ratio = pick_thr / base_thr
-    squares, dof = 0.0, 0
+    ratio = pick_value / base_value
+    squares, dof, runs_pooled, configs = 0.0, 0, 0, 0
     for group in groups:
-        logs = [math.log(v) for r in group if (v := metric(r, spec, "throughput_samples_per_s")) and v > 0]
+        logs = [math.log(v) for r in group if (v := metric(r, spec, name)) and v > 0]
         if len(logs) >= 2:
             mean = statistics.fmean(logs)
             squares += sum((x - mean) ** 2 for x in logs)
             dof += len(logs) - 1
+            runs_pooled, configs = runs_pooled + len(logs), configs + 1
     if dof > 0:
         half = t_quantile(0.95, dof) * math.sqrt(squares / dof) * math.sqrt(1 / len(pick) + 1 / len(base))
-        basis = (f"run-to-run spread pooled over {dof + sum(1 for g in groups if len(g) >= 2)} runs of "
-                 f"{sum(1 for g in groups if len(g) >= 2)} configs ({dof} degrees of freedom)")
+        basis = f"run-to-run spread pooled over {runs_pooled} runs of {configs} configs ({dof} degrees of freedom)"
     else:
         halves = []
         for runs in (pick, base):
-            windows = [w for r in runs for w in _windows(r)]
-            if len(windows) < 2:
+            if name == "throughput_samples_per_s":
+                windows = [w for r in runs for w in _windows(r)]
+                est = Estimate.for_rate(windows) if len(windows) >= 2 else None
+            else:
+                windows = [w for r in runs for w in _windows(r, "window_energy_j_per_sample")]
+                est = Estimate.from_values(windows) if len(windows) >= 2 else None
+            if est is None:
                 return Speedup(ratio, None, None, "no interval: a side has fewer than 2 timed windows")
-            est = Estimate.for_rate(windows)
+            if est.low <= 0:
+                return Speedup(ratio, None, None, "no interval: a side's windows vary too much")
             halves.append(math.log(est.high / est.low) / 2)
         half = math.hypot(*halves)
         basis = ("the windows of one run per side: no config was run twice, so the run-to-run spread is not "
@@ -627,8 +674,9 @@ def speedup_interval(pick: Sequence[TrialRecord], base: Sequence[TrialRecord],
 
 
 def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> Recommendation:
-    """The fastest candidate that kept its quality at the re-measure budget (see the module
-    docstring). Raises NoRecommendation when there is none yet, or none at all."""
+    """The fastest candidate that kept its quality at the re-measure budget, or the one with
+    the lowest energy per sample where energy picks (`chosen_by`; see the module docstring).
+    Raises NoRecommendation when there is none yet, or none at all."""
     runs = baselines(trials)
     if not runs:
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: its baseline trial has not been "
@@ -645,45 +693,53 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
                                f"all finished; the quality gate needs their {quality_name(spec, trials)}")
     assert summary.quality is not None
     gate = gate_quality(spec, trials)
-    pool = candidates(spec, trials, gate)
-    scored_pool = sorted(((thr, t) for t in pool if (thr := metric(t, spec, "throughput_samples_per_s")) is not None),
-                         key=lambda c: (-c[0], c[1].number))
+    by = chosen_by(spec)
+    scored_pool = ranked_candidates(spec, trials, gate)
     if not scored_pool:
-        raise NoRecommendation(f"study {study_name!r} has no feasible search trial with a throughput yet "
+        what = "a throughput" if by == "throughput" else "an energy per sample"
+        raise NoRecommendation(f"study {study_name!r} has no feasible search trial with {what} yet "
                                "(baseline seeds are the reference, never a recommendation)")
     rm = remeasurement(spec, trials, gate)
     name = quality_name(spec, trials)
     caveats: list[str] = []
     if spec.remeasure.top_k > 0:
         if rm.pending:
-            thr0, first = scored_pool[0]
+            score0, first = scored_pool[0]
             done = sum(len(v) for v in rm.runs.values()) + len(rm.dropped)
+            so_far = (f"the fastest search trial so far is trial {first.number} at {score0:,.1f} samples/s"
+                      if by == "throughput" else
+                      f"the search trial with the lowest energy so far is trial {first.number} at {score0:.4g} "
+                      "J/sample")
             raise NoRecommendation(
                 f"study {study_name!r} has no recommendation yet: its top configs and the baseline are being "
                 f"re-measured with a longer probe ({done} of {len(remeasure_plan(spec, rm.targets)) or '?'} "
-                f"re-measurements settled); the fastest search trial so far is trial {first.number} at "
-                f"{thr0:,.1f} samples/s, not yet re-measured")
+                f"re-measurements settled); {so_far}, not yet re-measured")
         ranked = []
         for target in rm.targets:
             if target.number == rm.baseline or target.number in rm.dropped or not rm.runs.get(target.number):
                 continue
             if rm.judged(spec, target.number) is False:
                 continue
-            if (thr := _pooled_throughput(rm.runs[target.number], spec)) is not None:
-                ranked.append((thr, target, rm.runs[target.number]))
+            if (score := _score(rm.runs[target.number], spec, by)) is not None:
+                ranked.append((score, target, rm.runs[target.number]))
         if not ranked:
             why = "; ".join([f"trial {n}: {w}" for n, w in rm.dropped.items() if n != rm.baseline]
                             + [f"trial {t.number}: its re-measured {name} fails the gate at the re-measure budget"
                                for t in rm.targets if t.number != rm.baseline and rm.judged(spec, t.number) is False])
+            kept = "speed" if by == "throughput" else "energy per sample"
             raise NoRecommendation(f"study {study_name!r} has nothing to recommend: no re-measured config kept its "
-                                   f"speed and quality ({why}); keep the baseline config, or widen the search")
+                                   f"{kept} and quality ({why}); keep the baseline config, or widen the search")
         if rm.unjudged:
             caveats.append(rm.unjudged)
     else:
-        ranked = [(thr, t, [t]) for thr, t in scored_pool]
+        ranked = [(score, t, [t]) for score, t in scored_pool]
+        best_of = "the fastest" if by == "throughput" else "the lowest energy"
         caveats.append("not re-measured (remeasure.top_k is 0): this is the search's own measurement of the config, "
-                     "and the fastest of many noisy measurements is flattered by its luck (winner's curse)")
-    throughput, best, pick_runs = max(ranked, key=lambda c: (c[0], -c[1].number))
+                       f"and {best_of} of many noisy measurements is flattered by its luck (winner's curse)")
+    sign = 1.0 if by == "throughput" else -1.0
+    _, best, pick_runs = max(ranked, key=lambda c: (sign * c[0], -c[1].number))
+    throughput = _pooled_throughput(pick_runs, spec)
+    assert throughput is not None  # a candidate's runs completed with a throughput
     remeasured = pick_runs[0] is not best
     base_runs = rm.runs.get(rm.baseline, []) if remeasured and rm.baseline is not None else []
     seeds = [t for t in runs if completed(t) and not retries(spec, trials).superseded(t)]
@@ -699,8 +755,14 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
     notes = [str(n) for n in run.user_attrs.get("measurement_notes") or []]
     if ci is not None and len(round_rates) >= 2 and (min(round_rates) < ci.low or max(round_rates) > ci.high):
         notes.append(_rounds_note(round_rates, throughput))
-    if speed is not None:
-        caveats.append(f"speedup interval: {speed.basis}")
+    energy = ratio_interval(pick_runs, base_runs, groups, spec, "energy_j_per_sample")
+    if speed is not None and energy is not None and speed.basis == energy.basis:
+        caveats.append(f"speedup and energy ratio intervals: {speed.basis}")
+    else:
+        caveats += [f"{what} interval: {ratio.basis}" for what, ratio in (("speedup", speed), ("energy ratio", energy))
+                    if ratio is not None]
+    saves = None if energy is None or energy.high is None else energy.high < 1.0
+    methods = sorted({str(m) for r in [*pick_runs, *base_runs] if (m := r.user_attrs.get("energy_method"))})
     config = best.user_attrs.get("config") or {}
     peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
     base_thr = _pooled_throughput(base_runs, spec)
@@ -735,7 +797,17 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         search_quality=metric(best, spec, "quality"), search_gate_quality=gate,
         search_throughput_samples_per_s=metric(best, spec, "throughput_samples_per_s"),
         baseline_remeasured=bool(remeasured and rm.baseline is not None and rm.runs.get(rm.baseline)),
+        chosen_by=by, energy_j_per_sample=_pooled_energy(pick_runs, spec),
+        baseline_energy_j_per_sample=_pooled_energy(base_runs, spec),
+        energy_ratio=energy.ratio if energy else None, energy_ratio_ci_low=energy.low if energy else None,
+        energy_ratio_ci_high=energy.high if energy else None, saves_energy=saves,
+        energy_method=" + ".join(methods) or None, energy_verdict=_energy_verdict(energy, saves, by),
     )
+
+
+def _score(runs: Sequence[TrialRecord], spec: StudySpec, by: str) -> float | None:
+    """What ranks re-measured configs (`chosen_by`): the pooled throughput, or energy per sample."""
+    return _pooled_throughput(runs, spec) if by == "throughput" else _pooled_energy(runs, spec)
 
 
 NOISE_ADVICE = ("keep the baseline config; to tell smaller differences apart, re-measure more "
@@ -752,6 +824,22 @@ def _verdict(speed: Speedup | None, beats: bool | None) -> str:
     if beats:
         return f"{interval} the baseline's throughput: faster beyond the noise"
     return f"no config beat the baseline beyond the noise: {interval}; {NOISE_ADVICE}"
+
+
+def _energy_verdict(energy: Speedup | None, saves: bool | None, by: str) -> str:
+    """One sentence on the pick's energy per sample against the baseline's ("" unless both were measured)."""
+    if energy is None:
+        return ""
+    if energy.low is None or energy.high is None:
+        return f"{energy.ratio:.2f}× the baseline's energy per sample; no confidence interval ({energy.basis})"
+    interval = f"{energy.ratio:.2f}× (95 % CI {energy.low:.2f}–{energy.high:.2f}×) the baseline's energy per sample"
+    if saves:
+        return f"{interval}: less energy beyond the noise"
+    if energy.low > 1.0:
+        return f"{interval}: more energy beyond the noise"
+    if by == "energy":
+        return f"no config used less energy per sample than the baseline beyond the noise: {interval}; {NOISE_ADVICE}"
+    return f"{interval}: not told apart from the baseline's beyond the noise"
 
 
 def _rounds_note(rates: Sequence[float], pooled: float) -> str:
@@ -777,10 +865,21 @@ def _pooled_throughput(runs: Sequence[TrialRecord], spec: StudySpec) -> float | 
     return statistics.median(values)
 
 
+def _pooled_energy(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:
+    """Energy per sample of one measurement, or several re-measurements' pooled: their energy
+    over their samples, the mean of their values (every run of a config trains the same
+    samples); None when a run has none (a figure without it would be too low)."""
+    values = [metric(r, spec, "energy_j_per_sample") for r in runs]
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.fmean(v for v in values if v is not None)
+
+
 def recommendation_yaml(rec: Recommendation) -> str:
     """The recommended config as YAML that `autotune probe --config FILE` reads, with the
     numbers behind it as a comment header."""
-    lines = [f"# autotune recommendation for study {rec.study}: trial {rec.trial_number}",
+    picked = " (the lowest energy per sample among the candidates)" if rec.chosen_by == "energy" else ""
+    lines = [f"# autotune recommendation for study {rec.study}: trial {rec.trial_number}{picked}",
              f"# throughput: {rec.throughput_samples_per_s:.1f} samples/s"]
     if rec.baseline_throughput_samples_per_s is not None:
         speedup = f"{rec.speedup:.2f}x" if rec.speedup is not None else "n/a"
@@ -789,8 +888,11 @@ def recommendation_yaml(rec: Recommendation) -> str:
         same = " at the same budget" if rec.baseline_remeasured else ""
         lines.append(f"# baseline throughput: {rec.baseline_throughput_samples_per_s:.1f} samples/s{same} "
                      f"(speedup {speedup})")
-    if rec.beats_baseline is False:
+    if rec.beats_baseline is False and rec.chosen_by == "throughput":
         lines.append(f"# WARNING: {rec.verdict}")
+    lines += [f"# {line}" for line in rec.energy_lines()]
+    if rec.saves_energy is False and rec.chosen_by == "energy":
+        lines.append(f"# WARNING: {rec.energy_verdict}")
     name = rec.quality_metric
     side = "<=" if rec.quality_direction == "minimize" else ">="
     gate = f" (gate: {side} {rec.gate_quality:.6g})" if rec.gate_quality is not None else ""
@@ -827,6 +929,8 @@ def front_infos(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialInf
         update: dict[str, Any] = {"values": values[info.number]}
         if "throughput_samples_per_s" in point:
             update["throughput_samples_per_s"] = point["throughput_samples_per_s"]
+        if "energy_j_per_sample" in point:
+            update["energy_j_per_sample"] = point["energy_j_per_sample"]
         if "quality" in point:
             update["quality"] = point["quality"]
             if info.quality_metric == "val_nrmse":

@@ -263,7 +263,7 @@ class TuningService:
         elif role(trial) == "search" and is_feasible(trial, ctx.spec, gate):
             throughput = metric(trial, ctx.spec, "throughput_samples_per_s")
             if throughput is not None:
-                summary.add_feasible(throughput, curve)
+                summary.add_feasible(throughput, curve, metric(trial, ctx.spec, "energy_j_per_sample"))
 
     def _role_of(self, trial_id: int) -> str:
         known = self._roles.get(trial_id)

@@ -13,14 +13,32 @@ a noticeable part of their time.
 
 Telemetry is best effort: without a CUDA device, without nvidia-ml-py, or where the driver
 does not answer a query, the fields are None and nothing else changes.
+
+Energy (`EnergyMeter`, `summarize_energy`): each GPU's energy over each timed window, from
+NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``: millijoules since the
+driver loaded, Volta and newer; method ``nvml_total_energy``) read at the window's start and
+end, or, where the GPU has no such counter, from its power readings
+(``nvmlDeviceGetPowerUsage``) sampled every POWER_SAMPLE_INTERVAL_S by a thread while the
+window runs and integrated over the window (trapezoids; method ``power_integral``; NVML
+averages the power of Ampere and newer GPUs over a second, so short windows carry that
+smoothing). The reads sit where the window's other NVML reads do: outside the CUDA events,
+the start just before the window's first launch, the end just after its last kernel
+finished (the probe's window end synchronises). A window's energy per sample is the energy
+of every GPU of the trial in it over the window's samples (all ranks'); the probe's figure is
+the energy of all its windows over their samples (`summarize_energy`). Energy is as timed:
+the epoch starts a window holds are not amortized as its throughput's are (a GPU idling
+through a stall draws its idle power, a fraction of its busy power).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +48,15 @@ log = logging.getLogger(__name__)
 
 # what autotune asks NVML (nvidia-ml-py's names; tests/test_gpu_telemetry.py checks they exist)
 NVML_CALLS = ("nvmlInit", "nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature",
-              "nvmlDeviceGetPowerUsage", "nvmlDeviceGetViolationStatus", "nvmlDeviceGetUtilizationRates")
+              "nvmlDeviceGetPowerUsage", "nvmlDeviceGetViolationStatus", "nvmlDeviceGetUtilizationRates",
+              "nvmlDeviceGetTotalEnergyConsumption")
 # perf-policy types whose violation counters mean "clocks held down"
 THROTTLE_POLICIES = ("NVML_PERF_POLICY_POWER", "NVML_PERF_POLICY_THERMAL")
 THROTTLE_NOTE_FRACTION = 0.05  # a window throttled this long is worth a note
 HOST_BOUND_UTILIZATION = 80  # median utilization (%) over the windows below which the GPU mostly waited on the host
+# how a probe's energy was measured (ProbeResult.energy_method), the better first
+ENERGY_METHODS = ("nvml_total_energy", "power_integral")
+POWER_SAMPLE_INTERVAL_S = 0.02  # power readings while a window runs, where there is no energy counter
 
 
 @dataclass(frozen=True)
@@ -153,3 +175,148 @@ class GpuTelemetry:
         return Reading(at=time.monotonic(), sm_clock_mhz=clock, temperature_c=temperature,
                        power_w=None if milliwatts is None else milliwatts / 1000, throttled_ns=throttled,
                        utilization_percent=getattr(rates, "gpu", None))
+
+    def energy_mj(self) -> int | None:
+        """NVML's total-energy counter (millijoules since the driver loaded); None where unsupported."""
+        value = self._query("nvmlDeviceGetTotalEnergyConsumption")
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def power_w(self) -> float | None:
+        """The power draw now (watts; Ampere and newer: averaged over the last second); None where unsupported."""
+        milliwatts = self._query("nvmlDeviceGetPowerUsage")
+        return milliwatts / 1000 if isinstance(milliwatts, (int, float)) and not isinstance(milliwatts, bool) else None
+
+
+# --- energy ----------------------------------------------------------------------------------
+
+
+def counter_joules(start_mj: int | None, end_mj: int | None) -> float | None:
+    """The energy between two readings of the total-energy counter (millijoules), in joules;
+    None when a reading is missing or the counter went backwards (the driver reloaded)."""
+    if start_mj is None or end_mj is None or end_mj < start_mj:
+        return None
+    return (end_mj - start_mj) / 1000.0
+
+
+def power_integral_joules(samples: Sequence[tuple[float, float]], start: float, end: float) -> float | None:
+    """The energy over [start, end] (seconds) from power samples (time, watts), in joules: the
+    trapezoid rule over the samples, the power before the first sample and after the last held
+    at theirs. None without a usable sample or an empty interval."""
+    points = sorted((t, w) for t, w in samples if math.isfinite(t) and math.isfinite(w) and w >= 0)
+    if not points or not end > start:
+        return None
+
+    def power(t: float) -> float:
+        if t <= points[0][0]:
+            return points[0][1]
+        for (t0, w0), (t1, w1) in itertools.pairwise(points):
+            if t0 <= t <= t1:
+                return w0 if t1 == t0 else w0 + (w1 - w0) * (t - t0) / (t1 - t0)
+        return points[-1][1]
+
+    knots = [start, *(t for t, _ in points if start < t < end), end]
+    return sum((b - a) * (power(a) + power(b)) / 2 for a, b in itertools.pairwise(knots))
+
+
+@dataclass(frozen=True)
+class Energy:
+    """A probe's energy over its timed windows (`summarize_energy`)."""
+
+    j_per_sample: float  # every GPU's energy in the windows over the windows' samples
+    window_j_per_sample: list[float]  # each window's
+    gpu_j_per_sample: list[float]  # each GPU's (rank order) energy in the windows over their samples: they sum up
+    method: str  # ENERGY_METHODS: the weakest any GPU used
+
+
+def summarize_energy(window_gpu_joules: Sequence[Sequence[float | None]], window_samples: Sequence[float],
+                     methods: Sequence[str | None]) -> Energy | None:
+    """The energy per sample of a probe from each window's joules per GPU
+    (`window_gpu_joules[w][g]`), each window's samples (all ranks'), and each GPU's method. None
+    unless every GPU has a method and every window a reading of every GPU: a figure that left
+    out a GPU or a window would be too low."""
+    if (not window_gpu_joules or len(window_gpu_joules) != len(window_samples) or not methods
+            or any(m not in ENERGY_METHODS for m in methods)):
+        return None
+    rows: list[list[float]] = []
+    for joules in window_gpu_joules:
+        if len(joules) != len(methods) or any(j is None or not math.isfinite(j) or j < 0 for j in joules):
+            return None
+        rows.append([float(j) for j in joules if j is not None])
+    total_samples = float(sum(window_samples))
+    if total_samples <= 0 or any(s <= 0 for s in window_samples):
+        return None
+    per_gpu = [sum(row[g] for row in rows) / total_samples for g in range(len(methods))]
+    method = max(methods, key=lambda m: ENERGY_METHODS.index(m or ""))
+    return Energy(j_per_sample=sum(sum(row) for row in rows) / total_samples,
+                  window_j_per_sample=[sum(row) / s for row, s in zip(rows, window_samples, strict=True)],
+                  gpu_j_per_sample=per_gpu, method=str(method))
+
+
+class EnergyMeter:
+    """One GPU's energy over a window: `start()` just before it, `stop()` (joules, or None)
+    just after it. The counter where the GPU has one (`method` "nvml_total_energy"), else
+    power samples integrated ("power_integral": a thread samples while the window runs;
+    `threaded` False leaves the sampling to the caller's `sample()`). `open` returns None
+    where neither reading answers."""
+
+    def __init__(self, telemetry: GpuTelemetry, method: str, interval_s: float = POWER_SAMPLE_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic, threaded: bool = True) -> None:
+        if method not in ENERGY_METHODS:
+            raise ValueError(f"energy method {method!r} is not one of {', '.join(ENERGY_METHODS)}")
+        self.method = method
+        self._telemetry = telemetry
+        self._interval = interval_s
+        self._clock = clock
+        self._threaded = threaded
+        self._start_mj: int | None = None
+        self._began = 0.0
+        self._samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def open(cls, telemetry: GpuTelemetry | None, **kwargs: Any) -> EnergyMeter | None:
+        if telemetry is None:
+            return None
+        if telemetry.energy_mj() is not None:
+            return cls(telemetry, "nvml_total_energy", **kwargs)
+        if telemetry.power_w() is not None:
+            return cls(telemetry, "power_integral", **kwargs)
+        log.info("GPU energy off: the driver answers neither the energy counter nor the power reading")
+        return None
+
+    def sample(self) -> None:
+        """One power reading, kept with its time (the sampling thread's step)."""
+        watts = self._telemetry.power_w()
+        if watts is not None:
+            self._samples.append((self._clock(), watts))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.sample()
+
+    def start(self) -> None:
+        if self.method == "nvml_total_energy":
+            self._start_mj = self._telemetry.energy_mj()
+            return
+        self._samples = []
+        self._began = self._clock()
+        self.sample()
+        if self._threaded:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="gpu-power", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the sampling thread, if one runs (a window that never reached `stop`)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def stop(self) -> float | None:
+        if self.method == "nvml_total_energy":
+            return counter_joules(self._start_mj, self._telemetry.energy_mj())
+        self.close()
+        self.sample()
+        return power_integral_joules(self._samples, self._began, self._clock())

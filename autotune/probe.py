@@ -59,6 +59,20 @@ page faults and preemptions; autotune/host_telemetry.py), the host's CPU model g
 result (``host_cpu``), and on a GPU each window also records what the GPU did (``window_gpu``: SM clock, temperature,
 power, the fraction of the window the driver held the clocks down; autotune/gpu_telemetry.py),
 and a window throttled for ≥ 5 % of its time adds a line to ``measurement_notes``.
+
+Energy (on a GPU): every rank meters its own GPU over each timed window (NVML's total-energy
+counter, else integrated power readings: ``energy_method``; autotune/gpu_telemetry.py
+`EnergyMeter`), and the ranks' joules meet on every rank after the window.
+``energy_j_per_sample`` is the energy of all the trial's GPUs in the timed windows over the
+samples in them (the windows hold equal samples, so it is the mean of
+``window_energy_j_per_sample``); ``gpu_energy_j_per_sample`` splits it by GPU (rank order). A
+window's report carries ``energy_j_per_sample`` of the windows so far (the pruner's). NVML's
+counter advances in steps (every 0.1 s on the H100: bench/README.md, energy), so a single
+window's value is coarse where windows last a few tenths of a second (the fast configs of the
+``ups`` full preset: 0.052–0.078 J/sample over the windows of one run), while the probe's
+figure, over all its windows, is not (that config's two runs: 0.0625 and 0.0624 J/sample);
+timed windows shorter than ENERGY_NOTE_S in all add a measurement note. On a CPU, or where
+the driver answers neither reading, the fields are None / empty.
 """
 
 from __future__ import annotations
@@ -86,7 +100,15 @@ from autotune.config import ConfigError, TrainConfig, parse_config
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
 from autotune.errors import FAILURE_KINDS  # noqa: F401 (re-exported: autotune.probe.FAILURE_KINDS)
 from autotune.gate import window_rate
-from autotune.gpu_telemetry import GpuTelemetry, host_bound_note, throttle_note, window_stats
+from autotune.gpu_telemetry import (
+    ENERGY_METHODS,
+    EnergyMeter,
+    GpuTelemetry,
+    host_bound_note,
+    summarize_energy,
+    throttle_note,
+    window_stats,
+)
 from autotune.host_telemetry import ThreadUsage, cpu_model
 from autotune.host_telemetry import window_stats as host_window_stats
 from autotune.knobs import (
@@ -160,6 +182,12 @@ class ProbeResult:
     window_data_wait_s: list[float] = field(default_factory=list)  # rank 0's host seconds blocked on data, per window
     # rank 0's GPU per window (autotune.gpu_telemetry): SM clock, temperature, power, throttled fraction
     window_gpu: list[dict[str, float | None]] = field(default_factory=list)
+    # energy of every GPU of the trial over the timed windows (autotune.gpu_telemetry): joules over the windows'
+    # samples; per window; per GPU (rank order, they sum up); "nvml_total_energy" | "power_integral". None on a CPU
+    energy_j_per_sample: float | None = None
+    window_energy_j_per_sample: list[float] = field(default_factory=list)
+    gpu_energy_j_per_sample: list[float] = field(default_factory=list)
+    energy_method: str | None = None
     # rank 0's training-loop thread per window (autotune.host_telemetry): busy fraction, page faults, preemptions
     window_host: list[dict[str, float | int | None]] = field(default_factory=list)
     epoch_micro_batches: int | None = None  # one DataLoader epoch (a rank's micro-batches)
@@ -347,6 +375,7 @@ def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: i
     return total, warm, n_windows, per
 
 
+ENERGY_NOTE_S = 1.0  # timed windows shorter than this in all: the energy figure is a few counter steps
 AMORTIZED_NOTE = 0.01  # a measurement note says so when amortizing epoch starts moves the throughput this much
 
 
@@ -375,6 +404,15 @@ class _RankSync:
 
     def mean(self, value: float) -> float:
         return value if self.world == 1 else self._reduce(value, torch.distributed.ReduceOp.SUM) / self.world
+
+    def gather(self, value: float | None) -> list[float | None]:
+        """Every rank's `value` (None: it has none), in rank order, on every rank."""
+        if self.world == 1:
+            return [value]
+        tensor = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        tensor[torch.distributed.get_rank()] = math.nan if value is None else value
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return [None if math.isnan(v) else v for v in tensor.tolist()]
 
     def from_rank0(self, flag: bool) -> bool:
         if self.world == 1:
@@ -579,6 +617,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             raise ProbeError("nan", f"non-finite loss at step {step} (samples {step * eff}); "
                                     f"precision={cfg.precision}, lr={cfg.lr:g}")
 
+    meter: EnergyMeter | None = None
     try:
         # --- warm-up: compile, CUDA-graph capture, autotuning; timed apart ---
         t0 = time.perf_counter()
@@ -624,12 +663,16 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         seconds: list[float] = []
         step = warm
         telemetry = GpuTelemetry.open(dev)
+        meter = EnergyMeter.open(telemetry)
+        window_joules: list[list[float | None]] = []  # per window: each rank's GPU
         for w in range(n_windows):
             sync.barrier()  # several ranks: a window starts when every rank is ready
             h0 = time.perf_counter()
             wait0 = data_wait
             gpu0 = telemetry.read() if telemetry else None  # host-side NVML queries: outside the timed events
             host0 = ThreadUsage.read()
+            if meter:
+                meter.start()  # host-side, just before the window's first launch (the GPU is idle)
             started = clock.start()
             first = data.pulled
             losses = []
@@ -637,7 +680,10 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 losses.append(trainer.step(next_micro_batches()))
                 result.steps = trainer.step_index
                 check_deadline(f"window {w + 1}/{n_windows}")  # host clock only: no sync
-            elapsed = sync.max(clock.stop(started))  # several ranks: the slowest rank's window time
+            mine = clock.stop(started)  # waits for the window's kernels
+            joules = meter.stop() if meter else None  # right after them, before the ranks meet
+            elapsed = sync.max(mine)  # several ranks: the slowest rank's window time
+            window_joules.append(sync.gather(joules))
             spans.append((first, data.pulled))
             seconds.append(elapsed)
             host1 = ThreadUsage.read()
@@ -656,13 +702,29 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             mean_loss = sync.mean(float(window_losses.mean()))  # over the ranks
             result.loss_curve.append((step * eff, mean_loss))
             check_deadline(f"window {w + 1}/{n_windows}")
-            stop = on_report is not None and on_report(step, {"samples": step * eff, "loss": mean_loss,
-                                                              "throughput": throughput, "window": w})
+            metrics = {"samples": step * eff, "loss": mean_loss, "throughput": throughput, "window": w}
+            if all(j is not None for joules in window_joules for j in joules):  # the windows' so far: a window's
+                # own is coarse (the counter's step, 0.1 s on the H100, against windows of a few tenths)
+                metrics["energy_j_per_sample"] = (sum(j or 0.0 for joules in window_joules for j in joules)
+                                                  / (len(window_joules) * per * eff))
+            stop = on_report is not None and on_report(step, metrics)
             if sync.from_rank0(stop):  # rank 0 alone reports: its decision stops every rank at once
                 result.stopped_early = True
                 break
 
         result.data_wait_fraction = data_wait / host_window_time if host_window_time > 0 else None
+        methods = sync.gather(float(ENERGY_METHODS.index(meter.method)) if meter else None)
+        energy = summarize_energy(window_joules, [per * eff] * len(window_joules),
+                                  [ENERGY_METHODS[int(m)] if m is not None else None for m in methods])
+        if energy is not None:
+            result.energy_j_per_sample, result.energy_method = energy.j_per_sample, energy.method
+            result.window_energy_j_per_sample = energy.window_j_per_sample
+            result.gpu_energy_j_per_sample = energy.gpu_j_per_sample
+            if sum(seconds) < ENERGY_NOTE_S:
+                result.measurement_notes.append(
+                    f"energy per sample: the timed windows lasted {sum(seconds):.2f} s in all, a few steps of NVML's "
+                    "energy reading (0.1 s on the H100), so the figure is coarse; more samples per probe make it "
+                    "finer")
         if not result.stopped_early:
             # --- leftover steps: trained (equal sample budget) but not timed ---
             tail = []
@@ -684,6 +746,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     finally:
         gc.unfreeze()
         data.close()
+        if meter is not None:
+            meter.close()  # a window that raised left its power sampler running
     result.steps = step
     result.inverse_steps = trainer.inverse_steps
     if trainer.graph is not None:

@@ -83,10 +83,13 @@ SAMPLERS = ("tpe", "nsga2", "random", "grid", "gp")
 # objective → (the measurement it reads, its direction). "quality" is the workload's quality
 # metric (val_nrmse for ups, val_loss for gpt); its direction is the study's
 # (`StudySpec.quality_direction`), "minimize" here is the default. "val_nrmse" is accepted as
-# an alias of "quality" (studies written before quality was generalised).
+# an alias of "quality" (studies written before quality was generalised). "energy" is the GPU
+# energy per training sample over the probe's timed windows (ProbeResult.energy_j_per_sample,
+# joules; every GPU of the trial): a GPU study's alone (a CPU has no energy counter).
 OBJECTIVES = {
     "throughput": ("throughput_samples_per_s", "maximize"),
     "quality": ("quality", "minimize"),
+    "energy": ("energy_j_per_sample", "minimize"),
 }
 OBJECTIVE_ALIASES = {"val_nrmse": "quality"}
 
@@ -94,7 +97,7 @@ OBJECTIVE_ALIASES = {"val_nrmse": "quality"}
 # The source research's data pipeline (its starting point ran 8 workers with prefetch 4).
 RESEARCH_GPU_DATA_PIPELINE: dict[str, Any] = {"num_workers": 8, "prefetch_factor": 4}
 
-Objective = Literal["throughput", "quality"]
+Objective = Literal["throughput", "quality", "energy"]
 DEFAULT_OBJECTIVES: tuple[Objective, ...] = ("throughput", "quality")
 
 
@@ -164,7 +167,9 @@ class StudySpec(Strict):
     preset: str = Field("tiny", pattern=NAME_PATTERN)
     space: str | dict[str, Any] = Field("cpu", description="a name from search_spaces/ or an inline space")
     objectives: list[Objective] = Field(default_factory=lambda: list(DEFAULT_OBJECTIVES),
-                                        description="throughput and/or quality (val_nrmse: an alias of quality)")
+                                        description="throughput, quality (val_nrmse: an alias) and/or energy "
+                                                    "(GPU joules per sample, minimized; GPU studies only), e.g. "
+                                                    "[throughput, quality, energy] or [energy, quality]")
     quality: QualitySpec | None = Field(None, description="the quality metric and its direction (default: the "
                                                           "workload's; see QualitySpec)")
     probe: ProbeSpec = Field(default_factory=lambda: ProbeSpec())
@@ -221,6 +226,15 @@ class StudySpec(Strict):
             except ConfigError as e:
                 raise ValueError(f"baseline.{e}") from None
         return v
+
+    @model_validator(mode="after")
+    def _energy_needs_a_gpu(self) -> StudySpec:
+        if "energy" in self.objectives and self.hardware == "cpu":
+            raise ValueError("objectives: energy is measured by the GPU's energy counter (NVML) over the probe's "
+                             "timed windows, and a study of hardware 'cpu' runs on no GPU: drop energy from "
+                             "objectives, or set hardware to the GPU name your workers report (e.g. 'NVIDIA H100 "
+                             "80GB HBM3': `autotune worker` prints it)")
+        return self
 
     @model_validator(mode="after")
     def _space(self) -> StudySpec:
@@ -434,6 +448,11 @@ class TrialResult(BaseModel):
     data_wait_fraction: NonNegative | None = None
     window_data_wait_s: list[NonNegative] | None = None
     window_gpu: list[dict[str, Reading | None]] | None = None
+    energy_j_per_sample: NonNegative | None = Field(None, description="GPU joules per sample over the timed "
+                                                    "windows, every GPU of the trial (None on a CPU)")
+    window_energy_j_per_sample: list[NonNegative] | None = None
+    gpu_energy_j_per_sample: list[NonNegative] | None = Field(None, description="each GPU's share, rank order")
+    energy_method: Literal["nvml_total_energy", "power_integral"] | None = None
     window_host: list[dict[str, Reading | None]] | None = None
     epoch_micro_batches: Count | None = None
     epoch_boundaries: list[dict[str, Any]] | None = None
@@ -497,6 +516,7 @@ class TrialInfo(BaseModel):
     val_nrmse: float | None = Field(None, description="the quality metric when it is val_nrmse (else None)")
     quality: float | None = Field(None, description="the study's quality metric (see quality_metric)")
     quality_metric: str | None = None
+    energy_j_per_sample: float | None = Field(None, description="GPU joules per sample (None: not measured)")
     feasible: bool | None = None
     failure: dict[str, str] | None = None
     worker_id: str | None = None
@@ -570,3 +590,35 @@ class Recommendation(BaseModel):
                                "interval was formed)")
     baseline_remeasured: bool = Field(False, description="the baseline was re-measured with the pick: the speedup "
                                       "and quality compare the two at the same budget")
+    chosen_by: Literal["throughput", "energy"] = Field(
+        "throughput", description="what picked the config among the candidates: the fastest (a study with a "
+        "throughput objective, or with neither) or the lowest energy per sample (energy without throughput)")
+    energy_j_per_sample: float | None = Field(None, description="the pick's GPU joules per sample (pooled over its "
+                                              "re-measurements); None where not measured")
+    baseline_energy_j_per_sample: float | None = Field(None, description="the baseline's, at the same budget as "
+                                                       "the speedup's baseline")
+    energy_ratio: float | None = Field(None, description="the pick's energy per sample over the baseline's "
+                                       "(below 1: less energy per sample)")
+    energy_ratio_ci_low: float | None = Field(None, description="95 % interval of the energy ratio, formed like the "
+                                              "speedup's")
+    energy_ratio_ci_high: float | None = None
+    saves_energy: bool | None = Field(None, description="the energy ratio's interval lies below 1 (None: no "
+                                      "interval)")
+    energy_method: str | None = Field(None, description="nvml_total_energy | power_integral")
+    energy_verdict: str = Field("", description="one sentence on the energy ratio (empty: not measured)")
+
+    def energy_lines(self) -> list[str]:
+        """The energy in words (the YAML header, the report): the pick's J/sample, the baseline's
+        and their ratio with its interval; nothing when the pick has none."""
+        if self.energy_j_per_sample is None:
+            return []
+        method = f" ({self.energy_method})" if self.energy_method else ""
+        lines = [f"energy: {self.energy_j_per_sample:.4g} J/sample{method}"]
+        if self.baseline_energy_j_per_sample is not None:
+            same = " at the same budget" if self.baseline_remeasured else ""
+            ratio = "n/a" if self.energy_ratio is None else f"{self.energy_ratio:.2f}x"
+            if self.energy_ratio_ci_low is not None and self.energy_ratio_ci_high is not None:
+                ratio += f", 95% CI {self.energy_ratio_ci_low:.2f}-{self.energy_ratio_ci_high:.2f}x"
+            lines.append(f"baseline energy: {self.baseline_energy_j_per_sample:.4g} J/sample{same} "
+                         f"(pick / baseline {ratio})")
+        return lines

@@ -11,8 +11,15 @@ decides on every intermediate report with `decide`, a pure function of curves:
    throughput, *and* its loss at equal
    samples is no better than that best trial's — slower and not better, it is dominated.
    A study whose only objective is throughput (`quality_counts` false) drops the loss
-   clause: a better loss cannot make a slow trial the fastest. A study without a throughput
-   objective (`throughput_counts` false) never prunes for speed;
+   clause: a better loss cannot make a slow trial the fastest. A study that also minimizes
+   energy (`energy_counts`) adds an energy clause: the trial's energy per sample (over its
+   windows so far, as its last report says: a single window's is coarse, NVML's counter
+   advancing in 0.1 s steps) is no lower than that best trial's; a trial without energy
+   readings is then never pruned for speed (it might be the thrifty one). A study without a
+   throughput objective (`throughput_counts` false) never prunes for speed; one that
+   minimizes energy instead prunes for energy the same way: after `min_windows`, its energy
+   per sample is above the lowest feasible energy per sample / ρ, and (when quality counts)
+   its loss at equal samples is no better than that trial's;
 3. **predicts a gate failure**: after `min_fraction` of the sample budget, its loss at
    equal samples exceeds the baseline's by more than `loss_margin` (relative).
 
@@ -41,6 +48,7 @@ class PruneRules:
     divergence_factor: float = 3.0  # loss grown to this multiple of its own minimum
     throughput_counts: bool = True  # throughput is an objective: a slow trial may be pruned
     quality_counts: bool = True  # quality is an objective: a slow trial with a better loss is kept
+    energy_counts: bool = False  # energy is an objective: a slow trial with a lower energy is kept
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,9 @@ class Reference:
     best_feasible_curve: Curve | None = None
     baseline_curve: Curve | None = None
     total_samples: int | None = None
+    best_feasible_energy: float | None = None  # the fastest feasible trial's energy per sample
+    lowest_feasible_energy: float | None = None  # the lowest energy per sample of a feasible trial …
+    lowest_energy_curve: Curve | None = None  # … and that trial's loss curve
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,16 @@ def loss_at(curve: Curve, samples: float) -> float | None:
     return points[-1][1]
 
 
-def decide(curve: Curve, throughputs: Sequence[float], ref: Reference, rules: PruneRules = PruneRules()) -> Decision:
-    """Prune or keep a trial given its loss curve and window throughputs so far."""
+def _no_lower(energy: float | None, reference: float | None) -> bool:
+    """The trial's energy per sample is known and no lower than `reference` (False when either
+    is unknown: it might be lower)."""
+    return energy is not None and reference is not None and energy >= reference
+
+
+def decide(curve: Curve, throughputs: Sequence[float], ref: Reference, rules: PruneRules = PruneRules(),
+           energy: float | None = None) -> Decision:
+    """Prune or keep a trial given its loss curve and window throughputs so far, and its energy
+    per sample over its windows so far (J; None where not measured)."""
     if not curve:
         return KEEP
     samples, loss = curve[-1]
@@ -92,13 +111,29 @@ def decide(curve: Curve, throughputs: Sequence[float], ref: Reference, rules: Pr
         ref_loss = loss_at(ref.best_feasible_curve, samples)
         slow = (f"throughput {stable:,.1f} samples/s is below {rules.rho:g} × the best feasible "
                 f"{ref.best_feasible_throughput:,.1f}")
-        if stable < rules.rho * ref.best_feasible_throughput:
+        thrifty = rules.energy_counts and not _no_lower(energy, ref.best_feasible_energy)
+        if stable < rules.rho * ref.best_feasible_throughput and not thrifty:
+            no_lower = (f", its energy {energy:.4g} J/sample is no lower than that trial's "
+                        f"{ref.best_feasible_energy:.4g}" if rules.energy_counts else "")
             if not rules.quality_counts:
-                return Decision(True, f"{slow}, and throughput is the study's only objective: it cannot be the "
-                                      "fastest", "dominated")
+                only = "" if rules.energy_counts else ", and throughput is the study's only objective"
+                return Decision(True, f"{slow}{no_lower}{only}: it cannot be the fastest", "dominated")
             if ref_loss is not None and loss >= ref_loss:
-                return Decision(True, f"{slow}, and its loss {loss:.4g} at {samples:.0f} samples is no better than "
-                                      f"that trial's {ref_loss:.4g}: it cannot reach the front", "dominated")
+                return Decision(True, f"{slow}{no_lower}, and its loss {loss:.4g} at {samples:.0f} samples is no "
+                                      f"better than that trial's {ref_loss:.4g}: it cannot reach the front",
+                                "dominated")
+    elif (not rules.throughput_counts and rules.energy_counts and ref.lowest_feasible_energy
+          and ref.lowest_energy_curve and energy is not None and len(throughputs) >= rules.min_windows
+          and energy > ref.lowest_feasible_energy / rules.rho):
+        wasteful = (f"energy {energy:.4g} J/sample is above the lowest feasible {ref.lowest_feasible_energy:.4g} / "
+                    f"{rules.rho:g}")
+        ref_loss = loss_at(ref.lowest_energy_curve, samples)
+        if not rules.quality_counts:
+            return Decision(True, f"{wasteful}, and energy is the study's only objective: it cannot use the least",
+                            "dominated")
+        if ref_loss is not None and loss >= ref_loss:
+            return Decision(True, f"{wasteful}, and its loss {loss:.4g} at {samples:.0f} samples is no better than "
+                                  f"that trial's {ref_loss:.4g}: it cannot reach the front", "dominated")
 
     if ref.baseline_curve and ref.total_samples and samples >= rules.min_fraction * ref.total_samples:
         base = loss_at(ref.baseline_curve, samples)

@@ -2,17 +2,22 @@
 
 Figures (matplotlib, written next to report.html):
 
-pareto.png        throughput vs the study's quality metric (validation NRMSE for ups,
-                  validation loss for gpt, ...) of every completed search trial; feasible
+pareto.png        throughput (energy per sample where energy picks the recommendation:
+                  objectives [energy, quality]) vs the study's quality metric (validation
+                  NRMSE for ups, validation loss for gpt, ...) of every completed search trial; feasible
                   (passes the quality gate) and infeasible marked apart, the baseline seeds
                   as one entry, the gate drawn, and the front the service computes (GET
                   /pareto: candidates only, at their re-measured values) connected, with the
                   recommendation marked: an infeasible point is never on the line
 progress.png      best feasible speedup so far, by trial number, over the same baseline
                   throughput as the recommendation's speedup, which is drawn with its
-                  interval
+                  interval (where energy picks: the lowest energy per sample so far over the
+                  baseline's, and the recommendation's energy ratio with its interval)
+energy.png        only when the trials measured GPU energy: energy per sample (J) vs
+                  throughput of every completed trial, feasible and infeasible apart, the
+                  baseline seeds, the front's points and the recommendation
 importances.png   parameter importances (optuna.importance, fANOVA by default) for
-                  throughput and for the quality metric, over the completed search trials,
+                  throughput, the quality metric and (an objective) energy, over the completed search trials,
                   only from MIN_IMPORTANCE_TRIALS of them (fewer rank noise); the count is
                   on the plot
 failures.png      trials by final state and failed trials by failure kind
@@ -30,7 +35,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from autotune.protocol import Recommendation, StudyInfo, TrialInfo
 
@@ -78,24 +83,54 @@ def candidates(trials: list[TrialInfo]) -> list[TrialInfo]:
             and t.repeat_of is None and t.baseline_repeat_of is None]
 
 
-def pareto_front(trials: list[TrialInfo], direction: str = "minimize") -> list[TrialInfo]:
-    """Candidates (`candidates`) not dominated in (max throughput, best quality in `direction`),
-    by throughput. The service's GET /pareto is the same set at re-measured values; this is the
-    fallback for answers without it."""
-    done = candidates(trials)
-    sign = 1.0 if direction == "minimize" else -1.0
-    front = []
-    for t in done:
-        q = sign * (quality_of(t) or 0.0)
-        assert t.throughput_samples_per_s is not None
-        dominated = any(
-            o.throughput_samples_per_s is not None
-            and o.throughput_samples_per_s >= t.throughput_samples_per_s and sign * (quality_of(o) or 0.0) <= q
-            and (o.throughput_samples_per_s > t.throughput_samples_per_s or sign * (quality_of(o) or 0.0) < q)
-            for o in done)
-        if not dominated:
-            front.append(t)
+def pareto_front(trials: list[TrialInfo], direction: str = "minimize",
+                 objectives: tuple[str, ...] = ("throughput", "quality")) -> list[TrialInfo]:
+    """Candidates (`candidates`) not dominated in `objectives` (max throughput, best quality in
+    `direction`, least energy per sample), by throughput. The service's GET /pareto is the same
+    set at re-measured values; this is the fallback for answers without it."""
+    def point(t: TrialInfo) -> list[float] | None:
+        """Each objective's value, larger is better."""
+        values = {"throughput": t.throughput_samples_per_s, "quality": quality_of(t), "energy": t.energy_j_per_sample}
+        signs = {"throughput": 1.0, "quality": -1.0 if direction == "minimize" else 1.0, "energy": -1.0}
+        out = [values[o] for o in objectives]
+        return None if any(v is None for v in out) else [signs[o] * float(v or 0.0) for o, v in
+                                                           zip(objectives, out, strict=True)]
+
+    points = [(t, p) for t in candidates(trials) if (p := point(t)) is not None]
+    front = [t for t, p in points
+             if not any(all(x >= y for x, y in zip(q, p, strict=True)) and q != p for _, q in points)]
     return sorted(front, key=lambda t: t.throughput_samples_per_s or 0.0)
+
+
+def chosen_by(study: StudyInfo, recommendation: Recommendation | None = None) -> str:
+    """What picks the study's recommendation: "energy" ([energy, quality]) or "throughput"
+    (api/results.py `chosen_by`)."""
+    if recommendation is not None:
+        return recommendation.chosen_by
+    objectives = study.spec.objectives
+    return "energy" if "energy" in objectives and "throughput" not in objectives else "throughput"
+
+
+def baseline_energy(trials: list[TrialInfo], recommendation: Recommendation | None = None) -> float | None:
+    """The baseline energy per sample ratios are over: the recommendation's, else the mean of the seeds'."""
+    if recommendation is not None and recommendation.baseline_energy_j_per_sample:
+        return recommendation.baseline_energy_j_per_sample
+    seeds = [t.energy_j_per_sample for t in trials if t.is_baseline and t.state == "COMPLETE"
+             and t.energy_j_per_sample]
+    return sum(seeds) / len(seeds) if seeds else None
+
+
+def lowest_energy_so_far(trials: list[TrialInfo], base: float | None) -> list[tuple[int, float | None]]:
+    """(trial number, the lowest energy per sample over `base` among the candidates up to it)."""
+    eligible = {t.number for t in candidates(trials)}
+    best: float | None = None
+    out = []
+    for t in sorted(trials, key=lambda t: t.number):
+        if base and t.number in eligible and t.energy_j_per_sample:
+            ratio = t.energy_j_per_sample / base
+            best = ratio if best is None else min(best, ratio)
+        out.append((t.number, best))
+    return out
 
 
 def baseline_throughput(trials: list[TrialInfo], recommendation: Recommendation | None = None) -> float | None:
@@ -151,9 +186,15 @@ def importances(study: StudyInfo, trials: list[TrialInfo]) -> dict[str, dict[str
     if not names:
         return {}
     out: dict[str, dict[str, float]] = {}
-    for objective, value_of in (("throughput", lambda t: t.throughput_samples_per_s), ("quality", quality_of)):
-        st = optuna.create_study(direction="maximize" if objective == "throughput" else
-                                 study.spec.quality_direction)
+    objectives: list[tuple[str, Any, Literal["minimize", "maximize"]]] = [
+        ("throughput", lambda t: t.throughput_samples_per_s, "maximize"),
+        ("quality", quality_of, study.spec.quality_direction)]
+    if "energy" in study.spec.objectives:
+        objectives.append(("energy", lambda t: t.energy_j_per_sample, "minimize"))
+    for objective, value_of, direction in objectives:
+        if any(value_of(t) is None for t in rows):
+            continue
+        st = optuna.create_study(direction=direction)
         for t in rows:
             params = {k: v for k, v in t.params.items() if k in names}
             st.add_trial(optuna.trial.create_trial(params=params, distributions={k: dists[k] for k in params},
@@ -169,7 +210,13 @@ def _plot_pareto(study: StudyInfo, trials: list[TrialInfo], gate: float | None, 
                  front: list[TrialInfo] | None = None, recommendation: Recommendation | None = None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
-    done = [t for t in _completed(trials) if t.role != "remeasure"]  # re-measurements: at their config's front point
+    energy_x = chosen_by(study, recommendation) == "energy"  # [energy, quality]: energy against quality
+
+    def x(t: TrialInfo | Recommendation) -> float | None:
+        return t.energy_j_per_sample if energy_x else t.throughput_samples_per_s
+
+    done = [t for t in _completed(trials) if t.role != "remeasure" and x(t) is not None]  # re-measurements: at
+    # their config's front point
     label_q = quality_label(study, trials)
     direction = study.spec.quality_direction
     for feasible, style, label in ((True, dict(c="#2a9d8f", marker="o"), "search trial: feasible"),
@@ -177,28 +224,28 @@ def _plot_pareto(study: StudyInfo, trials: list[TrialInfo], gate: float | None, 
                                    (None, dict(c="#999999", marker="."), "search trial: not judged yet")):
         pts = [t for t in done if t.feasible is feasible and not t.is_baseline]
         if pts:
-            ax.scatter([t.throughput_samples_per_s for t in pts], [quality_of(t) for t in pts], label=label, **style)
+            ax.scatter([x(t) for t in pts], [quality_of(t) for t in pts], label=label, **style)
     seeds = [t for t in done if t.is_baseline]
     if seeds:  # one legend entry for every seed
-        ax.scatter([t.throughput_samples_per_s for t in seeds], [quality_of(t) for t in seeds], marker="*", s=200,
+        ax.scatter([x(t) for t in seeds], [quality_of(t) for t in seeds], marker="*", s=200,
                    c="#264653", label=f"baseline ({len(seeds)} seed{'s' if len(seeds) != 1 else ''})", zorder=5)
-    line = sorted(front if front is not None else pareto_front(trials, direction),
-                  key=lambda t: t.throughput_samples_per_s or 0.0)
+    objectives = tuple(study.spec.objectives)
+    line = sorted((t for t in (front if front is not None else pareto_front(trials, direction, objectives))
+                   if x(t) is not None), key=lambda t: x(t) or 0.0)
     if line:
         searched = {t.number: t for t in done}
         moved = [(searched[t.number], t) for t in line if t.number in searched
-                 and (searched[t.number].throughput_samples_per_s, quality_of(searched[t.number]))
-                 != (t.throughput_samples_per_s, quality_of(t))]
+                 and (x(searched[t.number]), quality_of(searched[t.number])) != (x(t), quality_of(t))]
         for old, new in moved:  # a re-measured config: from its search point to where its re-measurement put it
-            ax.annotate("", xy=(new.throughput_samples_per_s, quality_of(new)),
-                        xytext=(old.throughput_samples_per_s, quality_of(old)),
+            ax.annotate("", xy=(x(new), quality_of(new)), xytext=(x(old), quality_of(old)),
                         arrowprops=dict(arrowstyle="->", color="#6a4c93", lw=0.8, alpha=0.7))
-        ax.plot([t.throughput_samples_per_s for t in line], [quality_of(t) for t in line], "k--", lw=0.8,
+        ax.plot([x(t) for t in line], [quality_of(t) for t in line], "k--", lw=0.8,
                 marker="s", mfc="none", ms=9,
-                label="front" + (" (arrows: search → re-measured value)" if moved else ""))
-    if recommendation is not None:
+                label="front" + (" (arrows: search → re-measured value)" if moved else "")
+                + (" (of 3 objectives: energy too)" if len(objectives) == 3 else ""))
+    if recommendation is not None and x(recommendation) is not None:
         rq = recommendation.quality if recommendation.quality is not None else recommendation.val_nrmse
-        ax.scatter([recommendation.throughput_samples_per_s], [rq], marker="D", s=90, facecolors="none",
+        ax.scatter([x(recommendation)], [rq], marker="D", s=90, facecolors="none",
                    edgecolors="#6a4c93", linewidths=2, label=f"recommended (trial {recommendation.trial_number})",
                    zorder=6)
     side = "≤" if direction == "minimize" else "≥"
@@ -209,11 +256,12 @@ def _plot_pareto(study: StudyInfo, trials: list[TrialInfo], gate: float | None, 
                    label=f"quality gate, re-measure probe ({side} {gate:.4f})")
     elif gate is not None:
         ax.axhline(gate, color="#e9c46a", lw=1.2, label=f"quality gate ({label_q} {side} {gate:.4f})")
-    ax.set_xlabel("throughput (samples/s, higher is better)")
+    ax.set_xlabel("GPU energy per sample (J, lower is better)" if energy_x else
+                  "throughput (samples/s, higher is better)")
     ax.set_ylabel(f"validation {label_q} ({'lower' if direction == 'minimize' else 'higher'} is better)"
                   if label_q == "NRMSE" else f"{label_q} ({'lower' if direction == 'minimize' else 'higher'} "
                   "is better)")
-    ax.set_title(f"{study.name}: speed vs quality")
+    ax.set_title(f"{study.name}: {'energy' if energy_x else 'speed'} vs quality")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -225,6 +273,12 @@ def _plot_progress(study: StudyInfo, trials: list[TrialInfo], path: Path,
                    recommendation: Recommendation | None = None) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
+    if chosen_by(study, recommendation) == "energy":
+        _energy_progress(ax, study, trials, recommendation)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     base = baseline_throughput(trials, recommendation)
     points = [(n, s) for n, s in best_so_far(trials, base) if s is not None]
     if points:
@@ -251,11 +305,78 @@ def _plot_progress(study: StudyInfo, trials: list[TrialInfo], path: Path,
     plt.close(fig)
 
 
+def _energy_progress(ax: Any, study: StudyInfo, trials: list[TrialInfo], r: Recommendation | None) -> None:
+    """progress.png where energy picks: the lowest energy per sample so far over the baseline's."""
+    base = baseline_energy(trials, r)
+    points = [(n, v) for n, v in lowest_energy_so_far(trials, base) if v is not None]
+    if points:
+        ax.step([p[0] for p in points], [p[1] for p in points], where="post", color="#264653",
+                label="lowest-energy search trial so far (its own probe)")
+        ax.scatter([p[0] for p in points], [p[1] for p in points], s=10, color="#264653")
+    else:
+        ax.text(0.5, 0.5, "no feasible trial with an energy reading yet", ha="center", va="center",
+                transform=ax.transAxes)
+    if r is not None and r.energy_ratio is not None:
+        ax.axhline(r.energy_ratio, color="#6a4c93", lw=1.2,
+                   label=f"recommended: {r.energy_ratio:.2f}×" + (" (re-measured)" if r.remeasured else ""))
+        if r.energy_ratio_ci_low is not None and r.energy_ratio_ci_high is not None:
+            ax.axhspan(r.energy_ratio_ci_low, r.energy_ratio_ci_high, color="#6a4c93", alpha=0.15,
+                       label="its 95 % interval")
+    ax.axhline(1.0, color="#999999", lw=0.8)
+    ax.set_xlabel("trial number")
+    ax.set_ylabel("energy per sample / baseline's (lower is better)")
+    ax.set_title(f"{study.name}: lowest energy so far, over the baseline's "
+                 + (f"{base:.4g} J/sample" if base else "energy per sample"), fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def _plot_energy(study: StudyInfo, trials: list[TrialInfo], path: Path, front: list[TrialInfo] | None,
+                 recommendation: Recommendation | None) -> None:
+    """energy.png: energy per sample against throughput (every completed trial that measured both)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    done = [t for t in _completed(trials) if t.role != "remeasure" and t.energy_j_per_sample is not None]
+    for feasible, style, label in ((True, dict(c="#2a9d8f", marker="o"), "search trial: feasible"),
+                                   (False, dict(c="#e76f51", marker="x"), "search trial: infeasible"),
+                                   (None, dict(c="#999999", marker="."), "search trial: not judged yet")):
+        pts = [t for t in done if t.feasible is feasible and not t.is_baseline]
+        if pts:
+            ax.scatter([t.throughput_samples_per_s for t in pts], [t.energy_j_per_sample for t in pts], label=label,
+                       **style)
+    seeds = [t for t in done if t.is_baseline]
+    if seeds:
+        ax.scatter([t.throughput_samples_per_s for t in seeds], [t.energy_j_per_sample for t in seeds], marker="*",
+                   s=200, c="#264653", label=f"baseline ({len(seeds)} seed{'s' if len(seeds) != 1 else ''})",
+                   zorder=5)
+    points = [t for t in front or [] if t.energy_j_per_sample is not None and t.throughput_samples_per_s]
+    if points:
+        ax.scatter([t.throughput_samples_per_s for t in points], [t.energy_j_per_sample for t in points],
+                   marker="s", s=81, facecolors="none", edgecolors="k", label="front (the service's)", zorder=4)
+    r = recommendation
+    if r is not None and r.energy_j_per_sample is not None:
+        ax.scatter([r.throughput_samples_per_s], [r.energy_j_per_sample], marker="D", s=90, facecolors="none",
+                   edgecolors="#6a4c93", linewidths=2, label=f"recommended (trial {r.trial_number})", zorder=6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (samples/s, higher is better)")
+    ax.set_ylabel("GPU energy per sample (J, lower is better)")
+    ax.set_title(f"{study.name}: energy vs speed", fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _plot_importances(study: StudyInfo, imp: dict[str, dict[str, float]], path: Path, label: str = "NRMSE",
                       count: int = 0) -> None:
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    for ax, (objective, title) in zip(axes, (("throughput", "throughput"), ("quality", label)), strict=True):
+    panels = [("throughput", "throughput"), ("quality", label)]
+    if "energy" in study.spec.objectives:
+        panels.append(("energy", "energy per sample"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8))
+    for ax, (objective, title) in zip(axes, panels, strict=True):
         values = imp.get(objective, {})
         if values:
             names = list(values)[::-1]
@@ -300,8 +421,14 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
             else recommendation.gate_nrmse) if recommendation else None
     label = quality_label(study, trials)
     side = "≤" if study.spec.quality_direction == "minimize" else "≥"
-    figures = {name: out / f"{name}.png" for name in ("pareto", "progress", "importances", "failures")}
+    names = ["pareto", "progress", "importances", "failures"]
+    energy = any(t.energy_j_per_sample is not None for t in trials)
+    if energy:
+        names.append("energy")
+    figures = {name: out / f"{name}.png" for name in names}
     _plot_pareto(study, trials, gate, figures["pareto"], front, recommendation)
+    if energy:
+        _plot_energy(study, trials, figures["energy"], front, recommendation)
     _plot_progress(study, trials, figures["progress"], recommendation)
     searched = [t for t in _completed(trials) if t.role == "search" and not t.is_baseline and t.repeat_of is None]
     _plot_importances(study, importances(study, trials), figures["importances"], label, len(searched))
@@ -315,7 +442,8 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
         rows.append(
             f"<tr><td>{t.number}{' (baseline)' if t.is_baseline else ''}</td><td>{esc(t.state)}</td>"
             f"<td>{_fmt(t.throughput_samples_per_s, ',.1f')}</td><td>{_fmt(quality_of(t), '.4f')}</td>"
-            f"<td>{feasible}</td><td>{esc(failure[:200])}</td><td><code>{esc(json.dumps(t.params))}</code></td></tr>")
+            + (f"<td>{_fmt(t.energy_j_per_sample, '.4g')}</td>" if energy else "")
+            + f"<td>{feasible}</td><td>{esc(failure[:200])}</td><td><code>{esc(json.dumps(t.params))}</code></td></tr>")
     if recommendation:
         r = recommendation
         quality = r.quality if r.quality is not None else r.val_nrmse
@@ -324,12 +452,19 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
                f" ({_fmt(r.speedup, '.2f')}× the baseline's {_fmt(r.baseline_throughput_samples_per_s, ',.1f')}),"
                f" {esc(label)} {_fmt(quality, '.4f')} (baseline {_fmt(baseline_quality, '.4f')},"
                f" gate {side} {_fmt(gate, '.4f')}).</p>"
+               + (f"<p>Picked by the lowest GPU energy per sample among the candidates (objectives "
+                  f"{esc(', '.join(study.spec.objectives))}).</p>" if r.chosen_by == "energy" else "")
                + (f"<p><b>{esc(r.verdict)}</b></p>" if r.verdict else "")
+               + "".join(f"<p>{esc(line)}</p>" for line in r.energy_lines())
+               + (f"<p><b>{esc(r.energy_verdict)}</b></p>" if r.energy_verdict else "")
                + "".join(f"<p><i>{esc(c)}</i></p>" for c in r.caveats)
                + f"<pre>{esc(json.dumps(r.config, indent=2))}</pre>")
     else:
         rec = ("<p>No recommendation yet: no search trial passes the quality gate, or its re-measurement has "
                "not finished (<code>autotune best</code> says which).</p>")
+    energy_section = ('\n<h2>Energy vs speed</h2><img src="energy.png" alt="GPU energy per sample against '
+                      'throughput">') if energy else ""
+    energy_head = "<th>J/sample</th>" if energy else ""
     space_name = study.spec.resolved_space().name
     counts = ", ".join(f"{k}: {v}" for k, v in study.counts.items()) or "none"
     failures = ", ".join(f"{k}: {v}" for k, v in study.failures.items()) or "none"
@@ -342,11 +477,12 @@ td,th{{border:1px solid #ccc;padding:3px 6px;font-size:13px}}img{{max-width:100%
 · hardware <b>{esc(study.spec.hardware)}</b> · sampler {esc(study.spec.sampler)} · state {esc(study.state)}</p>
 <p>trials by state: {esc(counts)} · failures by kind: {esc(failures)}</p>
 <h2>Recommendation</h2>{rec}
-<h2>Speed vs quality</h2><img src="pareto.png" alt="Pareto front">
+<h2>{'Energy' if chosen_by(study, recommendation) == 'energy' else 'Speed'} vs quality</h2>
+<img src="pareto.png" alt="Pareto front">{energy_section}
 <h2>Best so far</h2><img src="progress.png" alt="best feasible speedup by trial">
 <h2>Parameter importances</h2><img src="importances.png" alt="parameter importances">
 <h2>Failures</h2><img src="failures.png" alt="trials by state and failure kind">
-<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>samples/s</th><th>{esc(label)}</th><th>feasible</th>
+<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>samples/s</th><th>{esc(label)}</th>{energy_head}<th>feasible</th>
 <th>failure</th><th>params</th></tr>{''.join(rows)}</table>
 </body></html>
 """

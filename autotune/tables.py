@@ -56,9 +56,12 @@ def studies_table(studies: list[StudyInfo]) -> Table:
         outcomes = " · ".join(f"{n} {label}" for state, label in (("COMPLETE", "complete"), ("PRUNED", "pruned"),
                                                                   ("FAIL", "failed"), ("RUNNING", "running"))
                               if (n := c.get(state, 0))) or "-"
-        speedup = (s.best or {}).get("speedup")
-        table.add_row(s.name, s.state, s.spec.hardware, f"{sum(c.values())}/{s.spec.n_trials}", outcomes,
-                      "-" if speedup is None else f"{speedup:.2f}×")
+        best = s.best or {}
+        speedup, energy = best.get("speedup"), best.get("energy_ratio")
+        shown = "-" if speedup is None else f"{speedup:.2f}×"
+        if best.get("chosen_by") == "energy" and energy is not None:  # picked by energy: its ratio first
+            shown = f"{energy:.2f}× energy"
+        table.add_row(s.name, s.state, s.spec.hardware, f"{sum(c.values())}/{s.spec.n_trials}", outcomes, shown)
     return table
 
 
@@ -71,8 +74,10 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
     table = Table(title=title, caption=KNOBS_LEGEND)
     metric = next((t.quality_metric for t in trials if t.quality_metric), "val_nrmse")
     quality = "NRMSE" if metric == "val_nrmse" else metric  # a language model's loss is not an NRMSE
-    for column in ("#", "state", "samples/s", quality, "feasible", "failure"):
-        table.add_column(column, justify="right" if column in ("#", "samples/s", quality) else "left", no_wrap=True)
+    energy = any(t.energy_j_per_sample is not None for t in trials)  # a GPU study: its J/sample
+    numbers = ("#", "samples/s", quality, *(("J/sample",) if energy else ()))
+    for column in ("#", "state", "samples/s", quality, *(("J/sample",) if energy else ()), "feasible", "failure"):
+        table.add_column(column, justify="right" if column in numbers else "left", no_wrap=True)
     table.add_column("params")
     colors = {"COMPLETE": "green", "FAIL": "red", "PRUNED": "yellow", "RUNNING": "cyan"}
     for t in sorted(trials, key=lambda t: t.number):
@@ -90,12 +95,13 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         if t.prune_reason and t.state == "PRUNED":
             failure = "pruned"
         table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.quality, ".4f"),
-                      feasible, failure, params)
+                      *((_num(t.energy_j_per_sample, ".4g"),) if energy else ()), feasible, failure, params)
     return table
 
 
 def recommendation_table(rec: Recommendation) -> Table:
-    table = Table(title=f"recommended config of {rec.study}: trial {rec.trial_number}", show_header=False)
+    picked = " (lowest energy per sample)" if rec.chosen_by == "energy" else ""
+    table = Table(title=f"recommended config of {rec.study}: trial {rec.trial_number}{picked}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     base_thr = rec.baseline_throughput_samples_per_s
@@ -114,8 +120,17 @@ def recommendation_table(rec: Recommendation) -> Table:
     if rec.baseline_remeasured:
         speedup += ", both re-measured at the same budget"
     table.add_row("speedup", speedup)
-    if rec.beats_baseline is False:
+    if rec.beats_baseline is False and rec.chosen_by == "throughput":
         table.add_row("[red]verdict[/]", f"[red]{rich_escape(rec.verdict)}[/]")
+    if rec.energy_j_per_sample is not None:
+        energy = f"{rec.energy_j_per_sample:.4g} J/sample"
+        if rec.baseline_energy_j_per_sample is not None:
+            energy += f" (baseline {rec.baseline_energy_j_per_sample:.4g})"
+        table.add_row("energy", energy + (f" · {rec.energy_method}" if rec.energy_method else ""))
+        if rec.energy_verdict:
+            bad = rec.saves_energy is False and rec.chosen_by == "energy"
+            table.add_row("[red]energy verdict[/]" if bad else "energy ratio",
+                          f"[red]{rich_escape(rec.energy_verdict)}[/]" if bad else rich_escape(rec.energy_verdict))
     name = "val NRMSE" if rec.quality_metric == "val_nrmse" else rec.quality_metric
     if rec.baseline_quality is None or rec.quality is None:
         quality_vs = ""
