@@ -7,7 +7,7 @@ kernel comes from the compile cache and the pool never compiles anything (the ``
 backend of ``torch._dynamo`` warms it up at the first compile; ``AsyncCompile.triton`` asks
 whether it is ready). A long training run hardly sees the pool: TorchInductor quiesces it (the
 workers exit) once it has been idle for a minute. A short probe's timed windows fall in that
-first minute, and on a lent H100 host (bench/README.md, probe fidelity: host_top) the
+first minute, and on a lent H100 host (docs/measurement.md, the compile pool) the
 sidecar's start-up, one CPU busy importing torch for about 10 s, began at the first warm-up
 step of a cached config and ran through most of its timed windows.
 

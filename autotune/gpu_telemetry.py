@@ -110,7 +110,7 @@ def throttle_note(windows: Sequence[dict[str, float | None]]) -> str | None:
 def host_bound_note(windows: Sequence[dict[str, float | None]]) -> str | None:
     """A note when the GPU ran kernels for less than HOST_BOUND_UTILIZATION % of the time in the
     median window: the GPU waited on the host (None: no readings, or a busy GPU). The H100 runs
-    behind this (bench/README.md): a batch-24 CUDA-graphs config ran 31-56 % slower on later
+    behind this (docs/measurement.md): a batch-24 CUDA-graphs config ran 31-56 % slower on later
     lent hosts than on the first, with the same GPU model, at the maximum SM clock."""
     values = sorted(v for v in (w.get("utilization_percent") for w in windows) if v is not None)
     if not values or len(values) < len(windows):  # a window without a reading: no claim

@@ -23,7 +23,7 @@ start and end of every timed window and records, per window:
                           host-bound loop runs at one thread's speed, which the rest of the
                           host's load can slow (shared caches, memory bandwidth, clocks): a
                           single-thread speedometer ran 3–10 % slower around short probes of
-                          such a config (bench/README.md, probe fidelity).
+                          such a config (docs/measurement.md).
 ``host_steal_fraction``   the fraction of the host's CPU time a hypervisor gave to others.
 
 Best effort, like the GPU's telemetry: where RUSAGE_THREAD does not exist (macOS, Windows)

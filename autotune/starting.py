@@ -16,7 +16,7 @@ the user's own baseline and the study's space:
    persistent DataLoader workers (where
    it has workers: on the H100 the oracle's config, which has them, ran 4 % faster over a long
    run than the same config restarting them at every epoch, a cost a short probe under-counts;
-   bench/README.md, probe fidelity), gradient accumulation folded into the micro-batch
+   bench/README.md, tuning strategies), gradient accumulation folded into the micro-batch
    (batch × accum kept, so the optimizer sees the same effective batch: the quality gate
    stays within reach) and the auxiliary (inverse) loss every 4th step (the research's
    tier-3 setting). On the H100 it was the fastest point for AdamW and for Muon + AdamW
