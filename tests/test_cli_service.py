@@ -23,13 +23,15 @@ def invoke(*args: str) -> Any:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory, autotune_data_dir: Any) -> Iterator[tuple[LiveService, str]]:
-    """A service with one finished 2-trial study ("cli")."""
+    """A service with one finished 3-trial study ("cli"): the baseline, a search draw of the
+    baseline's own config (a repeat of it, never a candidate) and one candidate, the gate wide
+    open (these tests are about the CLI's wiring, not the tiny model's quality)."""
     tmp = tmp_path_factory.mktemp("cli-service")
     processes = Processes(tmp)
     try:
         service = LiveService(processes, tmp / "autotune.db").start()
-        service.submit(small_spec("cli", n_trials=2))
-        worker = start_worker(processes, service.url, "--study", "cli", "--max-trials", "2")
+        service.submit(small_spec("cli", n_trials=3, gate={"abs_tol": 1.0}, pruning={"enabled": False}))
+        worker = start_worker(processes, service.url, "--study", "cli", "--max-trials", "3")
         assert worker.wait(timeout=90) == 0, log_text(worker)[-3000:]
         yield service, "cli"
     finally:
@@ -149,7 +151,7 @@ def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str])
     service, study = live
     result = invoke("status", "--api", service.url)
     assert result.exit_code == 0, result.output
-    assert study in result.stdout and "finished" in result.stdout and "2/2" in result.stdout
+    assert study in result.stdout and "finished" in result.stdout and "3/3" in result.stdout
 
     result = invoke("status", study, "--api", service.url)
     assert result.exit_code == 0, result.output
@@ -157,7 +159,7 @@ def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str])
     assert f"study {study}: finished" in out
     for header in ("state", "samples/s", "NRMSE", "feasible", "failure", "params"):
         assert header in out
-    assert out.count("COMPLETE") == 2
+    assert out.count("COMPLETE") == 3
     assert "(baseline)" in out and "bs=" in out
 
     result = invoke("status", "nope", "--api", service.url)
