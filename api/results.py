@@ -333,7 +333,7 @@ class TrialContext:
             target = self._by_number.get(trial.user_attrs.get("remeasure_of", -1))
             if target is not None and role(target) == "search":
                 return dict(target.params)
-        if role(trial) != "search" or not trial.params:
+        if role(trial) != "search" and not trial.params:  # stored before the bridge set them
             config = trial.user_attrs.get("config")
             if isinstance(config, dict):
                 return {k: config[k] for k in self._names if k in config}

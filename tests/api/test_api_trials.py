@@ -57,8 +57,10 @@ def test_first_trial_is_the_baseline_then_the_space(client: TestClient, make_stu
     base = lease(client, "w1")
     assert base is not None
     assert base["is_baseline"] and base["number"] == 0
-    # a baseline carries the params of its config that the space could draw
-    assert base["params"] == base["config"] == {"batch_size": 8, "accum_steps": 2}
+    # a baseline carries the params of its config that the space could draw (a knob left out: at its default)
+    assert base["config"] == {"batch_size": 8, "accum_steps": 2}
+    assert base["params"]["batch_size"] == 8 and base["params"]["accum_steps"] == 2
+    assert base["params"]["fused_optimizer"] is False and base["params"]["precision"] == "fp32"
     assert base["workload"] == "ups" and base["preset"] == "tiny"
     assert base["probe"]["samples"] == 160 and base["probe"]["seed"] == 3
     assert base["role"] == "baseline"
