@@ -33,6 +33,7 @@ import json
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -120,17 +121,23 @@ def baseline_energy(trials: list[TrialInfo], recommendation: Recommendation | No
     return sum(seeds) / len(seeds) if seeds else None
 
 
-def lowest_energy_so_far(trials: list[TrialInfo], base: float | None) -> list[tuple[int, float | None]]:
-    """(trial number, the lowest energy per sample over `base` among the candidates up to it)."""
+def _running_best(trials: list[TrialInfo], base: float | None, value_of: Callable[[TrialInfo], float | None],
+                  better: Callable[[float, float], float]) -> list[tuple[int, float | None]]:
+    """(trial number, the `better` of value / `base` among the candidates up to it)."""
     eligible = {t.number for t in candidates(trials)}
     best: float | None = None
     out = []
     for t in sorted(trials, key=lambda t: t.number):
-        if base and t.number in eligible and t.energy_j_per_sample:
-            ratio = t.energy_j_per_sample / base
-            best = ratio if best is None else min(best, ratio)
+        value = value_of(t)
+        if base and t.number in eligible and value:
+            best = value / base if best is None else better(best, value / base)
         out.append((t.number, best))
     return out
+
+
+def lowest_energy_so_far(trials: list[TrialInfo], base: float | None) -> list[tuple[int, float | None]]:
+    """(trial number, the lowest energy per sample over `base` among the candidates up to it)."""
+    return _running_best(trials, base, lambda t: t.energy_j_per_sample, min)
 
 
 def baseline_throughput(trials: list[TrialInfo], recommendation: Recommendation | None = None) -> float | None:
@@ -146,16 +153,7 @@ def baseline_throughput(trials: list[TrialInfo], recommendation: Recommendation 
 def best_so_far(trials: list[TrialInfo], base: float | None = None) -> list[tuple[int, float | None]]:
     """(trial number, best speedup over `base` (default: `baseline_throughput`) among the
     candidates up to it)."""
-    base = base or baseline_throughput(trials)
-    eligible = {t.number for t in candidates(trials)}
-    best: float | None = None
-    out = []
-    for t in sorted(trials, key=lambda t: t.number):
-        if base and t.number in eligible and t.throughput_samples_per_s:
-            speedup = t.throughput_samples_per_s / base
-            best = speedup if best is None else max(best, speedup)
-        out.append((t.number, best))
-    return out
+    return _running_best(trials, base or baseline_throughput(trials), lambda t: t.throughput_samples_per_s, max)
 
 
 def importances(study: StudyInfo, trials: list[TrialInfo]) -> dict[str, dict[str, float]]:
