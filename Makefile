@@ -22,8 +22,11 @@ lint: install
 	$(BIN)/ruff check autotune api tests bench
 	$(BIN)/mypy autotune api bench
 
+# pytest-xdist: one test process per core; each takes the next test as it gets free (the slow
+# ones are ordered first by tests/conftest.py). `PYTEST_ARGS=-n0 make test` runs in one process.
+PYTEST_ARGS ?= -n auto --maxschedchunk 1
 test: install lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/autotune demo

@@ -319,11 +319,30 @@ def _engine_kwargs(url: str, busy_timeout_s: float) -> dict[str, Any]:
                                                                          "max_overflow": 20}
 
 
+_OPTUNA_SCHEMA_HEAD: list[str] = []  # the installed Optuna's schema revision, read once per process
+
+
+def _open_rdb(url: str, busy_timeout_s: float) -> RDBStorage:
+    """Optuna's storage on `url`, its schema checked against the installed Optuna. Optuna's own
+    check reads its migration scripts from disk on every open (~0.3 s); the head they name is
+    fixed for the process, so it is read once and each open compares one row with it. A schema
+    that differs is opened again with Optuna's check, which raises its own advice (`optuna
+    storage upgrade`)."""
+    kwargs = _engine_kwargs(url, busy_timeout_s)
+    rdb = RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=True)
+    if not _OPTUNA_SCHEMA_HEAD:
+        _OPTUNA_SCHEMA_HEAD.append(rdb.get_head_version())
+    if rdb.get_current_version() != _OPTUNA_SCHEMA_HEAD[0]:
+        rdb.engine.dispose()
+        rdb = RDBStorage(url, engine_kwargs=kwargs)
+    return rdb
+
+
 class OptunaBridge:
     """Optuna studies on the service's database URL."""
 
     def __init__(self, url: str, busy_timeout_s: float = 30.0) -> None:
-        rdb = RDBStorage(url, engine_kwargs=_engine_kwargs(url, busy_timeout_s))
+        rdb = _open_rdb(url, busy_timeout_s)
         if is_sqlite(url):
             install_sqlite_pragmas(rdb.engine, busy_timeout_s)
             rdb.engine.dispose()  # pooled connections from table creation predate the pragmas

@@ -42,6 +42,11 @@ def worker_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run first (each group in its files' order): under pytest-xdist
+    (`make test` runs ``-n auto --maxschedchunk 1``) the processes take the next test as they
+    get free, so the long ones start at once, side by side, and the short ones fill the gaps
+    at the end instead of one long test running alone last. GPU tests are skipped without a GPU."""
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: file order within each group
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")

@@ -90,38 +90,38 @@ def test_the_model_tables_are_the_service_tables() -> None:
 
 
 @pytest.mark.parametrize("with_optuna", [False, True], ids=["alone", "beside-optuna"])
-def test_upgrade_downgrade_upgrade_leaves_optuna_alone(db_url: str, with_optuna: bool) -> None:
-    optuna_tables = make_optuna_study(db_url) if with_optuna else set()
-    optuna_version = scalar(db_url, "SELECT version_num FROM alembic_version") if with_optuna else None
+def test_upgrade_downgrade_upgrade_leaves_optuna_alone(empty_db_url: str, with_optuna: bool) -> None:
+    optuna_tables = make_optuna_study(empty_db_url) if with_optuna else set()
+    optuna_version = scalar(empty_db_url, "SELECT version_num FROM alembic_version") if with_optuna else None
 
-    assert upgrade_schema(db_url) == (None, "0002")
-    assert table_names(db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
-    assert scalar(db_url, f"SELECT version_num FROM {VERSION_TABLE}") == "0002"
-    assert upgrade_schema(db_url) == ("0002", "0002")  # idempotent
-    assert schema_diff(db_url) == []
+    assert upgrade_schema(empty_db_url) == (None, "0002")
+    assert table_names(empty_db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
+    assert scalar(empty_db_url, f"SELECT version_num FROM {VERSION_TABLE}") == "0002"
+    assert upgrade_schema(empty_db_url) == ("0002", "0002")  # idempotent
+    assert schema_diff(empty_db_url) == []
 
-    assert downgrade_schema(db_url, "base") == ("0002", None)
-    assert table_names(db_url) == {VERSION_TABLE} | optuna_tables  # only the (empty) version table is left
-    assert scalar(db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 0
+    assert downgrade_schema(empty_db_url, "base") == ("0002", None)
+    assert table_names(empty_db_url) == {VERSION_TABLE} | optuna_tables  # only the (empty) version table is left
+    assert scalar(empty_db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 0
 
-    assert upgrade_schema(db_url) == (None, "0002")
-    assert table_names(db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
-    assert schema_diff(db_url) == []
+    assert upgrade_schema(empty_db_url) == (None, "0002")
+    assert table_names(empty_db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
+    assert schema_diff(empty_db_url) == []
     if with_optuna:
-        assert scalar(db_url, "SELECT version_num FROM alembic_version") == optuna_version
-        assert optuna.load_study(study_name="optuna-own", storage=db_url).trials[0].params == {"x": 1.0}
+        assert scalar(empty_db_url, "SELECT version_num FROM alembic_version") == optuna_version
+        assert optuna.load_study(study_name="optuna-own", storage=empty_db_url).trials[0].params == {"x": 1.0}
 
 
-def test_the_migrated_schema_equals_the_models_and_a_gap_would_show(db_url: str) -> None:
-    upgrade_schema(db_url)
-    assert schema_diff(db_url) == []
-    downgrade_schema(db_url, "0001")  # without the tokens table: the comparison must notice
-    diff = schema_diff(db_url)
+def test_the_migrated_schema_equals_the_models_and_a_gap_would_show(empty_db_url: str) -> None:
+    upgrade_schema(empty_db_url)
+    assert schema_diff(empty_db_url) == []
+    downgrade_schema(empty_db_url, "0001")  # without the tokens table: the comparison must notice
+    diff = schema_diff(empty_db_url)
     assert ("add_table", "autotune_tokens") in [(d[0], d[1].name) for d in diff if isinstance(d, tuple)]
 
 
-def test_a_database_made_by_create_all_is_adopted(db_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    engine = create_engine(db_url, poolclass=NullPool)
+def test_a_database_made_by_create_all_is_adopted(empty_db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    engine = create_engine(empty_db_url, poolclass=NullPool)
     legacy = [t for name, t in Base.metadata.tables.items() if name != "autotune_tokens"]
     Base.metadata.create_all(engine, tables=legacy)  # what the service did before migrations
     with engine.begin() as conn:
@@ -130,11 +130,11 @@ def test_a_database_made_by_create_all_is_adopted(db_url: str, caplog: pytest.Lo
     engine.dispose()
 
     with caplog.at_level("WARNING", logger="api.db"):
-        assert upgrade_schema(db_url) == (LEGACY_REVISION, "0002")
+        assert upgrade_schema(empty_db_url) == (LEGACY_REVISION, "0002")
     assert "predate migrations" in caplog.text and f"revision {LEGACY_REVISION}" in caplog.text
-    assert "autotune_tokens" in table_names(db_url)
-    assert scalar(db_url, "SELECT name FROM autotune_studies") == "old"
-    assert schema_diff(db_url) == []
+    assert "autotune_tokens" in table_names(empty_db_url)
+    assert scalar(empty_db_url, "SELECT name FROM autotune_studies") == "old"
+    assert schema_diff(empty_db_url) == []
 
 
 def _upgrade_after(barrier: Any, url: str, results: Any) -> None:
@@ -145,25 +145,25 @@ def _upgrade_after(barrier: Any, url: str, results: Any) -> None:
         results.put(f"{type(e).__name__}: {e}")
 
 
-def test_concurrent_upgrades_from_several_processes_take_turns(db_url: str) -> None:
+def test_concurrent_upgrades_from_several_processes_take_turns(empty_db_url: str) -> None:
     """Service processes starting together on one database: every upgrade succeeds, the schema is made once."""
     processes = 4
     ctx = multiprocessing.get_context("fork")  # the children start with everything imported: a real race
     barrier, results = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_upgrade_after, args=(barrier, db_url, results)) for _ in range(processes)]
+    procs = [ctx.Process(target=_upgrade_after, args=(barrier, empty_db_url, results)) for _ in range(processes)]
     for proc in procs:
         proc.start()
     outcomes = sorted(results.get(timeout=60) for _ in procs)
     for proc in procs:
         proc.join(timeout=30)
     assert outcomes == sorted([str((None, "0002"))] + [str(("0002", "0002"))] * (processes - 1)), outcomes
-    assert scalar(db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 1
+    assert scalar(empty_db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 1
 
 
-def test_the_service_upgrades_at_start(sqlite_url: str) -> None:
-    assert current_schema_revision(sqlite_url) is None
-    create_app(make_settings(sqlite_url))
-    assert current_schema_revision(sqlite_url) == head_revision()
+def test_the_service_upgrades_at_start(empty_sqlite_url: str) -> None:
+    assert current_schema_revision(empty_sqlite_url) is None
+    create_app(make_settings(empty_sqlite_url))
+    assert current_schema_revision(empty_sqlite_url) == head_revision()
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -183,18 +183,18 @@ def test_autotune_db_upgrade_works_from_any_directory(tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "0002 (head)", done.stdout + done.stderr
 
 
-def test_autotune_db_downgrade_current_and_errors(db_url: str) -> None:
+def test_autotune_db_downgrade_current_and_errors(empty_db_url: str) -> None:
     runner = CliRunner()
-    assert runner.invoke(cli_app, ["db", "upgrade", "--db", db_url]).exit_code == 0
-    result = runner.invoke(cli_app, ["db", "downgrade", "0001", "--db", db_url])
+    assert runner.invoke(cli_app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
+    result = runner.invoke(cli_app, ["db", "downgrade", "0001", "--db", empty_db_url])
     assert result.exit_code == 0 and "0002 → 0001" in result.stdout, result.output
-    result = runner.invoke(cli_app, ["db", "current", "--db", db_url])
+    result = runner.invoke(cli_app, ["db", "current", "--db", empty_db_url])
     assert "0001 (newest: 0002; run `autotune db upgrade`)" in result.stdout
-    result = runner.invoke(cli_app, ["db", "downgrade", "nope", "--db", db_url])
+    result = runner.invoke(cli_app, ["db", "downgrade", "nope", "--db", empty_db_url])
     assert result.exit_code == 1 and "Can't locate revision identified by 'nope'" in result.stderr
-    result = runner.invoke(cli_app, ["db", "downgrade", "base", "--db", db_url])
-    assert result.exit_code == 0 and table_names(db_url) == {VERSION_TABLE}
-    result = runner.invoke(cli_app, ["db", "current", "--db", db_url])
+    result = runner.invoke(cli_app, ["db", "downgrade", "base", "--db", empty_db_url])
+    assert result.exit_code == 0 and table_names(empty_db_url) == {VERSION_TABLE}
+    result = runner.invoke(cli_app, ["db", "current", "--db", empty_db_url])
     assert result.stdout.startswith("none (no autotune tables yet)")
 
 
