@@ -25,9 +25,10 @@ lint: install
 	$(BIN)/ruff check autotune api tests bench
 	$(BIN)/mypy autotune api bench
 
-# pytest-xdist: one test process per core; each takes the next test as it gets free (the slow
-# ones are ordered first by tests/conftest.py). `PYTEST_ARGS=-n0 make test` runs in one process.
-PYTEST_ARGS ?= -n auto --maxschedchunk 1
+# pytest-xdist: one test process per core; each takes the next test (or group of tests sharing a
+# module-scoped fixture) as it gets free, slow ones first: tests/conftest.py orders and groups them.
+# `PYTEST_ARGS=-n0 make test` runs everything in one process.
+PYTEST_ARGS ?= -n auto --dist loadgroup --no-loadscope-reorder
 test: install lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

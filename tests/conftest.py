@@ -41,12 +41,32 @@ def worker_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     return path
 
 
+def _module_fixtures(item: pytest.Item) -> list[str]:
+    """The fixtures of `item` set up once per module (or class): the tests sharing one must run in
+    one test process, or each process sets it up again."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.items() if info is not None else []
+    return [name for name, fixturedefs in defs if fixturedefs and fixturedefs[-1].scope in ("module", "class")]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` run first (each group in its files' order): under pytest-xdist
-    (`make test` runs ``-n auto --maxschedchunk 1``) the processes take the next test as they
-    get free, so the long ones start at once, side by side, and the short ones fill the gaps
-    at the end instead of one long test running alone last. GPU tests are skipped without a GPU."""
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: file order within each group
+    """Order and group the tests for pytest-xdist (`make test` runs ``-n auto --dist loadgroup``):
+
+    * the tests of a module that share a module-scoped fixture form one group, run by one test
+      process, so the fixture (a live service, a finished study) is set up once;
+    * slow tests (and groups holding one) come first, each kind in its files' order: the test
+      processes take the next test or group as they get free, so the long ones start at once,
+      side by side, and the short ones fill the gaps at the end.
+
+    GPU tests are skipped without a GPU."""
+    grouped = {item.nodeid: item.module.__name__ for item in items
+               if item.module is not None and _module_fixtures(item)}
+    slow_groups = {grouped[item.nodeid] for item in items if item.nodeid in grouped and "slow" in item.keywords}
+    for item in items:
+        if item.nodeid in grouped:
+            item.add_marker(pytest.mark.xdist_group(grouped[item.nodeid]))
+    items.sort(key=lambda item: not ("slow" in item.keywords or grouped.get(item.nodeid) in slow_groups))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")

@@ -94,6 +94,7 @@ def test_an_unreachable_service_is_a_clear_error() -> None:
         assert f"cannot reach the autotune service at {url}: start it with `autotune serve`" in result.stderr
 
 
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_submit_creates_a_study_and_reports_server_side_errors(live: tuple[LiveService, str], tmp_path: Path) -> None:
     service, _ = live
     path = write_spec(tmp_path, small_spec("submitted", n_trials=3))
@@ -113,6 +114,7 @@ def test_submit_creates_a_study_and_reports_server_side_errors(live: tuple[LiveS
     assert "space.params.lr" in result.stderr or "params.lr" in result.stderr
 
 
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_submit_without_the_right_token_exits_1_saying_how_to_get_one(live: tuple[LiveService, str],
                                                                      tmp_path: Path) -> None:
     service, _ = live
@@ -128,6 +130,7 @@ def test_submit_without_the_right_token_exits_1_saying_how_to_get_one(live: tupl
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_the_token_can_come_from_a_file_off_the_command_line(live: tuple[LiveService, str], tmp_path: Path) -> None:
     service, _ = live
     path = write_spec(tmp_path, small_spec("from-file"))
@@ -147,6 +150,7 @@ def test_the_token_can_come_from_a_file_off_the_command_line(live: tuple[LiveSer
     assert "shows in `ps`" in " ".join(invoke("worker", "--help").stdout.split())  # the help says why
 
 
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str]) -> None:
     service, study = live
     result = invoke("status", "--api", service.url)
@@ -167,6 +171,7 @@ def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str])
     assert "no study named 'nope'" in result.stderr
 
 
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_best_prints_yaml_and_json(live: tuple[LiveService, str]) -> None:
     service, study = live
     result = invoke("best", study, "--api", service.url)
@@ -189,6 +194,7 @@ def test_best_prints_yaml_and_json(live: tuple[LiveService, str]) -> None:
     assert result.exit_code == 2 and "allowed: yaml | json" in result.stderr
 
 
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_best_before_any_result_exits_1_with_the_reason(live: tuple[LiveService, str], tmp_path: Path) -> None:
     service, _ = live
     service.submit(small_spec("empty", n_trials=1, hardware="NVIDIA H100 80GB HBM3"))
@@ -203,6 +209,7 @@ def test_worker_refuses_an_unknown_device() -> None:
     assert "unknown device 'tpu'" in result.stderr
 
 
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_report_writes_html_and_valid_pngs(live: tuple[LiveService, str], tmp_path: Path) -> None:
     service, study = live
     out = tmp_path / "report"
