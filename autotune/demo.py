@@ -97,8 +97,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-BASELINE_SEEDS = 3
-REMEASURE_TOP_K = 3
+BASELINE_SEEDS = 2
+REMEASURE_TOP_K = 2
 
 
 def demo_spec(name: str, trials: int) -> StudySpec:
@@ -192,7 +192,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
                     "--threads", str(threads), "--heartbeat", "2"], log_path, env={"AUTOTUNE_TOKEN": worker_token}))
             console.print(f"workers   {workers} × `autotune worker --device cpu --threads {threads}` "
                           f"(logs worker-N.log)")
-            total = BASELINE_SEEDS + trials + REMEASURE_TOP_K  # re-measurements: at most top_k
+            total = BASELINE_SEEDS + trials + REMEASURE_TOP_K + 1  # re-measurements: at most top_k and the baseline
             finished = follow(client, name, total, worker_procs, serve, console)
             if finished is None:
                 return 1

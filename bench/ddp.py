@@ -31,7 +31,6 @@ import platform
 import queue
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -104,10 +103,12 @@ def run_like_worker(job: ChildJob, group: DeviceGroup, threads: int | None, time
 
 
 def prepare_data(workload: str, preset: str) -> float:
-    """Generate (or load) the dataset once, before any timed probe; returns seconds."""
+    """Generate (or load) the dataset once, before any timed probe; returns seconds. In this
+    process (torch is imported here already): the probes read the cache it writes."""
+    from autotune.workloads import get_workload
+
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", f"from autotune.workloads import get_workload; "
-                                          f"get_workload({workload!r}, {preset!r}).datasets(0)"], check=True)
+    get_workload(workload, preset).datasets(0)
     return time.perf_counter() - t0
 
 

@@ -84,9 +84,10 @@ def main() -> None:
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     env["PYTHONUNBUFFERED"] = "1"
 
-    # Generate the workload's data once, outside every timed probe.
-    subprocess.run([sys.executable, "-c", f"from autotune.workloads import get_workload; "
-                    f"get_workload({args.workload!r}, {args.preset!r}).datasets(0)"], check=True, env=env)
+    # Generate the workload's data once, outside every timed probe (here: the probes read the cache it writes).
+    from autotune.workloads import get_workload
+
+    get_workload(args.workload, args.preset).datasets(0)
 
     import torch  # only for the environment record
 

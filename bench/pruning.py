@@ -70,13 +70,17 @@ def study(args: argparse.Namespace) -> None:
         procs.append(subprocess.Popen([*CLI, "worker", "--api", api, "--device", args.device, "--study", STUDY,
                                        "--idle-exit", "10"],
                                       stdout=wlog, stderr=subprocess.STDOUT, env=env))
+        finished = False
         while time.time() - started < args.budget_s:
-            time.sleep(5)
+            time.sleep(args.poll_s)
             info = http.get(f"/v1/studies/{STUDY}").json()
             print(f"[{time.time() - started:5.0f} s] {info['state']} {info['counts']}", flush=True)
-            if info["state"] == "finished" or procs[-1].poll() is not None:
+            finished = info["state"] == "finished"
+            if finished or procs[-1].poll() is not None:
                 break
         http.delete(f"/v1/studies/{STUDY}")
+        if finished and procs[-1].poll() is None:
+            procs[-1].terminate()  # every trial is in: nothing to deliver, no need to wait out its --idle-exit
         procs[-1].wait(timeout=120)
         trials = http.get(f"/v1/studies/{STUDY}/trials").json()["data"]
         info = http.get(f"/v1/studies/{STUDY}").json()
@@ -238,6 +242,7 @@ def main() -> None:
     s.add_argument("--samples", type=int, default=9600)
     s.add_argument("--n-trials", type=int, default=60)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--poll-s", type=float, default=5.0, help="seconds between two looks at the study's state")
     a = sub.add_parser("analyze")
     a.add_argument("--dir", required=True)
     a.add_argument("--out", required=True)

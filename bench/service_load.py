@@ -139,19 +139,21 @@ class Server:
 
 
 def create_tokens(db_url: str) -> dict[str, str]:
-    """An admin and a worker token on the database (`autotune token create`, which migrates it
-    first): role → secret. {} when this autotune has no tokens (a service without auth)."""
-    tokens: dict[str, str] = {}
-    for role in ("admin", "worker"):
-        done = subprocess.run([sys.executable, "-m", "autotune.cli", "token", "create", "--role", role, "--db", db_url,
-                               "--name", f"bench-{role}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                              check=False)
-        if done.returncode != 0:
-            if "No such command" in done.stderr:
-                return {}
-            raise RuntimeError(f"`autotune token create --role {role}` failed ({done.returncode}): {done.stderr}")
-        tokens[role] = done.stdout.strip().splitlines()[-1]
-    return tokens
+    """An admin and a worker token on the database, made as `autotune token create` makes them
+    (its token store, which migrates the database first), in this process: two fresh
+    processes cost more than a run's trials. role → secret; {} when this autotune has no
+    tokens (a service without auth)."""
+    try:
+        from api.auth import TokenStore
+    except ImportError as e:
+        if e.name not in ("api", "api.auth"):
+            raise
+        return {}  # an autotune from before tokens
+    store = TokenStore.open(db_url)
+    try:
+        return {role: store.create(role, f"bench-{role}")[0] for role in ("admin", "worker")}
+    finally:
+        store.close()
 
 
 def bearer(tokens: dict[str, str], role: str) -> dict[str, str]:

@@ -65,7 +65,6 @@ from studylib import environment, free_port, hardware_class, pyplot, wait_health
 
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
 from autotune.gate import window_rate
-from autotune.gpu_telemetry import window_range
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 DATA = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
@@ -147,10 +146,15 @@ def chunk(args: argparse.Namespace) -> None:
                                    "--idle-exit", "30"],
                                   stdout=(out / f"worker-{n}.log").open("wb"), stderr=subprocess.STDOUT, env=env,
                                   start_new_session=True)
-        while time.time() - start < budget and worker.poll() is None:
-            time.sleep(2)
-            info = http.get(f"/v1/studies/{spec['name']}").json()
-            if info["state"] == "finished":
+        # until the budget is spent (the SIGTERM below goes out as it ends, not at the next poll), the
+        # worker exits, or the study is finished (asked every 2 s)
+        while (left := budget - (time.time() - start)) > 0:
+            try:
+                worker.wait(timeout=min(2.0, left))
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if http.get(f"/v1/studies/{spec['name']}").json()["state"] == "finished":
                 break
         if worker.poll() is None:
             worker.send_signal(signal.SIGTERM)  # it ends its probe and reports the trial as interrupted
@@ -788,6 +792,8 @@ def _telemetry_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
     """A probe's lowest SM clock and GPU utilization, highest temperature and most throttled
     window, its loop thread's lowest busy fraction and most page faults in a window, and the
     whole host's busiest window (None: no telemetry, e.g. runs before the probe recorded it)."""
+    from autotune.gpu_telemetry import window_range  # imports torch: only the fidelity analysis needs it
+
     windows, host = probe.get("window_gpu") or [], probe.get("window_host") or []
     clock, temperature, throttled, utilization = (window_range(windows, k) for k in (
         "sm_clock_mhz", "temperature_c", "throttled_fraction", "utilization_percent"))

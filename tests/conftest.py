@@ -6,9 +6,19 @@
 * Tests marked ``gpu`` are skipped when CUDA is not available.
 * The process-global torch switches that knobs set (TF32, matmul precision,
   cudnn.benchmark) are restored after every test, so no test leaks into another.
+* Torch runs one intra-op thread in every test process and every process a test starts
+  (OMP_NUM_THREADS=1, inherited), as a worker's `--threads 1` probes do. The models here are
+  tiny, and `make test` runs one test process per core: with torch's default of a thread per
+  core, each process's OpenMP threads spin for cores the other holds (a 320-sample CPU probe
+  took 25 s so on a busy 2-core host, 2.6 s with one thread). Tests that set threads on
+  purpose (a worker's `--threads`, torchrun's ranks) still pass their own.
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: see the docstring
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +31,8 @@ from torch.utils.data import Dataset
 
 from autotune.knobs import Trainer, build_optimizer
 from autotune.workloads import Workload, get_workload
+
+torch.set_num_threads(1)  # should torch have been imported before this file (a plugin)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,8 +1,11 @@
 """A real service and real workers in subprocesses, for the end-to-end tests.
 
 `LiveService` runs ``python -m autotune.cli serve`` on a SQLite file and a free port, with
-auth on: it creates an admin and a worker token with ``autotune token create`` against its
-database (`admin_token`, `worker_token`, `headers(role)`); its REST shortcuts send them.
+auth on: it creates an admin and a worker token in its database (`admin_token`,
+`worker_token`, `headers(role)`), in this process through the token store ``autotune token
+create`` uses (`api.auth.TokenStore`: no CLI start per token; the CLI itself is tested in
+tests/api/test_auth.py, and `create_token` runs it for a test that needs it); its REST
+shortcuts send them.
 `start_worker` runs ``python -m autotune.cli worker``; given a LiveService's URL it passes
 that service's worker token (AUTOTUNE_TOKEN). Every process starts in its own session
 (process group) and `Processes.stop_all` ends them all, workers first (SIGTERM, so each
@@ -20,7 +23,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,8 +65,8 @@ def free_port() -> int:
         return port
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
-    """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
+def wait_until(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll `predicate` until it returns something truthy (that value); fail the test after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -187,12 +189,16 @@ class LiveService:
         return self
 
     def ensure_tokens(self) -> dict[str, str]:
-        """Create the admin and the worker token (once, in parallel: each is a CLI start); role -> token."""
+        """Create the admin and the worker token (once); role -> token. In this process, through
+        the token store the CLI uses (migrating the database first if the service has not)."""
         if not self._tokens:
-            with ThreadPoolExecutor(2) as pool:
-                admin, worker = pool.map(lambda role: create_token(self.db_url, role),
-                                         ("admin", "worker"))
-            self._tokens = {"admin": admin, "worker": worker}
+            from api.auth import TokenStore
+
+            store = TokenStore.open(self.db_url)
+            try:
+                self._tokens = {role: store.create(role)[0] for role in ("admin", "worker")}
+            finally:
+                store.close()
         return self._tokens
 
     @property

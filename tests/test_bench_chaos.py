@@ -17,9 +17,11 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("victims", ["service", "worker"])
 def test_chaos_kills_once_and_nothing_is_lost_duplicated_or_discarded(tmp_path: Path, victims: str) -> None:
     out = tmp_path / "chaos.json"
+    # a lease grace of 5 s (the script's default: 20 s) for a killed worker's trial to be re-run: the
+    # workers heartbeat every second, and a restarted service gives every lease one grace from its start
     run_bench("chaos.py", "--backends", "sqlite", "--workers", "2", "--n-trials", "3", "--samples", "120",
-              "--kills", "1", "--victims", victims, "--gap", "4,6", "--down", "1,1", "--budget-s", "400",
-              "--out", str(out), cwd=tmp_path, timeout=600)
+              "--kills", "1", "--victims", victims, "--gap", "4,6", "--down", "1,1", "--grace-s", "5",
+              "--budget-s", "400", "--out", str(out), cwd=tmp_path, timeout=600)
     (run,) = json.loads(out.read_text())["runs"]
     assert run["finished"] and run["backend"] == "sqlite"
     assert len(run["kills"]) == 1 and run["kills"][0]["victim"].startswith(victims)

@@ -1,6 +1,7 @@
 """bench/tuning.py on a CPU, tiny preset: a strategy's study runs in two chunks with its
 database carried between them (the second chunk resumes it, re-running the trial the first
-one cut off), and `analyze` reads it back. The GPU numbers come from the same code."""
+one cut off), and `analyze` reads it back; the fidelity and cache-states runs of a given
+config, and `analyze` of theirs. The GPU numbers come from the same code."""
 
 from __future__ import annotations
 
@@ -18,19 +19,29 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return run_bench("tuning.py", *args, timeout=240)
 
 
+
+GIVEN = '{"batch_size": 8, "accum_steps": 1}'
+# the given config's short probe: 24 steps of 8, 5 of them warm-up, 8 windows of 2 steps; the 2× long
+# run: 48 steps, 8 windows of 5 (its --fine run: 16 windows of 2, the short probe's size)
+SHORT = 192
+
+
 @pytest.mark.slow
 def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "autotune"
+    # a chunk's budget counts from its worker's start: on a loaded 2-core host the worker leased its
+    # first trial 3-15 s after it started; the baseline's probe (16384 samples: about a minute on an
+    # idle core) outlasts the budget
     chunk = ["chunk", "--strategy", "autotune", "--dir", str(run), "--device", "cpu", "--preset", "tiny",
-             "--space", "cpu", "--samples", "2048", "--total-gpu-s", "120",
-             "--inductor-cache", str(tmp_path / "inductor")]
-    _run([*chunk, "--budget-s", "14"], tmp_path)  # ends mid-trial: that trial is cut off (interrupted)
+             "--space", "cpu", "--samples", "16384", "--total-gpu-s", "120",
+             "--inductor-cache", str(tmp_path / "inductor"), "--budget-s", "20"]
+    _run(chunk, tmp_path)  # ends mid-trial: that trial is cut off (interrupted)
     storage = f"sqlite:///{run / 'study.db'}"
     first = optuna.load_study(study_name="tuning-autotune", storage=storage).get_trials(deepcopy=False)
     cut = [t for t in first if t.user_attrs.get("failure_kind") == "interrupted"]
     assert cut, [(t.number, t.state.name) for t in first]
 
-    _run([*chunk, "--budget-s", "25"], tmp_path)
+    _run(chunk, tmp_path)  # its worker's first lease re-runs the cut-off trial
     state = json.loads((run / "state.json").read_text())
     assert len(state["chunks"]) == 2 and state["spec"]["preset"] == "tiny"
     assert state["chunks"][0]["inductor_cache_warm"] is False  # the strategy's own cache started empty
@@ -46,32 +57,38 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     assert summary["trials"] == len(trials) and summary["gpu_s_used"] == pytest.approx(sum(spans))
     # each chunk ran its budget (the first was cut off at it), then ended its probe within the
     # SIGTERM wait (a torch import and a report on a loaded host: seconds, at most 60)
-    assert 14 <= spans[0] <= 14 + 60 and spans[1] <= 25 + 60
+    assert 20 <= spans[0] <= 20 + 60 and spans[1] <= 20 + 60
     assert summary["failed_by_kind"].get("interrupted", 0) >= len(cut)
 
-    # probe fidelity of a given config (the GPU runs measure the studies' top configs; which configs a
-    # CPU chunk finds feasible is up to the CPU's speed): short probe against a 2× longer run
+
+@pytest.mark.slow
+def test_fidelity_sets_a_short_probe_against_a_longer_run_in_rounds_and_under_a_deadline(tmp_path: Path) -> None:
+    """Probe fidelity of a given config (the GPU runs measure the studies' top configs; which configs a
+    CPU chunk finds feasible is up to the CPU's speed): short probe against a 2× longer run."""
+    runs = tmp_path / "runs"
+    runs.mkdir()  # no strategy's study here: a given config has none to be set against
     fidelity = tmp_path / "fidelity.json"
     # (2 interleaved rounds, after a priming probe that fills the compile cache)
-    _run(["fidelity", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "640", "--factor", "2",
-          "--rounds", "2", "--prime", "--out", str(fidelity), "--device", "cpu", "--preset", "tiny"], tmp_path)
+    _run(["fidelity", "--config", GIVEN, "--samples", str(SHORT), "--factor", "2", "--rounds", "2", "--prime",
+          "--out", str(fidelity), "--device", "cpu", "--preset", "tiny"], tmp_path)
     doc = json.loads(fidelity.read_text())
-    assert len(doc["prime"]) == 1 and doc["prime"][0]["probe"]["samples_trained"] == 640
+    assert len(doc["prime"]) == 1 and doc["prime"][0]["probe"]["samples_trained"] == SHORT
     pair, again = doc["configs"]
     assert (pair["round"], again["round"]) == (0, 1)
     assert pair["strategy"] == "given" and pair["config"]["batch_size"] == 8
-    assert (pair["short"]["samples_trained"], pair["long"]["samples_trained"]) == (640, 1280)
+    assert (pair["short"]["samples_trained"], pair["long"]["samples_trained"]) == (SHORT, 2 * SHORT)
     assert pair["short"]["window_gpu"] == [] and pair["short"]["started"] < pair["long"]["started"]
     assert doc["prime"][0]["probe"]["started"] < pair["short"]["started"] < again["short"]["started"]
     # mirrored rounds (the default): the second round runs its long run first
     assert doc["order"] == "mirrored" and (pair["first"], again["first"]) == ("short", "long")
     assert pair["long"]["started"] < again["long"]["started"] < again["short"]["started"]
+
     # under a deadline no pair starts that would end after it: here, none after the first (the
     # deadline is shorter than any pair), and the run says where it stopped
     cut = tmp_path / "fidelity_cut.json"
-    stopped = _run(["fidelity", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "640", "--factor",
-                    "2", "--rounds", "3", "--deadline-s", "1", "--fine", "16", "--out", str(cut), "--device", "cpu",
-                    "--preset", "tiny"], tmp_path)
+    stopped = _run(["fidelity", "--config", GIVEN, "--samples", str(SHORT), "--factor", "2", "--rounds", "3",
+                    "--deadline-s", "1", "--fine", "16", "--out", str(cut), "--device", "cpu", "--preset", "tiny"],
+                   tmp_path)
     cut_doc = json.loads(cut.read_text())
     assert [p["round"] for p in cut_doc["configs"]] == [0]
     assert cut_doc["stopped"]["round"] == 1 and "stopped before round 2" in stopped.stdout
@@ -79,11 +96,12 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     (fine_pair,) = cut_doc["configs"]
     short, long, fine = (fine_pair[side] for side in ("short", "long", "fine"))
     assert (len(short["window_throughputs"]), len(long["window_throughputs"])) == (8, 8)
-    assert len(fine["window_throughputs"]) == 16 and fine["samples_trained"] == long["samples_trained"] == 1280
+    assert len(fine["window_throughputs"]) == 16 and fine["samples_trained"] == long["samples_trained"] == 2 * SHORT
     assert fine["window_steps"] == short["window_steps"] < long["window_steps"]
     assert short["started"] < long["started"] < fine["started"]
-    _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--fidelity", str(fidelity), str(cut)],
-         tmp_path)
+
+    out = tmp_path / "summary.json"
+    _run(["analyze", "--dir", str(runs), "--out", str(out), "--fidelity", str(fidelity), str(cut)], tmp_path)
     analysis = json.loads(out.read_text())
     (fine_row,) = analysis["fidelity_fine"]
     assert fine_row["fine_windows"] == 16 and fine_row["fine_over_long"] > 0 and fine_row["early_over_late"] > 0
@@ -95,15 +113,21 @@ def test_a_strategy_resumes_from_its_database(tmp_path: Path) -> None:
     (medians,) = analysis["fidelity_medians"]
     assert medians["rounds"] == 2 and medians["median_short_over_median_long"] > 0
 
-    # cache states: a cold probe gets a fresh TorchInductor cache, a warm one the cache of the probe before it
+
+@pytest.mark.slow
+def test_cache_states_give_a_cold_probe_a_fresh_cache_and_a_warm_one_its_predecessors(tmp_path: Path) -> None:
+    """A cold probe gets a fresh TorchInductor cache, a warm one the cache of the probe before it."""
+    runs = tmp_path / "runs"
+    runs.mkdir()  # no strategy's study here: the repeats are read on their own
     states = tmp_path / "cache_states.json"
-    _run(["cache-states", "--config", '{"batch_size": 8, "accum_steps": 1}', "--samples", "320",
-          "--sequence", "cold,warm,cold", "--out", str(states), "--device", "cpu", "--preset", "tiny"], tmp_path)
+    _run(["cache-states", "--config", GIVEN, "--samples", str(SHORT), "--sequence", "cold,warm,cold",
+          "--out", str(states), "--device", "cpu", "--preset", "tiny"], tmp_path)
     probes = json.loads(states.read_text())["configs"][0]["probes"]
     assert [p["state"] for p in probes] == ["cold", "warm", "cold"]
     assert probes[0]["cache"] == probes[1]["cache"] != probes[2]["cache"]
-    assert all(p["samples_trained"] == 320 and p["host_cpu"] and p["window_host"] for p in probes)
-    _run(["analyze", "--dir", str(tmp_path / "runs"), "--out", str(out), "--repeats", str(states)], tmp_path)
+    assert all(p["samples_trained"] == SHORT and p["host_cpu"] and p["window_host"] for p in probes)
+    out = tmp_path / "summary.json"
+    _run(["analyze", "--dir", str(runs), "--out", str(out), "--repeats", str(states)], tmp_path)
     (repeats,) = json.loads(out.read_text())["repeats"]
     assert repeats["n"] == 3 and [p["label"] for p in repeats["probes"]] == ["cold", "warm", "cold"]
     assert repeats["spread"] >= 0 and repeats["median"] in [p["throughput"] for p in repeats["probes"]]

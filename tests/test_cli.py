@@ -27,10 +27,18 @@ def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
     return CliRunner().invoke(app, list(args), env=env)
 
 
-def test_probe_json_prints_exactly_one_object(tiny_datasets: Any) -> None:
+
+@pytest.fixture(scope="module")
+def probe_json(tiny_datasets: Any) -> subprocess.CompletedProcess[str]:
+    """`autotune probe --json` of the FAST probe, in a real process (one thread, as the probes
+    in this process): the tests that need a probe's JSON share it."""
+    return subprocess.run([sys.executable, "-m", "autotune.cli", "probe", "--json", *FAST], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120, check=False)
+
+
+def test_probe_json_prints_exactly_one_object(probe_json: subprocess.CompletedProcess[str]) -> None:
     """A real process: nothing but the JSON object may reach stdout."""
-    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "probe", "--json", *FAST],
-                          capture_output=True, text=True, env=dict(os.environ), timeout=120, check=False)
+    proc = probe_json
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 1
@@ -52,13 +60,13 @@ def test_probe_prints_a_table_without_json(tiny_datasets: Any) -> None:
     assert "80 in 10 steps" in result.stdout
 
 
-def test_the_table_shows_the_gpu_windows_and_the_measurement_notes(tiny_datasets: Any) -> None:
+def test_the_table_shows_the_gpu_windows_and_the_measurement_notes(
+        probe_json: subprocess.CompletedProcess[str]) -> None:
     """What a GPU probe adds (autotune.gpu_telemetry) reaches the table: clock, temperature and power
-    ranges over the windows, and each note. Rendered from a real CPU probe's result with a GPU's
-    window readings put in (CI has no GPU)."""
-    probed = invoke("probe", "--json", *FAST)
-    assert probed.exit_code == 0, probed.output
-    result = ProbeResult.from_dict(json.loads(probed.stdout))
+    ranges over the windows, and each note. Rendered from a real CPU probe's result (`autotune
+    probe --json`'s) with a GPU's window readings put in (CI has no GPU)."""
+    assert probe_json.returncode == 0, probe_json.stderr[-3000:]
+    result = ProbeResult.from_dict(json.loads(probe_json.stdout))
     table = render(result)
     assert "MHz" not in table  # a CPU: no GPU telemetry, but the loop thread's own readings and the CPU
     assert "loop thread busy" in table and "page faults" in table and result.host_cpu and result.host_cpu in table
@@ -163,7 +171,8 @@ def test_list_knobs_lists_every_knob_when_piped() -> None:
     assert missing == []
 
 
-def test_probe_trace_records_the_last_warm_up_steps_and_bench_reads_it(tmp_path: Path) -> None:
+def test_probe_trace_records_the_last_warm_up_steps_and_bench_reads_it(
+        tmp_path: Path, probe_json: subprocess.CompletedProcess[str]) -> None:
     """--trace writes a Chrome trace of the warm-up's last steps (at most half of them), each in
     a named range, and leaves the timed windows and the sample budget as they were;
     bench/trace_summary.py finds the same steps in it."""
@@ -183,5 +192,4 @@ def test_probe_trace_records_the_last_warm_up_steps_and_bench_reads_it(tmp_path:
     (row,) = json.loads(summary.read_text())
     assert row["steps"] == 4 and row["step_host_ms"] > 0 and row["gpu_busy_fraction"] is None  # a CPU: no kernels
 
-    untraced = invoke("probe", "--json", *FAST)
-    assert json.loads(untraced.stdout)["traced_steps"] == 0
+    assert json.loads(probe_json.stdout)["traced_steps"] == 0  # a probe without --trace traces nothing

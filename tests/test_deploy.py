@@ -22,7 +22,10 @@ service URL, file paths (/run/secrets/..., the token mount), the database (SQLit
 and the CUDA device, which an ``autotune`` shim first on PATH records and then swaps for
 ``cpu`` (os.execv: the process keeps its PID, so a signal sent to the script's process
 reaches the worker exactly as it would on the cluster). The recorded device strings are
-checked with the worker's own parser (`plan_groups`).
+checked with the worker's own parser (`plan_groups`). The host's environment gives the
+probes one torch thread (OMP_NUM_THREADS=1, what the other live tests' ``--threads 1``
+does): the commands themselves are unchanged, and a CPU probe with torch's default threads
+on a loaded 2-core host runs ten times slower.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -483,9 +487,11 @@ class Shim:
         self.record = root / "shim-record"
 
     def env(self, **more: str) -> dict[str, str]:
-        """PATH with the shim first; the worker's state (its result spool) under the test's directory."""
+        """PATH with the shim first; the worker's state (its result spool) under the test's directory;
+        one torch thread for the probes (the host's setting, not the command's)."""
         return {"PATH": os.pathsep.join([str(self.bin), str(VENV_BIN), os.environ["PATH"]]),
-                "SHIM_RECORD": str(self.record), "XDG_STATE_HOME": str(self.record.parent / "state"), **more}
+                "SHIM_RECORD": str(self.record), "XDG_STATE_HOME": str(self.record.parent / "state"),
+                "OMP_NUM_THREADS": "1", **more}
 
     def calls(self, pid: int | None = None) -> list[dict[str, Any]]:
         """The recorded calls (of process `pid` only, if given)."""
@@ -699,10 +705,15 @@ def test_the_compose_commands_run_a_study_on_the_cpu(tmp_path: Path, processes: 
     # workers' token into secrets/worker_token
     commands = documented_compose_commands()
     assert [target for _, target in commands if target] == ["secrets/worker_token"], commands
-    printed = {}
-    for argv, target in commands:
-        done = subprocess.run(compose.argv("service", argv), env={**os.environ, **compose.env("service")},
+
+    def run_command(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(compose.argv("service", argv), env={**os.environ, **compose.env("service")},
                               capture_output=True, text=True, timeout=120, check=False)
+
+    printed = {}
+    with ThreadPoolExecutor(len(commands)) as pool:  # independent commands (each a CLI start): side by side
+        runs = list(pool.map(run_command, [argv for argv, _ in commands]))
+    for (argv, target), done in zip(commands, runs, strict=True):
         assert done.returncode == 0, (argv, done.stderr)
         if target:
             (compose.root / target).write_text(done.stdout)
@@ -735,6 +746,7 @@ def test_the_compose_commands_run_a_study_on_the_cpu(tmp_path: Path, processes: 
     assert stopped.wait(timeout=60) == 128 + signal.SIGTERM, log_text(stopped)[-3000:]
     wait_until(lambda: shim.calls(spare.pid), 30, "the spare replica to claim the freed GPU")
     assert shim.calls(spare.pid)[0]["CUDA_VISIBLE_DEVICES"] == claimed[stopped.pid]
+    processes.stop(spare)  # its claim is what counts here: no need for its worker to start up
 
     dashboard_port = free_port()
     dashboard_argv = with_option(compose.argv("dashboard"), "--port", str(dashboard_port))

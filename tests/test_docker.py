@@ -457,8 +457,20 @@ def test_the_cmd_options_are_serve_options() -> None:
 
 def start_and_wait(image: ServiceImage, processes: Processes, argv: list[str], log_name: str,
                    env: dict[str, str], health_env: dict[str, str], what: str) -> subprocess.Popen[bytes]:
-    """Start `argv` in the image's environment and wait until the image's HEALTHCHECK passes."""
+    """Start `argv` in the image's environment and wait until the image's HEALTHCHECK passes
+    (first until its URL answers, polled in this process: the HEALTHCHECK is a Python start
+    of its own, not to be run dozens of times while the program boots)."""
     proc = processes.start(argv, log_name, {**image.env, **env})
+    url = {**image.env, **env, **health_env}["AUTOTUNE_HEALTH_URL"]
+
+    def answers() -> bool:
+        assert proc.poll() is None, f"{what} exited with {proc.returncode}:\n{log_text(proc)[-3000:]}"
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(answers, 60, f"{what} to answer at {url}")
 
     def healthy() -> bool:
         assert proc.poll() is None, f"{what} exited with {proc.returncode}:\n{log_text(proc)[-3000:]}"
@@ -519,7 +531,8 @@ def test_the_compose_stack_runs_as_written_without_torch(image: ServiceImage, pr
 @pytest.mark.slow
 def test_the_healthcheck_script_against_a_live_service(tmp_path: Path, processes: Processes) -> None:
     script = ROOT / "docker" / "healthcheck.py"
-    service = LiveService(processes, tmp_path / "autotune.db").start()
+    service = LiveService(processes, tmp_path / "autotune.db").start(wait=False)
+    service.wait_healthy()  # /v1/health needs no token: none is made
     up = subprocess.run([sys.executable, str(script)],
                         env={**os.environ, "AUTOTUNE_HEALTH_URL": f"{service.url}/v1/health"},
                         capture_output=True, text=True, timeout=30, check=False)

@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +33,6 @@ WORKLOAD = EXAMPLE / "gpt_script" / "workload.py"
 TUTORIAL = ROOT / "docs" / "tutorial.md"
 TARGET = "gpt_script.workload:ScriptWorkload"
 
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One intra-op thread: the tiny model is fastest so, and a busy 2-core host does not stall it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -69,7 +60,7 @@ def test_the_script_trains_without_autotune() -> None:
 
 
 def test_a_probe_trains_with_the_scripts_optimizer_clipping_and_schedule(
-        monkeypatch: pytest.MonkeyPatch, script: Any, one_thread: None) -> None:
+        monkeypatch: pytest.MonkeyPatch, script: Any) -> None:
     assert f'gpt-script = "{TARGET}"' in (EXAMPLE / "pyproject.toml").read_text()  # the entry point names the same
     monkeypatch.setenv(ENV_VAR, f"gpt-script={TARGET}")
     registered_workloads.cache_clear()
@@ -95,7 +86,7 @@ def test_a_probe_trains_with_the_scripts_optimizer_clipping_and_schedule(
 
 
 def test_apply_runs_a_config_in_the_script_on_its_own_optimizer(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: Any, one_thread: None,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: Any,
         capsys: pytest.CaptureFixture[str]) -> None:
     import autotune.apply as apply_module
 
@@ -130,7 +121,7 @@ def test_apply_runs_a_config_in_the_script_on_its_own_optimizer(
 
 
 def test_apply_scales_the_iterations_to_the_scripts_samples(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: Any, one_thread: None,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: Any,
         capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "best.yaml"
     config.write_text('{"batch_size": 4, "accum_steps": 1}')

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import autotune.probe as probe_module
 from autotune.config import DISTRIBUTED_KNOBS, ConfigError
 from autotune.knobs import ProbeError
 from autotune.probe import FAILURE_KINDS, ProbeResult, ProbeSettings, classify_exception, plan_steps, run_probe
@@ -22,6 +23,7 @@ from autotune.workloads import UnknownWorkloadError, Workload
 from autotune.workloads.ups import UPSWorkload
 
 SAMPLES = 96  # 12 steps at the tiny preset's 4 × 2: 5 warm-up + 7 windows of 1 step
+
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +307,7 @@ OOM_SCRIPT = textwrap.dedent("""
 
 def test_out_of_memory_fails_as_oom(tiny_datasets: Any) -> None:
     """A batch far beyond a 1.5 GiB address-space limit: the probe records oom instead of crashing."""
-    env = dict(os.environ)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as the probe children of a worker run
     assert "AUTOTUNE_DATA_DIR" in env  # the subprocess reuses the session's data cache
     proc = subprocess.run([sys.executable, "-c", OOM_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=120, check=False)
@@ -323,21 +325,36 @@ def test_timeout_fails_as_timeout(tiny: Workload) -> None:
     assert r.val_nrmse is None
 
 
-@pytest.mark.slow
-def test_timeout_is_checked_between_steps(tiny: Workload) -> None:
-    """The first window's report outlasts the budget: the probe stops after the next step."""
+class _ShiftedClock:
+    """The `time` module as autotune.probe sees it, its perf_counter moved forward by `offset`
+    seconds: a report can outlast a probe's budget without the test waiting the budget out."""
 
-    # generous: setup and warm-up must fit in it even on a loaded machine (5 s did not, twice,
-    # with other suites running on the same 2 cores); the report then sleeps out the rest
-    budget = 12.0
-    started = time.monotonic()
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_timeout_is_checked_between_steps(tiny: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first window's report outlasts the budget: the probe stops after the next step."""
+    # generous: setup and warm-up take far less even on a loaded machine (12 s was not always
+    # enough for them when the report slept the budget out); the report then moves the probe's
+    # clock past the budget (a report that took budget + 1 s), so nothing is waited out
+    budget = 600.0
+    clock = _ShiftedClock()
+    monkeypatch.setattr(probe_module, "time", clock)
 
     def slow_report(step: int, metrics: dict[str, float]) -> bool:
         if metrics["window"] == 0:
-            time.sleep(max(0.0, started + budget + 0.2 - time.monotonic()))  # outlast the budget
+            clock.offset += budget + 1.0  # outlast the budget
         return False
 
     r = run_probe(tiny, {}, settings=ProbeSettings(samples=8 * 40, timeout_s=budget), on_report=slow_report)
+    assert clock.offset > budget  # the first window was reported
     assert r.failure is not None and r.failure["kind"] == "timeout"
     assert "during window 2/" in r.failure["message"]
     assert r.steps == r.warmup_steps + r.window_steps + 1 < 40

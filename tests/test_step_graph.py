@@ -17,6 +17,7 @@ from autotune.workloads import Workload
 CUDA = torch.device("cuda", 0)
 
 
+
 @pytest.mark.parametrize(("knobs", "device", "world", "why"), [
     ({}, CPU, 1, "inactive on cpu: CUDA graphs need a CUDA device"),
     ({}, CUDA, 2, "inactive with several ranks"),
@@ -76,9 +77,9 @@ def test_a_changed_micro_batch_shape_is_refused_with_the_fix() -> None:
 def test_on_cpu_the_knob_is_recorded_inactive_and_training_is_unchanged(make_trainer: object, tiny: Workload,
                                                                         train_items: list) -> None:
     assert parse_config({"step_graph": True}).step_graph is True
-    off = run_probe(tiny, {"batch_size": 4, "inverse_loss_frequency": 2}, settings=ProbeSettings(samples=320))
-    on = run_probe(tiny, {"batch_size": 4, "inverse_loss_frequency": 2, "step_graph": True},
-                   settings=ProbeSettings(samples=320))
+    settings = ProbeSettings(samples=160)  # 20 steps: 5 warm-up, 8 windows of 1, 7 untimed
+    off = run_probe(tiny, {"batch_size": 4, "inverse_loss_frequency": 2}, settings=settings)
+    on = run_probe(tiny, {"batch_size": 4, "inverse_loss_frequency": 2, "step_graph": True}, settings=settings)
     assert on.failure is None and on.knobs["step_graph"] == "inactive on cpu: CUDA graphs need a CUDA device"
     assert off.knobs["step_graph"] == "off"
     assert on.warmup_steps == off.warmup_steps  # no extra warm-up where no graph is captured

@@ -79,6 +79,7 @@ def option(argv: list[str], name: str) -> list[str]:
     return [argv[i + 1] for i, a in enumerate(argv) if a == name]
 
 
+@pytest.mark.slow  # a worker and its probe, on the module's live service: scheduled with the slow tests
 def test_a_builtin_cpu_study_gets_a_worker_command_that_takes_it(service: LiveService, tmp_path: Path) -> None:
     result = submit(service, tmp_path, small_spec("hint-cpu", n_trials=1))
     assert result.exit_code == 0, result.output

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from live_service import is_alive
+from live_service import is_alive, wait_until
 from rich.console import Console
 
 from autotune import worker as worker_module
@@ -94,7 +94,9 @@ def test_child_rejects_a_malformed_job_with_exit_2() -> None:
 
 
 def test_child_stops_at_a_window_boundary_on_sigterm(tiny_datasets: Any) -> None:
-    job = tiny_job(samples=4000)  # ~1000 steps: many seconds, so SIGTERM lands mid-probe
+    # ~1000 steps: many seconds, so SIGTERM lands mid-probe; in windows of 9 steps, so the
+    # window boundary it stops at comes soon after
+    job = tiny_job(samples=4000, windows=100)
     proc = subprocess.Popen([sys.executable, "-m", "autotune.probe_child"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_environment(1))
     assert proc.stdin is not None and proc.stdout is not None
@@ -112,6 +114,8 @@ def test_child_stops_at_a_window_boundary_on_sigterm(tiny_datasets: Any) -> None
     result = rest[-1]["result"]
     assert result["stopped_early"] is True and result["failure"] is None
     assert result["samples_trained"] < 4000
+    assert result["window_steps"] == 9 and len(result["window_throughputs"]) < 100  # stopped at a window's end
+    assert result["steps"] == result["warmup_steps"] + len(result["window_throughputs"]) * 9
 
 
 # --- the worker's side: a fake service and fake children -------------------------------------------
@@ -227,8 +231,16 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_hanging_child_is_killed_at_the_hard_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # seconds enough for the child to start and fork its grandchild on a loaded host
-    monkeypatch.setattr(worker_module, "hard_timeout_grace_s", lambda timeout_s: 3.0)
+    pid_file = tmp_path / "grandchild.pid"
+
+    def grace_until_the_grandchild_runs(timeout_s: float) -> float:
+        """The grace lasts until the child has started and forked its grandchild (seconds on a
+        loaded host, a few milliseconds on a quiet one), and no longer."""
+        wait_until(lambda: pid_file.is_file() and pid_file.read_text().strip(), 60, "the child's grandchild")
+        return 0.0
+
+    monkeypatch.setattr(worker_module, "hard_timeout_grace_s", grace_until_the_grandchild_runs)
+    monkeypatch.setattr(worker_module, "KILL_GRACE_S", 0.2)  # SIGTERM is ignored: SIGKILL follows it
     argv = fake_child(tmp_path, """
 import os, signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a hang that even ignores SIGTERM
@@ -239,7 +251,6 @@ if pid == 0:
 open(os.environ["GRANDCHILD_FILE"], "w").write(str(pid))
 time.sleep(120)
 """)
-    pid_file = tmp_path / "grandchild.pid"
     monkeypatch.setenv("GRANDCHILD_FILE", str(pid_file))
     client = FakeClient()
     started = time.monotonic()

@@ -9,7 +9,9 @@
   allowed but not installed, is completed as failed with kind "refused" and a message
   saying how to allow it; no probe runs and the workload's module is never imported, by
   the worker, its children or the service. A positive control (a worker that allows and
-  has the plugin) shows that the same module *is* imported when a probe runs it.
+  has the plugin) shows that the same module *is* imported when a probe runs it. The live
+  workers run side by side, each a Python start of its own; the control writes its own
+  marker file and generates into its own data folder, so what it does is told apart.
 """
 
 from __future__ import annotations
@@ -244,6 +246,7 @@ def _refused_trial(service: LiveService, study: str, worker: subprocess.Popen[by
 @pytest.mark.slow
 def test_workers_get_only_workloads_they_allow_and_refuse_what_they_lack(processes: Processes, tmp_path: Path) -> None:
     marker = tmp_path / "plugin-imported"
+    control_marker = tmp_path / "plugin-imported-by-the-control"
     plugin_site = write_plugin(tmp_path / "plugin-site")  # the plugin, installed
     module_only = write_module(tmp_path / "module-only")  # its module, importable but not registered
     empty_data = tmp_path / "data"
@@ -257,15 +260,29 @@ def test_workers_get_only_workloads_they_allow_and_refuse_what_they_lack(process
         service.submit(small_spec(name, n_trials=2, workload=workload, preset=preset))
     assert service.post("/v1/studies", small_spec("x", workload="not-installed")).status_code == 422
 
-    def worker(study: str, *allow: str, pythonpath: Path | None = None) -> subprocess.Popen[bytes]:
-        env = {**base_env, **({"PYTHONPATH": _pythonpath(pythonpath)} if pythonpath else {})}
+    def worker(study: str, *allow: str, pythonpath: Path | None = None,
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        env = {**base_env, **({"PYTHONPATH": _pythonpath(pythonpath)} if pythonpath else {}), **(env or {})}
         args = [arg for name in allow for arg in ("--allow-workload", name)]
         return start_worker(processes, service.url, "--study", study, "--max-trials", "1", *args,
                             log_name=f"worker-{study}.log", env=env)
 
+    # every worker at once: each works on a study (or on none) of its own
     # a worker is offered only studies of the workloads it allows: pinned to another one, it is told why
     not_allowed_builtin = worker("ups-study", PLUGIN)  # allows only the plugin
     not_allowed_plugin = worker("plugin-a", pythonpath=plugin_site)  # has it, default allow-list
+    # unpinned, it is simply not offered them (and waits)
+    idle = start_worker(processes, service.url, "--allow-workload", "none-such", "--idle-exit", "2",
+                        log_name="worker-idle.log", env=base_env)
+    # allowed but not installed here: offered, and refused by the worker itself (its own boundary)
+    not_installed = worker("plugin-b", PLUGIN, pythonpath=module_only)  # allows it, has only the module
+    # the control: a worker that allows and has the plugin runs its probe, which imports it (its
+    # own marker file and data folder)
+    control_data = tmp_path / "control-data"
+    control_data.mkdir()
+    runs_it = worker("plugin-c", PLUGIN, pythonpath=plugin_site,
+                     env={"FAKEWL_MARKER": str(control_marker), "AUTOTUNE_DATA_DIR": str(control_data)})
+
     for proc, study, workload, allowed in ((not_allowed_builtin, "ups-study", "ups", PLUGIN),
                                            (not_allowed_plugin, "plugin-a", PLUGIN, "gpt, ups")):
         assert proc.wait(timeout=120) == 2, log_text(proc)[-3000:]
@@ -273,24 +290,21 @@ def test_workers_get_only_workloads_they_allow_and_refuse_what_they_lack(process
         assert f"runs workload '{workload}', which this worker does not run (it runs: {allowed})" in text, text
         assert f"--allow-workload {workload}" in text
         assert service.trials(study) == []  # nothing was leased, so nothing is failed
-    # unpinned, it is simply not offered them (and waits)
-    idle = start_worker(processes, service.url, "--allow-workload", "none-such", "--idle-exit", "2",
-                        log_name="worker-idle.log", env=base_env)
     assert idle.wait(timeout=120) == 0 and "idle for" in log_text(idle), log_text(idle)[-3000:]
     assert service.trials("ups-study") == [] and service.trials("plugin-a") == []
     assert list(empty_data.iterdir()) == []  # no probe ran: the ups data was never generated
 
-    # allowed but not installed here: offered, and refused by the worker itself (its own boundary)
-    not_installed = worker("plugin-b", PLUGIN, pythonpath=module_only)  # allows it, has only the module
     message = _refused_trial(service, "plugin-b", not_installed)["failure"]["message"]
     assert "'fakewl' is allowed but not installed" in message and ENTRY_POINT_GROUP in message
 
     # nobody imported the plugin's module: not the service, not a worker, not a probe child
     assert not marker.exists(), marker.read_text()
 
-    # the control: a worker that allows and has the plugin runs its probe, which imports it
-    runs_it = worker("plugin-c", PLUGIN, pythonpath=plugin_site)
+    # the control ran a probe of the plugin: its probe child (not the worker) imported the module
     assert runs_it.wait(timeout=180) == 0, log_text(runs_it)[-3000:]
-    wait_until(lambda: marker.exists(), 10, "the probe child's import of the plugin")
+    wait_until(lambda: control_marker.exists(), 10, "the probe child's import of the plugin")
+    importer = control_marker.read_text()
+    assert importer.startswith("imported by pid ") and importer != f"imported by pid {runs_it.pid}", importer
     trial = service.trials("plugin-c")[0]
     assert trial["state"] == "FAIL" and trial["failure"]["kind"] != "refused", trial
+    assert not marker.exists(), marker.read_text()  # and still nobody else

@@ -49,6 +49,7 @@ def gpu_study_service(tmp_path_factory: pytest.TempPathFactory, autotune_data_di
         processes.stop_all()
 
 
+@pytest.mark.slow  # two worker starts on the module's live service: scheduled with the slow tests
 def test_a_cpu_worker_names_the_gpu_study_it_skips_once(gpu_study_service: LiveService, tmp_path: Path) -> None:
     service = gpu_study_service
     processes = Processes(tmp_path)
