@@ -477,52 +477,61 @@ class OptunaBridge:
         handle = self._handle(ctx)
         study = handle.study
         if baseline_config is not None:
-            trial = study.ask()
-            config = dict(baseline_config)
-            role = role or "baseline"
-            self._set_params(ctx, trial._trial_id, config)
-        else:
-            role = "search"
-            drawn = params is None and ctx.spec.sampler != "grid"  # the sampler's own draw (may repeat one)
-            if params is not None:
-                study.enqueue_trial(dict(params))
-            elif ctx.spec.sampler == "grid":
-                grid = self._grid(ctx, handle)
-                # the first baseline_seeds trials are the baseline
-                index = self._created(ctx, created) - ctx.spec.baseline_seeds
-                study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
-            # configurations this ask may answer from earlier measurements (each one counts toward
-            # n_trials); the last draw is always handed out
-            room = min(MAX_REPEATS, self.max_trials(ctx) - self._created(ctx, created) - 1) if drawn else 0
-            while True:
-                with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
-                    trial = study.ask()
-                    try:
-                        config = suggest(ctx.space, trial)
-                    except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
-                        self.finish(ctx, trial._trial_id, "COMPLETE", worst_values(ctx.spec), {
-                            **(attrs or {}), "role": role, "is_baseline": False,
-                            **failed_attrs("unsupported", str(e))})
-                        raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
-                    # within the ask's scope: the trials the sampler has just read (TPE's snapshot)
-                    twin = self._measured_twin(study, trial.params) if room > 0 else None
-                if twin is None:
-                    break
-                self._tell_repeat(ctx, trial, twin, config)
-                room -= 1
-        is_baseline = role == "baseline"
-        self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": is_baseline, "role": role,
-                                              "config": config})
-        params = dict(trial.params) if baseline_config is None else params_of(ctx.space, normalised(config))
-        return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=params,
-                          config=config, is_baseline=is_baseline, role=role)
+            return self._create_fixed(ctx, study, dict(baseline_config), role or "baseline", attrs)
+        role = "search"
+        drawn = params is None and ctx.spec.sampler != "grid"  # the sampler's own draw (may repeat one)
+        if params is not None:
+            study.enqueue_trial(dict(params))
+        elif ctx.spec.sampler == "grid":
+            grid = self._grid(ctx, handle)
+            # the first baseline_seeds trials are the baseline
+            index = self._created(ctx, created) - ctx.spec.baseline_seeds
+            study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
+        # configurations this ask may answer from earlier measurements (each one counts toward
+        # n_trials); the last draw is always handed out
+        room = min(MAX_REPEATS, self.max_trials(ctx) - self._created(ctx, created) - 1) if drawn else 0
+        while True:
+            with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
+                trial = study.ask()
+                try:
+                    config = suggest(ctx.space, trial)
+                except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
+                    self.finish(ctx, trial._trial_id, "COMPLETE", worst_values(ctx.spec), {
+                        **(attrs or {}), "role": role, "is_baseline": False,
+                        **failed_attrs("unsupported", str(e))})
+                    raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
+                # within the ask's scope: the trials the sampler has just read (TPE's snapshot)
+                twin = self._measured_twin(study, trial.params) if room > 0 else None
+            if twin is None:
+                break
+            self._tell_repeat(ctx, trial, twin, config)
+            room -= 1
+        self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": False, "role": role, "config": config})
+        return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=dict(trial.params),
+                          config=config, is_baseline=False, role=role)
 
-    def _set_params(self, ctx: StudyContext, trial_id: int, config: Mapping[str, Any]) -> None:
-        """Give a baseline or re-measurement trial the params of the config it runs (those the
-        space could draw: `params_of`), so that Optuna's tables and its dashboard show them."""
-        for name, value in params_of(ctx.space, normalised(config)).items():  # a knob left out: its default
-            dist = _distribution(ctx.space.params[name])
-            self.storage.set_trial_param(trial_id, name, dist.to_internal_repr(value), dist)
+    def _create_fixed(self, ctx: StudyContext, study: optuna.Study, config: dict[str, Any], role: str,
+                      attrs: Mapping[str, Any] | None) -> AskedTrial:
+        """Create a baseline or re-measurement trial of `config` as one row set in one commit:
+        RUNNING, with the params of its config (those the space could draw: `params_of`, so
+        that Optuna's tables and its dashboard show them) and its user attrs (role,
+        is_baseline, config, `attrs`). A service that dies right after still leaves a trial
+        that says what it is: the reaper fails it as never leased and the next lease re-runs
+        it in its role. (Written one by one, a crash between the trial's row and its role left
+        a trial read as a search trial: the baseline counted as created but never ran, so the
+        study had no gate and handed out nothing more.) No sampler is asked: the config is fixed."""
+        params = params_of(ctx.space, normalised(config))  # a knob left out: its default
+        is_baseline = role == "baseline"
+        user_attrs = {key: json_safe(value) for key, value in
+                      {**(attrs or {}), "is_baseline": is_baseline, "role": role, "config": config}.items()}
+        template = FrozenTrial(number=0, trial_id=0, state=TrialState.RUNNING, value=None,
+                               datetime_start=datetime.now(), datetime_complete=None, params=params,
+                               distributions={name: _distribution(ctx.space.params[name]) for name in params},
+                               user_attrs=user_attrs, system_attrs={}, intermediate_values={})
+        trial_id = self.storage.create_new_trial(study._study_id, template_trial=template)
+        number = self.storage.get_trial_number_from_id(trial_id)
+        return AskedTrial(trial_id=trial_id, number=number, params=params, config=config,
+                          is_baseline=is_baseline, role=role)
 
     def _created(self, ctx: StudyContext, created: int | None) -> int:
         """The study's configurations so far: `created` when the caller knows it, else counted."""

@@ -214,10 +214,8 @@ def test_a_service_restart_mid_study_loses_and_duplicates_nothing(processes: Pro
     (the listing shows it RUNNING, whether its lease is recorded yet or not). It may land
     between creating a trial and recording its lease: that trial is failed as "never leased"
     one grace period after the restart and re-run. So the workers stay up (a long --idle-exit)
-    until the study is finished, and are stopped then. (Not before the baseline has finished:
-    while the service creates a trial, the listing shows it as a search trial until its attrs
-    are written, and a crash inside the baseline's creation leaves a study that never
-    finishes, a bug of the service, not what this test is about.)"""
+    until the study is finished, and are stopped then. (A crash while the baseline's trial is
+    created: tests/api/test_api_retries.py.)"""
     service = LiveService(processes, tmp_path / "autotune.db",
                           env={"AUTOTUNE_LEASE_GRACE_S": "15", "AUTOTUNE_REAPER_INTERVAL_S": "0.25"}).start()
     n = 3

@@ -230,6 +230,56 @@ def test_a_restarted_service_retries_what_the_old_one_lost(tmp_path: Path) -> No
         assert retry is not None and _trials(client)[retry["number"]]["retry_of"] == lost["number"]
 
 
+class _Crash(Exception):
+    """The service process dying: nothing after the raise runs."""
+
+
+@pytest.mark.parametrize("victim", ["baseline", "search"])
+def test_a_crash_right_after_a_trial_is_created_leaves_a_study_that_finishes(
+        db_url: str, monkeypatch: pytest.MonkeyPatch, victim: str) -> None:
+    """The service dies just after the first commit of a new trial (before anything else of that
+    trial or its lease is written). After the restart the trial is failed as never leased and
+    re-run in its own role: a baseline seed as the baseline (so the gate comes to exist), a
+    search trial as a search trial; then the study runs to its end."""
+    spec = {"name": "s", "baseline_seeds": 1, "n_trials": 2, "sampler": "random", "seed": 0,
+            "remeasure": {"top_k": 0}, "pruning": {"enabled": False}}
+    old = create_app(make_settings(db_url))
+    with TestClient(old) as client:
+        assert client.post("/v1/studies", json=spec).status_code == 201
+        if victim == "search":
+            base = lease(client, "w0")
+            assert base is not None and base["role"] == "baseline"
+            complete(client, base, "w0")
+        storage = _service(old).bridge.storage
+        create = storage.create_new_trial
+
+        def create_then_die(*args: Any, **kwargs: Any) -> int:
+            create(*args, **kwargs)
+            raise _Crash
+
+        monkeypatch.setattr(storage, "create_new_trial", create_then_die)
+        with pytest.raises(_Crash):
+            lease(client, "w1")
+        (orphan,) = [t for t in _trials(client).values() if t["state"] == "RUNNING"]
+
+    new = create_app(make_settings(db_url))
+    with TestClient(new) as client:
+        assert orphan["role"] == victim  # what the trial says it is, read back by the restarted service
+        assert _reap(new) == [orphan["trial_id"]]
+        failed = _trials(client)[orphan["number"]]
+        assert failed["state"] == "FAIL" and "never leased" in failed["failure"]["message"]
+        retry = lease(client, "w2")
+        assert retry is not None and retry["role"] == victim
+        assert _trials(client)[retry["number"]]["retry_of"] == orphan["number"]
+        complete(client, retry, "w2")
+        while (got := lease(client, "w3")) is not None:
+            complete(client, got, "w3")
+        study = client.get("/v1/studies/s").json()
+        assert study["state"] == "finished", study
+        roles = [t["role"] for t in _trials(client).values() if t["state"] == "COMPLETE"]
+        assert sorted(roles) == ["baseline", "search"], roles
+
+
 def test_after_a_restart_every_lease_gets_one_grace_period(tmp_path: Path) -> None:
     """A service that was down longer than the grace period does not reap the leases of
     workers that were alive all along: they get one grace period to heartbeat again."""
