@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from autotune.compile_workers import children
 from autotune.config import TrainConfig
 from autotune.workloads import Workload
 
@@ -18,14 +21,36 @@ CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children first, then theirs), found through /proc."""
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for parent in frontier for child in children(parent)]
+        found += below
+        frontier = below
+    return found
+
+
 def run_bench(script: str, *args: str, cwd: Path | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run bench/`script` with `args` in a fresh Python process (the repository on its path) and
-    require it to exit 0; its output is in the assertion message otherwise."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=timeout, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    require it to exit 0; its output is in the assertion message otherwise. Past `timeout` s
+    the script and everything it started (services, workers, probes, whatever their session)
+    are killed, and the test fails with the script's output so far."""
+    argv = [sys.executable, str(ROOT / "bench" / script), *args]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *descendants(proc.pid)]:  # read before any dies: orphans leave the tree
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"bench/{script} ran past {timeout:.0f} s: killed with everything it started\n"
+                                 + out[-3000:] + err[-3000:]) from None
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def micro_batches(items: list[dict[str, torch.Tensor]], batch_size: int) -> list[dict[str, torch.Tensor]]:
