@@ -25,12 +25,19 @@ lint: install
 	$(BIN)/ruff check autotune api tests bench
 	$(BIN)/mypy autotune api bench
 
-# pytest-xdist: one test process per core; each takes the next test (or group of tests sharing a
-# module-scoped fixture) as it gets free, slow ones first: tests/conftest.py orders and groups them.
+# pytest-xdist: one test process per core; each takes the next module (a module-scoped fixture is
+# set up once) as it gets free, the modules with slow tests first: tests/conftest.py orders them.
 # `PYTEST_ARGS=-n0 make test` runs everything in one process.
-PYTEST_ARGS ?= -n auto --dist loadgroup --no-loadscope-reorder
-test: install lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+PYTEST_ARGS ?= -n auto --dist loadscope --no-loadscope-reorder
+# mypy runs beside the suite (it fills the moments the tests wait on their subprocesses); its
+# output follows the tests', and either failing fails `make test`.
+test: install
+	$(BIN)/ruff check autotune api tests bench
+	@$(BIN)/mypy autotune api bench > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	echo "$(BIN)/python -m pytest -q $(PYTEST_ARGS)   (mypy autotune api bench beside it)"; \
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS); tests=$$?; \
+	wait $$mypy; types=$$?; echo "$(BIN)/mypy autotune api bench"; cat $(VENV)/mypy.log; \
+	test $$tests -eq 0 && test $$types -eq 0
 
 demo: install
 	$(BIN)/autotune demo

@@ -53,32 +53,20 @@ def worker_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     return path
 
 
-def _module_fixtures(item: pytest.Item) -> list[str]:
-    """The fixtures of `item` set up once per module (or class): the tests sharing one must run in
-    one test process, or each process sets it up again."""
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.items() if info is not None else []
-    return [name for name, fixturedefs in defs if fixturedefs and fixturedefs[-1].scope in ("module", "class")]
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order and group the tests for pytest-xdist (`make test` runs ``-n auto --dist loadgroup``):
+    """Order the tests for pytest-xdist. `make test` runs ``-n auto --dist loadscope``: each test
+    process takes a whole module (or class) at a time, so a module-scoped fixture (a live
+    service, a finished study) is set up once, by one process. The modules holding a slow test
+    come first, in their files' order, and each module's tests stay in their file's order: the
+    processes start on the long modules side by side and the short ones fill the end.
 
-    * the tests of a module that share a module-scoped fixture form one group, run by one test
-      process, so the fixture (a live service, a finished study) is set up once;
-    * slow tests (and groups holding one) come first, each kind in its files' order: the test
-      processes take the next test or group as they get free, so the long ones start at once,
-      side by side, and the short ones fill the gaps at the end.
+    (Not ``--dist loadgroup`` with ``xdist_group`` marks: with pytest 9.2, pytest-xdist 3.8's
+    group suffix no longer reaches the node ids, and a group's tests went to both processes,
+    each setting up the fixture.)
 
     GPU tests are skipped without a GPU."""
-    grouped = {item.nodeid: item.module.__name__ for item in items
-               if item.module is not None and _module_fixtures(item)}
-    slow_groups = {grouped[item.nodeid] for item in items if item.nodeid in grouped and "slow" in item.keywords}
-    for item in items:
-        if item.nodeid in grouped:
-            item.add_marker(pytest.mark.xdist_group(grouped[item.nodeid]))
-    items.sort(key=lambda item: not ("slow" in item.keywords or grouped.get(item.nodeid) in slow_groups))
+    slow_modules = {item.nodeid.split("::")[0] for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)  # stable: file order kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
