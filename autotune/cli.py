@@ -284,7 +284,7 @@ def serve(
     (`autotune token create`) unless --no-auth. Exit status 2 when asked to serve without
     auth on a non-loopback address; 1 when the database cannot be reached or migrated.
     """
-    server = service().main
+    server = service(app=True).main
     try:
         with database_command():  # the database cannot be reached or migrated: a message, exit 1
             server.run_server(db, host, port, auth=False if no_auth else None)
@@ -305,17 +305,21 @@ app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
 
 
-def service() -> ModuleType:
-    """The service's package (api/) with the modules its commands (serve, db, token) use. The
-    one place the CLI reaches the service, on first use only: the core never imports it at
-    module level, so `autotune worker` and `autotune probe` start without fastapi or sqlalchemy."""
+def service(app: bool = False) -> ModuleType:
+    """The service's package (api/) with the modules its commands use: the database, its
+    tokens and backups, settings and errors (`db`, `token`); with `app`, also the web
+    application (`serve`: fastapi, Optuna). The one place the CLI reaches the service, on
+    first use only: the core never imports it at module level, so `autotune worker` and
+    `autotune probe` start without fastapi or sqlalchemy, and `autotune token create` without
+    the web application (about 1 CPU-second less)."""
     import api.auth
     import api.backup
     import api.db
     import api.errors
-    import api.main
     import api.settings
 
+    if app:
+        import api.main
     return api
 
 

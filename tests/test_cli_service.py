@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,6 +203,20 @@ def test_best_before_any_result_exits_1_with_the_reason(live: tuple[LiveService,
     result = invoke("best", "empty", "--api", service.url)
     assert result.exit_code == 1
     assert "no recommendation yet" in result.stderr
+
+
+def test_the_database_commands_load_the_service_without_its_web_application() -> None:
+    """`autotune db` and `autotune token` reach api/ for the database, its tokens and backups
+    only; `autotune serve` adds the web application (fastapi, Optuna). In a fresh process,
+    since this one has imported them all already."""
+    code = ("import sys\n"
+            "from autotune.cli import service\n"
+            "api = service()\n"
+            "assert api.auth.TokenStore and api.db.MigrationError and api.backup\n"
+            "assert not {'api.main', 'fastapi', 'optuna'} & set(sys.modules), 'the web application was imported'\n"
+            "assert service(app=True).main.run_server and {'fastapi', 'optuna'} <= set(sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_worker_refuses_an_unknown_device() -> None:
