@@ -30,10 +30,9 @@ def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
 
 @pytest.fixture(scope="module")
 def probe_json(tiny_datasets: Any) -> subprocess.CompletedProcess[str]:
-    """`autotune probe --json` of the FAST probe, in a real process (one thread, as the probes
-    in this process): the tests that need a probe's JSON share it."""
+    """`autotune probe --json` of the FAST probe, in a real process: the tests that need a probe's JSON share it."""
     return subprocess.run([sys.executable, "-m", "autotune.cli", "probe", "--json", *FAST], capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120, check=False)
+                          text=True, timeout=120, check=False)
 
 
 def test_probe_json_prints_exactly_one_object(probe_json: subprocess.CompletedProcess[str]) -> None:

@@ -100,7 +100,6 @@ def printy_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["AUTOTUNE_WORKLOADS"] = "printy=printy_workload:Printy"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTHONUNBUFFERED", None)  # piped stdout is block-buffered, as it is for a user's pipe
     return env
 

@@ -3,9 +3,8 @@
 The walk-through (every ```bash block of the README's "A 5-minute walk-through" section, in
 order, as one script) runs on a CPU in a temporary directory, with the virtual environment's
 `autotune` and `python` first on PATH and the service's port 8765 replaced by a free port;
-nothing else is changed. Its processes get one torch thread each (OMP_NUM_THREADS=1): the
-suite runs two tests at a time on two cores, where a second thread per process only
-contends with the other test (and runs several times slower). Real processes throughout:
+nothing else is changed. Its processes inherit the suite's one torch
+thread (OMP_NUM_THREADS=1, tests/conftest.py). Real processes throughout:
 `autotune probe`, `autotune serve` with token auth, a real worker and its probe children,
 `status`, `best`, `report`, and `autotune.apply` on a model of the script's own.
 
@@ -90,7 +89,7 @@ def test_the_walkthrough_goes_from_probe_to_apply_and_its_study_validates() -> N
 def test_the_walkthrough_commands_run_on_cpu(tmp_path: Path) -> None:
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "AUTOTUNE_TOKEN": "", "AUTOTUNE_DB_URL": "", "AUTOTUNE_API": "", "OMP_NUM_THREADS": "1"}
+           "AUTOTUNE_TOKEN": "", "AUTOTUNE_DB_URL": "", "AUTOTUNE_API": ""}
     # its own session, so that a timeout also stops the service and worker it started in the background
     proc = subprocess.Popen(["bash", "-c", walkthrough_script(free_port())], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

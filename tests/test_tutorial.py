@@ -8,9 +8,8 @@ files stay out of the repository), with the virtual environment's `autotune`, `p
   ``--no-deps --no-build-isolation``: no network, the test venv left unchanged);
 * the service's port 8765 becomes a free port.
 
-Its processes get one torch thread each (OMP_NUM_THREADS=1), as the tutorial's workers do
-(`--threads 1`): the suite runs two tests at a time on two cores, where a second thread per
-process only contends with the other test (and runs several times slower).
+Its processes inherit the suite's one torch thread (OMP_NUM_THREADS=1, tests/conftest.py),
+as the tutorial's workers run (`--threads 1`).
 
 Real processes throughout: `autotune serve` with token auth, a real worker and probe
 children, the example package's entry point, and the job's own training loop with
@@ -70,7 +69,7 @@ def test_the_tutorial_commands_run_on_cpu(tmp_path: Path) -> None:
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "AUTOTUNE_TOKEN": "", "AUTOTUNE_DB_URL": "", "AUTOTUNE_API": "", "OMP_NUM_THREADS": "1"}
+           "AUTOTUNE_TOKEN": "", "AUTOTUNE_DB_URL": "", "AUTOTUNE_API": ""}
     done = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=1200,
                           stdin=subprocess.DEVNULL)
     output = done.stdout + done.stderr
