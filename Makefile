@@ -21,9 +21,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
+RUFF := $(BIN)/ruff check autotune api tests bench
+MYPY := $(BIN)/mypy autotune api bench
+
 lint: install
-	$(BIN)/ruff check autotune api tests bench
-	$(BIN)/mypy autotune api bench
+	$(RUFF)
+	$(MYPY)
 
 # pytest-xdist: one test process per core; each takes the next module (a module-scoped fixture is
 # set up once) as it gets free, the modules with slow tests first: tests/conftest.py orders them.
@@ -32,11 +35,11 @@ PYTEST_ARGS ?= -n auto --dist loadscope --no-loadscope-reorder
 # mypy runs beside the suite (it fills the moments the tests wait on their subprocesses); its
 # output follows the tests', and either failing fails `make test`.
 test: install
-	$(BIN)/ruff check autotune api tests bench
-	@$(BIN)/mypy autotune api bench > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	echo "$(BIN)/python -m pytest -q $(PYTEST_ARGS)   (mypy autotune api bench beside it)"; \
+	$(RUFF)
+	@$(MYPY) > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	echo "$(BIN)/python -m pytest -q $(PYTEST_ARGS)   ($(MYPY) beside it)"; \
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); tests=$$?; \
-	wait $$mypy; types=$$?; echo "$(BIN)/mypy autotune api bench"; cat $(VENV)/mypy.log; \
+	wait $$mypy; types=$$?; echo "$(MYPY)"; cat $(VENV)/mypy.log; \
 	test $$tests -eq 0 && test $$types -eq 0
 
 demo: install

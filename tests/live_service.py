@@ -4,8 +4,7 @@
 auth on: it creates an admin and a worker token in its database (`admin_token`,
 `worker_token`, `headers(role)`), in this process through the token store ``autotune token
 create`` uses (`api.auth.TokenStore`: no CLI start per token; the CLI itself is tested in
-tests/api/test_auth.py, and `create_token` runs it for a test that needs it); its REST
-shortcuts send them.
+tests/api/test_auth.py); its REST shortcuts send them.
 `start_worker` runs ``python -m autotune.cli worker``; given a LiveService's URL it passes
 that service's worker token (AUTOTUNE_TOKEN). Every process starts in its own session
 (process group) and `Processes.stop_all` ends them all, workers first (SIGTERM, so each
@@ -146,16 +145,6 @@ LEASED = re.compile(r"▶ trial (\d+) of (\S+) \(id (\d+)\)")  # the worker's li
 def leased_trial_ids(proc: subprocess.Popen[bytes]) -> list[int]:
     """The trial ids a worker process leased, in order, from its log."""
     return [int(m.group(3)) for m in LEASED.finditer(log_text(proc))]
-
-
-def create_token(db_url: str, role: str, name: str | None = None) -> str:
-    """`autotune token create --role ROLE --db URL` as a subprocess; the token it prints."""
-    argv = [*CLI, "token", "create", "--role", role, "--db", db_url, *(["--name", name] if name else [])]
-    done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
-    assert done.returncode == 0, f"token create failed ({done.returncode}): {done.stderr}"
-    token = done.stdout.strip()
-    assert token.startswith("at_"), done.stdout
-    return token
 
 
 # The LiveService of each URL, so that start_worker(processes, service.url) finds its worker token.
