@@ -51,6 +51,7 @@ log = logging.getLogger("autotune.probe_child")
 PARENT_PID_ENV = "AUTOTUNE_PARENT_PID"
 PARENT_POLL_S = 0.5
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_NAME = 15
 
 
 @dataclass
@@ -108,18 +109,30 @@ def _die_with_group() -> None:
         os._exit(137)
 
 
+def _prctl(option: int, value: int | bytes) -> bool:
+    """libc's prctl(option, value); False where that is not available (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return int(libc.prctl(option, value, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send `signum` to this process when its parent dies (Linux
     PR_SET_PDEATHSIG, through libc's prctl). False where that is not available. The signal
     fires when the parent *thread* that started this process exits; the worker starts
     probes from its main thread."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return int(libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
+    return _prctl(PR_SET_PDEATHSIG, int(signum))
+
+
+def set_process_name(name: str) -> bool:
+    """Name this process `name` (its first 15 bytes) where ps -o comm, top and /proc/PID/comm
+    show it (Linux PR_SET_NAME); a child forked by the worker's fork server shows the
+    server's command line otherwise. False where that is not available."""
+    return _prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def watch_parent(parent_pid: int | None = None, poll_s: float = PARENT_POLL_S) -> int:

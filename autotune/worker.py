@@ -98,6 +98,7 @@ from autotune.client import (
     Unauthorized,
 )
 from autotune.distributed import JOB_DIR_ENV, collect_failure, kill_ranks, launch_argv, prepare_job_dir, request_stop
+from autotune.fork_server import ForkedChild, ForkServer, ForkServerError
 from autotune.gate import window_rate
 from autotune.hardware import Hardware
 from autotune.probe_child import ChildJob
@@ -269,6 +270,7 @@ class WorkerOptions:
     gpus_per_trial: int = 1  # GPUs (cpu: gloo processes) per trial; the device is split into groups of this many
     spool_dir: Path | None = None  # undelivered results (default: autotune.spool.default_spool_dir())
     child_argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", CHILD_MODULE])
+    warm_start: bool = True  # fork the probe children from a server that has imported torch (autotune.fork_server)
     launch_argv: list[str] = field(default_factory=launch_argv)  # the distributed launcher (gpus_per_trial > 1)
 
     def allowed_workloads(self) -> tuple[str, ...]:
@@ -385,13 +387,12 @@ class ProbeProcess:
     is in the directory (not on stdin), a stop request is its stop file, and a kill also ends
     the process group of every rank (each rank leads its own session)."""
 
-    def __init__(self, argv: list[str], job: ChildJob, env: Mapping[str, str], job_dir: Path | None = None) -> None:
+    def __init__(self, argv: list[str], job: ChildJob, env: Mapping[str, str], job_dir: Path | None = None,
+                 server: ForkServer | None = None) -> None:
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
         self.job_dir = job_dir
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if job_dir is None else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env),
-                                     start_new_session=True)
+        self.proc = self._start(argv, env, server)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         if job_dir is None:
             assert self.proc.stdin is not None
@@ -406,6 +407,22 @@ class ProbeProcess:
                                      name=f"probe-{self.proc.pid}-stderr")
         self._out.start()
         self._err.start()
+
+    def _start(self, argv: list[str], env: Mapping[str, str], server: ForkServer | None
+               ) -> subprocess.Popen[bytes] | ForkedChild:
+        """Fork the child from `server` when it runs exactly what the server serves (the probe
+        child, in the server's environment); else, or when the server cannot, start it cold."""
+        if (server is not None and self.job_dir is None and argv[:1] == [server.python]
+                and dict(env) == server.env):
+            first = server.down is None
+            try:
+                return server.popen(argv[1:])
+            except ForkServerError as exc:
+                if first:  # said once: later trials start cold without a word
+                    log.warning("the fork server cannot start probes (%s): they start cold from now on", exc)
+        return subprocess.Popen(argv, stdin=subprocess.PIPE if self.job_dir is None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env),
+                                start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -796,8 +813,9 @@ class Worker:
 
     def __init__(self, options: WorkerOptions, hardware: Hardware, client: Client | None = None,
                  console: Console | None = None, group: DeviceGroup | None = None,
-                 worker_id_suffix: str | None = None) -> None:
+                 worker_id_suffix: str | None = None, fork_server: ForkServer | None = None) -> None:
         self.options = options
+        self.fork_server = fork_server  # where its probe children are forked from (None: started cold)
         self.hardware = hardware
         self.group = group or DeviceGroup((hardware.device,) * options.gpus_per_trial)
         base = options.worker_id or default_worker_id(hardware.device if self.group.world_size == 1
@@ -1091,7 +1109,7 @@ class Worker:
                 if self.group.is_cuda:
                     env["CUDA_VISIBLE_DEVICES"] = self.group.visible_devices()
                 argv = self.options.launch_argv
-            child = ProbeProcess(argv, job, env, job_dir=job_dir)
+            child = ProbeProcess(argv, job, env, job_dir=job_dir, server=self.fork_server)
             self.current = child
             courier = Courier(self.client, lease.trial_id, self.worker_id, self.options.heartbeat_s,
                               wake=lambda: child.events.put(("wake", None)))
@@ -1252,20 +1270,70 @@ DETECT_SCRIPT = ("import json, sys\n"
                  "    sys.exit(2)\n")
 
 
-def detect_hardware(device: str) -> Hardware:
-    """`autotune.hardware.detect(device)` run in a short-lived child process.
+def run_python(args: list[str], server: ForkServer | None = None, timeout_s: float = 300.0) -> tuple[int, str, str]:
+    """``python ARGS`` in a short-lived child (forked from `server` when it can, else started
+    cold): its (exit status, stdout, stderr). Raises subprocess.TimeoutExpired past `timeout_s`."""
+    if server is not None and server.down is None:
+        try:
+            child = server.popen(args)
+        except ForkServerError as exc:
+            log.warning("the fork server cannot start children (%s): they start cold from now on", exc)
+        else:
+            assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+            child.stdin.close()
+            streams = (child.stdout, child.stderr)
+            texts = ["", ""]
+
+            def read(index: int) -> None:
+                texts[index] = streams[index].read().decode("utf-8", "replace")
+
+            readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+            for reader in readers:
+                reader.start()
+            try:
+                code = child.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                raise
+            for reader in readers:
+                reader.join(timeout=5.0)
+            for stream in streams:
+                stream.close()
+            return code, texts[0], texts[1]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def detect_hardware(device: str, server: ForkServer | None = None) -> Hardware:
+    """`autotune.hardware.detect(device)` run in a short-lived child process (forked from the
+    worker's `server` when there is one: it has imported torch already).
 
     Asking torch about a GPU creates a CUDA context (~400 MiB of GPU memory on an H100)
     that would stay with the worker for its whole life, next to each probe's own; the
     worker itself therefore never initialises CUDA (nor imports torch). Raises ValueError
     when the device cannot be used."""
-    proc = subprocess.run([sys.executable, "-c", DETECT_SCRIPT, device], capture_output=True, text=True,
-                          timeout=300, check=False)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        raise ValueError(lines[-1] if lines else f"hardware detection for {device!r} failed "
-                                                 f"(exit code {proc.returncode})")
-    return Hardware(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    code, out, err = run_python(["-c", DETECT_SCRIPT, device], server)
+    if code != 0:
+        lines = err.strip().splitlines()
+        raise ValueError(lines[-1] if lines else f"hardware detection for {device!r} failed (exit code {code})")
+    return Hardware(**json.loads(out.strip().splitlines()[-1]))
+
+
+def start_fork_server(options: WorkerOptions) -> ForkServer | None:
+    """The worker's fork server (`autotune.fork_server`), started in the environment its probe
+    children get, or None: warm starts off (--cold-start), not Linux, several GPUs per trial
+    (the distributed launcher starts cold: its ranks see only their group's GPUs), or the
+    server could not be started (said; the children start cold)."""
+    if not options.warm_start or options.gpus_per_trial != 1 or not sys.platform.startswith("linux"):
+        return None
+    export_workload_paths(options.workload_paths())  # in the environment the server (and each child) reads
+    try:
+        return ForkServer(child_environment(options.threads)).start()
+    except OSError as exc:
+        log.warning("the fork server did not start (%s): probes start cold", exc)
+        return None
 
 
 COUNT_SCRIPT = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
@@ -1290,25 +1358,30 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
     --idle-exit. Exit status: the first non-zero loop status, else 0. Raises ValueError when a
     device cannot be used or the devices do not split into groups."""
     groups = plan_groups(options.device, options.gpus_per_trial)
-    if len(groups) == 1:
-        group = groups[0]
-        hardware = detect_hardware(group.devices[0])
-        worker = Worker(options, hardware, console=console, group=group)
-        worker.install_signal_handlers()
-        try:
-            return worker.run()
-        finally:
-            worker.client.close()
-    console = console or Console(soft_wrap=True, highlight=False)
-    workers = []
-    notice = SkipNotice()  # the loops see the same studies: say which they cannot take once, not once per loop
-    for group in groups:
-        worker = Worker(options, detect_hardware(group.devices[0]), console=console, group=group,
-                        worker_id_suffix=group.name if options.worker_id else None)
-        worker.show_status = False
-        worker.skip_notice = notice
-        workers.append(worker)
-    return _run_loops(workers)
+    server = start_fork_server(options)  # from the main thread, which lives as long as the worker
+    try:
+        if len(groups) == 1:
+            group = groups[0]
+            hardware = detect_hardware(group.devices[0], server)
+            worker = Worker(options, hardware, console=console, group=group, fork_server=server)
+            worker.install_signal_handlers()
+            try:
+                return worker.run()
+            finally:
+                worker.client.close()
+        console = console or Console(soft_wrap=True, highlight=False)
+        workers = []
+        notice = SkipNotice()  # the loops see the same studies: say which they cannot take once, not once per loop
+        for group in groups:
+            worker = Worker(options, detect_hardware(group.devices[0], server), console=console, group=group,
+                            worker_id_suffix=group.name if options.worker_id else None, fork_server=server)
+            worker.show_status = False
+            worker.skip_notice = notice
+            workers.append(worker)
+        return _run_loops(workers)
+    finally:
+        if server is not None:
+            server.close()
 
 
 def _run_loops(workers: list[Worker]) -> int:

@@ -33,6 +33,7 @@ from live_service import (
     wait_until,
 )
 
+from autotune.compile_workers import children
 from autotune.demo import BASELINE_SEEDS
 
 pytestmark = pytest.mark.slow
@@ -106,6 +107,7 @@ def test_a_killed_probe_child_fails_its_trial_and_the_worker_goes_on(service: Li
     service.submit(small_spec("killed", n_trials=3, samples=LONG_PROBE, baseline_seeds=2))
     worker = start_worker(processes, service.url, "--study", "killed", "--idle-exit", "1")
     first = wait_until(lambda: probe_children(worker.pid), 60, "the first probe child")[0]
+    assert first not in children(worker.pid)  # forked by the worker's fork server (warm start, the default)
     time.sleep(1.0)  # mid-probe
     os.kill(first, signal.SIGKILL)
 
@@ -137,8 +139,9 @@ def test_a_probe_past_its_timeout_fails_with_kind_timeout(service: LiveService, 
 def test_sigterm_to_a_worker_mid_probe_fails_its_trial_as_interrupted(service: LiveService,
                                                                       processes: Processes) -> None:
     service.submit(small_spec("term", n_trials=2, samples=LONG_PROBE))
-    worker = start_worker(processes, service.url, "--study", "term")
+    worker = start_worker(processes, service.url, "--study", "term", "--cold-start")
     child = wait_until(lambda: probe_children(worker.pid), 60, "a probe child")[0]
+    assert child in children(worker.pid)  # --cold-start: `python -m autotune.probe_child`, the worker's own child
     time.sleep(0.5)
     with open(f"/proc/{worker.pid}/maps") as maps:  # torch (and CUDA) live in the child only
         assert "libtorch" not in maps.read()

@@ -1,0 +1,436 @@
+"""Warm probe starts: one process per worker imports torch once, then forks a probe child per trial.
+
+Started cold (``python -m autotune.probe_child``), a probe child spends about 3 CPU-seconds
+before its first step on a CPU host, more on a GPU host: importing torch (1.1-1.4 s) and
+``torch._dynamo`` (1.1-1.3 s; ``torch.optim.Optimizer`` imports it on an optimizer's first
+use, compiled or not). The worker also asked a fresh interpreter about its device at start
+(`autotune.worker.detect_hardware`: importing torch again). The fork server pays for those
+imports once per worker: ``python -m autotune.fork_server`` imports them (`PRELOAD`), then
+forks a child per request. A forked child runs exactly what ``python -m MODULE ARGS`` (or
+``python -c CODE ARGS``) would run, with the modules already imported; it starts in a few
+hundredths of a second.
+
+Fork safety. The server forks from its only thread, and before any fork it never starts a
+thread, computes with torch or initialises CUDA: each child creates its own CUDA context, as
+a cold child does (a process that initialised CUDA cannot pass it on through fork). The
+preload asserts that none of this happened (`preload`). ``torch.cuda.is_available`` asks
+NVML, not the CUDA driver, while the server runs (PYTORCH_NVML_BASED_CUDA_CHECK; the
+children do not inherit it).
+
+Same environment. The server is started with the children's environment
+(`autotune.worker.child_environment`: the same for every trial of a worker), so what torch
+and the preloaded modules read at import (thread counts, the TorchInductor cache directory,
+the workload paths) is what a cold child would have read. A request carries no environment;
+a child that needs another one is started cold (the worker's distributed launcher, whose
+ranks see only their group's GPUs).
+
+Protocol, over a Unix SOCK_SEQPACKET pair the worker creates (`ForkServer`):
+
+request   worker → server on the control socket: one JSON object ``{"argv": ["-m",
+          "autotune.probe_child"]}`` (or ``["-c", CODE, ARG...]``) with four file
+          descriptors attached (SCM_RIGHTS): the child's stdin, stdout, stderr, and one end of
+          a fresh socket pair that carries this child's answers.
+answers   server → worker on that per-child socket: ``{"pid": PID}`` once forked, then
+          ``{"exit": CODE}`` (Popen's returncode: negative for a signal) once it ended.
+release   the worker closes its end once it has the exit status; only then does the server
+          reap the child (until then it stays a zombie, as a Popen child does until waited
+          for), so a pid the worker signals is never another process's.
+
+The child leads a new session (the worker kills its process group: DataLoader and compile
+workers with it), and its ``AUTOTUNE_PARENT_PID`` is the server's: a probe dies with the
+server (`autotune.probe_child.watch_parent`), the server with the worker (PR_SET_PDEATHSIG,
+and a poll of its parent pid). The worker closing the control socket ends the server.
+
+`ForkServer` is the worker's side: `popen` returns a `ForkedChild`, which a
+`autotune.worker.ProbeProcess` uses as it uses a `subprocess.Popen`. When the server
+cannot be started or has died, `popen` raises `ForkServerError` and the worker starts its
+children cold.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Mapping
+from typing import IO, Any
+
+log = logging.getLogger("autotune.fork_server")
+
+MODULE = "autotune.fork_server"
+# What every probe imports: torch, torch._dynamo (torch.optim imports it on an optimizer's first
+# use), the probe and the built-in workloads. Never a module that starts a thread or touches CUDA.
+PRELOAD = ("torch", "torch._dynamo", "autotune.probe", "autotune.probe_child", "autotune.hardware",
+           "autotune.workloads")
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+PARENT_POLL_S = 0.5
+MAX_MESSAGE = 1 << 16  # a request holds an argv: a -c script at most
+SPAWN_TIMEOUT_S = 300.0  # the first request waits for the preload (a few seconds; minutes on a slow disk)
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not start a child (it never started, died, or refused): start it cold."""
+
+
+# --- the server --------------------------------------------------------------------------------------
+
+
+def preload(modules: tuple[str, ...] = PRELOAD) -> None:
+    """Import `modules`, then check that the process may still fork safely: one thread, and no
+    CUDA context. Raises RuntimeError naming what broke that rule."""
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+    threads = threading.active_count()
+    if threads != 1:
+        raise RuntimeError(f"preloading {', '.join(modules)} started {threads - 1} thread(s): forking is not safe")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("preloading initialised CUDA: a forked child could not use the GPU")
+
+
+def _exit_code(pid: int) -> int | None:
+    """The exit status of child `pid` if it has ended (it stays a zombie: WNOWAIT), as Popen's returncode."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return -signal.SIGKILL  # already reaped: cannot happen while we hold it; say "killed"
+    if info is None:
+        return None
+    return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # the worker closed its end: it no longer wants to know
+        sock.send(json.dumps(message).encode())
+
+
+def _run_child(argv: list[str], stdio: list[int], inherited: list[int]) -> None:
+    """In the forked child: take over `stdio` as fds 0-2, lead a new session, run `argv` as
+    ``python ARGV`` would (``-m MODULE ...`` or ``-c CODE ...``), exit with its status. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's handlers, back to an interpreter's
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in inherited:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.pop(NVML_CHECK_ENV, None)
+        code = _run_argv(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # whatever it was, the child reports it and exits
+        traceback.print_exc()
+        code = 1
+    finally:
+        import atexit
+
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # as an interpreter's exit would (compile-worker pools, ...)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+def _run_argv(argv: list[str]) -> int:
+    """Run ``python ARGV`` in this process: ``-m MODULE ARG...`` or ``-c CODE ARG...``."""
+    import runpy
+
+    if len(argv) >= 2 and argv[0] == "-m":
+        from autotune.probe_child import set_process_name
+
+        set_process_name(argv[1].rpartition(".")[2])  # ps shows the server's command line: comm says which
+        sys.argv = [argv[1], *argv[2:]]
+        with warnings.catch_warnings():  # it was preloaded: run afresh as __main__, as `python -m` would
+            warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return 0
+    if len(argv) >= 2 and argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        return 0
+    raise SystemExit(f"autotune.fork_server: cannot run {argv!r}: give -m MODULE or -c CODE")
+
+
+def serve(control: socket.socket, parent_pid: int, modules: tuple[str, ...] = PRELOAD) -> int:
+    """The server's loop (see the module docstring). Returns when the worker closes the control
+    socket or dies."""
+    from autotune.probe_child import PARENT_PID_ENV, set_parent_death_signal
+
+    set_parent_death_signal()
+    if os.getppid() != parent_pid:
+        return 1  # the worker died before the signal was armed
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the children die with this server
+    os.environ[NVML_CHECK_ENV] = "1"
+    preload(modules)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides; Ctrl-C is for it
+    children: dict[int, socket.socket] = {}  # running or not yet released → its answer socket
+    ended: set[int] = set()  # whose exit the worker was told
+    while True:
+        waiting: list[socket.socket | int] = [control, wake_r, *(children[pid] for pid in ended)]
+        readable, _, _ = select.select(waiting, [], [], PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            return 1
+        if wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 512)
+        for pid in [pid for pid in children if pid not in ended]:
+            code = _exit_code(pid)
+            if code is not None:
+                _send(children[pid], {"exit": code})
+                ended.add(pid)
+        for pid in [pid for pid in ended if children[pid] in readable]:
+            with contextlib.suppress(OSError):
+                children[pid].recv(16)  # EOF: released
+            children.pop(pid).close()
+            ended.discard(pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # reap it now that the worker no longer names it
+        if control in readable:
+            try:
+                message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 4)
+            except OSError:
+                return 0
+            if not message:
+                return 0  # the worker closed the socket: it is done
+            if len(fds) != 4:
+                for fd in fds:
+                    os.close(fd)
+                log.error("a request without its 4 file descriptors: ignored")
+                continue
+            answer = socket.socket(fileno=fds[3])
+            try:
+                argv = json.loads(message)["argv"]
+            except (ValueError, KeyError, TypeError):
+                for fd in fds[:3]:
+                    os.close(fd)
+                _send(answer, {"error": "bad request"})
+                answer.close()
+                continue
+            inherited = [control.fileno(), wake_r, wake_w, fds[3], *(s.fileno() for s in children.values())]
+            pid = os.fork()
+            if pid == 0:
+                _run_child([str(a) for a in argv], fds[:3], inherited)
+            for fd in fds[:3]:
+                os.close(fd)
+            children[pid] = answer
+            _send(answer, {"pid": pid})
+
+
+def main() -> int:
+    """``python -m autotune.fork_server FD PARENT_PID``: serve the worker PARENT_PID on socket FD.
+    (No logging set up here: a child's own would be a no-op after it.)"""
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    with socket.socket(fileno=fd) as control:
+        try:
+            return serve(control, parent_pid)
+        except Exception as exc:  # the preload failed: the worker starts its children cold
+            print(f"autotune.fork_server: stopping: {exc}", file=sys.stderr)
+            return 1
+
+
+# --- the worker's side -------------------------------------------------------------------------------
+
+
+class ForkedChild:
+    """A child forked by the server, handled as a `subprocess.Popen` with stdin, stdout and
+    stderr pipes is (pid, stdin/stdout/stderr, poll, wait, returncode). It is not this
+    process's child: its exit status comes from the server."""
+
+    def __init__(self, argv: list[str], pid: int, answers: socket.socket,
+                 stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self.args = argv
+        self.pid = pid
+        self.stdin: IO[bytes] | None = stdin
+        self.stdout: IO[bytes] | None = stdout
+        self.stderr: IO[bytes] | None = stderr
+        self.returncode: int | None = None
+        self._answers = answers
+        self._lock = threading.Lock()
+
+    def _settle(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            self._answers.settimeout(timeout)
+            try:
+                data = self._answers.recv(MAX_MESSAGE)
+            except (TimeoutError, BlockingIOError):
+                return None
+            except OSError:
+                data = b""
+            try:
+                code = int(json.loads(data)["exit"]) if data else None
+            except (ValueError, KeyError, TypeError):
+                code = None
+            if code is None:  # the server died: so did the child (it dies with the server)
+                log.warning("the fork server ended while probe %d ran: the probe was killed with it", self.pid)
+                code = -signal.SIGKILL
+            self.returncode = code
+            self._answers.close()  # release: the server may now reap it
+            return code
+
+    def poll(self) -> int | None:
+        return self._settle(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._settle(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+
+class ForkServer:
+    """The worker's fork server (see the module docstring): `start` launches it with the
+    children's environment `env`; `popen` forks a child. Thread-safe (the lease loops of
+    a worker share one). Close it when the worker ends (its children should have ended)."""
+
+    def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
+        self.env = dict(env)
+        self.python = python
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._stderr: collections.deque[str] = collections.deque(maxlen=40)
+        self.down: str | None = None  # why it stopped serving, once it has: later requests fail at once
+
+    def start(self) -> ForkServer:
+        """Start the server (returns at once: it preloads in the background; the first
+        request waits for it). Call it from a thread that lives as long as the worker
+        (PR_SET_PDEATHSIG fires when the thread that started the server ends)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen([self.python, "-m", MODULE, str(theirs.fileno()), str(os.getpid())],
+                                         pass_fds=[theirs.fileno()], env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._control = ours
+        assert self.proc.stderr is not None
+        threading.Thread(target=self._read_stderr, args=(self.proc.stderr,), daemon=True,
+                         name="fork-server-stderr").start()
+        return self
+
+    def _read_stderr(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._stderr.append(line)
+            log.debug("fork server: %s", line)
+
+    def why_down(self) -> str:
+        """Why the server is not usable (its exit status and last lines), or "" while it runs."""
+        if self.proc is None:
+            return "it was not started"
+        code = self.proc.poll()
+        if code is None:
+            return ""
+        tail = " | ".join(line for line in self._stderr if line.strip())[-600:]
+        return f"it exited with status {code}" + (f": {tail}" if tail else "")
+
+    def popen(self, argv: list[str], timeout_s: float = SPAWN_TIMEOUT_S) -> ForkedChild:
+        """Fork a child running ``python ARGV`` (``["-m", MODULE, ...]`` or ``["-c", CODE, ...]``),
+        with stdin, stdout and stderr pipes to this process. Raises ForkServerError when the
+        server cannot (start the child cold then)."""
+        if self.down is not None:
+            raise ForkServerError(self.down)
+        if self._control is None or self.proc is None:
+            raise ForkServerError("the fork server was not started")
+        try:
+            return self._popen(argv, timeout_s)
+        except ForkServerError as exc:
+            self.down = str(exc)
+            raise
+
+    def _popen(self, argv: list[str], timeout_s: float) -> ForkedChild:
+        assert self._control is not None
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        stderr_r, stderr_w = os.pipe()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs_fds = [stdin_r, stdout_w, stderr_w, theirs.fileno()]
+        keep = [stdin_w, stdout_r, stderr_r]
+        try:
+            with self._lock:
+                try:
+                    socket.send_fds(self._control, [json.dumps({"argv": argv}).encode()], theirs_fds)
+                except OSError as exc:
+                    raise ForkServerError(f"the fork server does not take requests ({exc}); "
+                                          f"{self.why_down() or 'it is still running'}") from exc
+        except BaseException:
+            for fd in keep:
+                os.close(fd)
+            ours.close()
+            raise
+        finally:
+            for fd in theirs_fds[:3]:
+                os.close(fd)
+            theirs.close()
+        deadline = time.monotonic() + timeout_s
+        data = b""
+        while not data:
+            ours.settimeout(min(1.0, max(0.0, deadline - time.monotonic())))
+            try:
+                data = ours.recv(MAX_MESSAGE)
+                if not data:
+                    break  # EOF: the server dropped the request (it died)
+            except TimeoutError:
+                if self.why_down() or time.monotonic() >= deadline:
+                    break
+        try:
+            pid = int(json.loads(data)["pid"]) if data else None
+        except (ValueError, KeyError, TypeError):
+            pid = None
+        if pid is None:
+            for fd in keep:
+                os.close(fd)
+            ours.close()
+            why = self.why_down() or (f"no answer within {timeout_s:.0f} s" if not data else data.decode()[:200])
+            raise ForkServerError(f"the fork server did not start the child: {why}")
+        ours.settimeout(None)
+        return ForkedChild(argv, pid, ours, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"),
+                           os.fdopen(stderr_r, "rb"))
+
+    def close(self) -> None:
+        """End the server: close the control socket (it exits), wait a moment, kill it if need be."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
