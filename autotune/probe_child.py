@@ -1,7 +1,9 @@
 """The probe child process: ``python -m autotune.probe_child`` runs one probe for a worker.
 
 The worker starts one child per trial (its own process group, its own CUDA context), so a
-crash, an OOM kill or a hang ends only the child. Protocol:
+crash, an OOM kill or a hang ends only the child: by default forked from the worker's fork
+server with torch already imported (`autotune.fork_server`; it runs this module as
+``python -m`` would), else as a fresh interpreter. Protocol:
 
 stdin   one JSON object (`ChildJob.to_json`): workload, preset, config, device, probe
         settings (samples, seed, windows, warmup_steps, timeout_s), threads.

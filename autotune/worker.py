@@ -35,6 +35,10 @@ refuse    the allow-list is the worker's own boundary, whatever the service send
 probe     `python -m autotune.probe_child` in its own process group (see probe_child.py for
           the stdin/stdout protocol), with a hard limit of the study's probe.timeout_s plus a
           small grace, torch threads and a per-host TorchInductor cache set in its environment.
+          Warm start (the default; `--cold-start` turns it off): the child is forked from the
+          worker's fork server (`autotune.fork_server`), which imported torch, torch._dynamo
+          and the probe once, in that same environment; the hardware detection at start is
+          forked from it too. A server that cannot serve leaves the children starting cold.
           A group of N > 1 GPUs runs `python -m autotune.distributed` instead (torchrun, N
           ranks, CUDA_VISIBLE_DEVICES = the group's GPUs), the job in a job directory: prune
           = its stop file; a kill ends the launcher's group and every rank's group; a rank's

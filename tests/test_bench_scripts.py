@@ -138,3 +138,16 @@ def test_optimizer_step_runs_the_probe_and_the_apply_loop_and_tables_them(tmp_pa
                  tmp_path).stdout
     assert "| baseline | " in table and "| b8 | " in table and "tiny-muon: samples/s" in table
     assert "tiny-muon, apply loop" in table and png.stat().st_size > 0
+
+
+def test_probe_start_compares_cold_children_with_forked_ones(tmp_path: Path) -> None:
+    out, png = tmp_path / "start.json", tmp_path / "start.png"
+    _run("probe_start.py", ["--device", "cpu", "--preset", "tiny", "--samples", "40", "--config",
+                            '{"batch_size": 4, "accum_steps": 1}', "--repeats", "2", "--skip", "1", "--threads", "1",
+                            "--out", str(out), "--png", str(png)], tmp_path)
+    data = json.loads(out.read_text())
+    assert [(r["mode"], r["repeat"], r["forked"]) for r in data["runs"]] == [
+        ("cold", 0, False), ("warm", 0, True), ("cold", 1, False), ("warm", 1, True)]
+    assert all(r["overhead_s"] > 0 and r["throughput"] > 0 for r in data["runs"])
+    assert {data["summary"][m]["runs"] for m in ("cold", "warm")} == {1}  # the first run of each left out
+    assert data["server_preload_s"] > 0 and png.stat().st_size > 0

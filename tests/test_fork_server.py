@@ -173,13 +173,29 @@ def test_a_preload_that_starts_a_thread_is_refused(tmp_path: Path) -> None:
                                           "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n")
     done = subprocess.run([sys.executable, "-c", "from autotune.fork_server import preload; preload(('threaded',))"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert done.returncode != 0 and "started 1 thread(s): forking is not safe" in done.stderr
 
 
 @pytest.mark.gpu
-def test_a_forked_child_uses_the_gpu(server: ForkServer) -> None:
-    # the server imported torch without creating a CUDA context: each child makes its own
+@pytest.mark.parametrize("compile_mode", ["none", "reduce-overhead"])
+def test_a_forked_probe_trains_on_the_gpu(server: ForkServer, compile_mode: str, tiny_datasets: Any) -> None:
+    # the server imported torch without creating a CUDA context: each child makes its own (and
+    # its own compile workers and CUDA graphs)
     child, out, err = run(server, "import torch; print(torch.ones(2, device='cuda').sum().item())")
     assert child.returncode == 0 and out.strip() == "2.0", err
     assert detect_hardware("cuda:0", server).device == "cuda:0"
+    job = ChildJob(workload="ups", preset="tiny", config={"batch_size": 8, "compile": compile_mode},
+                   device="cuda:0", probe={"samples": 400, "windows": 3, "warmup_steps": 5}, threads=1)
+    probe = ProbeProcess([sys.executable, "-m", CHILD_MODULE], job, server.env, server=server)
+    assert isinstance(probe.proc, ForkedChild)
+    events: list[tuple[str, Any]] = []
+    while not events or events[-1][0] != "eof":
+        events.append(probe.events.get(timeout=300))
+    assert probe.proc.wait(timeout=60) == 0, probe.stderr_tail()
+    probe.finish()
+    result = next(payload for kind, payload in events if kind == "result")
+    assert result["failure"] is None and result["throughput_samples_per_s"] > 0, (result["failure"],
+                                                                                 probe.stderr_tail())
+    assert result["device"] != "cpu" and "cpu (" not in result["device"]
