@@ -512,7 +512,7 @@ def worker(
              "Default: $AUTOTUNE_SPOOL_DIR, else $XDG_STATE_HOME/autotune/spool, else "
              "~/.local/state/autotune/spool.")] = None,
     warm_start: Annotated[bool, typer.Option(
-        "--warm-start/--cold-start",
+        "--warm-start/--cold-start", envvar="AUTOTUNE_WARM_START",
         help="Fork each probe child from a process that has imported torch once (saves ~3 CPU-seconds of "
              "imports a trial; Linux, one GPU per trial). --cold-start runs `python -m autotune.probe_child` "
              "afresh for every trial.")] = True,

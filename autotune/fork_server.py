@@ -3,12 +3,14 @@
 Started cold (``python -m autotune.probe_child``), a probe child spends about 3 CPU-seconds
 before its first step on a CPU host, more on a GPU host: importing torch (1.1-1.4 s) and
 ``torch._dynamo`` (1.1-1.3 s; ``torch.optim.Optimizer`` imports it on an optimizer's first
-use, compiled or not). The worker also asked a fresh interpreter about its device at start
+use, compiled or not); on an H100/H200 host 8-9 s in all (bench/README.md, probe start). The
+worker also asked a fresh interpreter about its device at start
 (`autotune.worker.detect_hardware`: importing torch again). The fork server pays for those
-imports once per worker: ``python -m autotune.fork_server`` imports them (`PRELOAD`), then
-forks a child per request. A forked child runs exactly what ``python -m MODULE ARGS`` (or
-``python -c CODE ARGS``) would run, with the modules already imported; it starts in a few
-hundredths of a second.
+imports once per worker: ``python -m autotune.fork_server`` imports them (`PRELOAD`: torch
+first, the rest one module at a time while no request waits, so the worker's hardware
+detection need not wait for torch._dynamo), then forks a child per request. A forked child
+runs exactly what ``python -m MODULE ARGS`` (or ``python -c CODE ARGS``) would run, with the
+modules already imported; it starts in a few hundredths of a second.
 
 Fork safety. The server forks from its only thread, and before any fork it never starts a
 thread, computes with torch or initialises CUDA: each child creates its own CUDA context, as
@@ -87,18 +89,18 @@ class ForkServerError(RuntimeError):
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> None:
-    """Import `modules`, then check that the process may still fork safely: one thread, and no
-    CUDA context. Raises RuntimeError naming what broke that rule."""
+    """Import `modules`, checking after each that the process may still fork safely: one
+    thread, and no CUDA context. Raises RuntimeError naming what broke that rule."""
     import importlib
 
     for name in modules:
         importlib.import_module(name)
-    threads = threading.active_count()
-    if threads != 1:
-        raise RuntimeError(f"preloading {', '.join(modules)} started {threads - 1} thread(s): forking is not safe")
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        raise RuntimeError("preloading initialised CUDA: a forked child could not use the GPU")
+        threads = threading.active_count()
+        if threads != 1:
+            raise RuntimeError(f"importing {name} started {threads - 1} thread(s): forking is not safe")
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            raise RuntimeError(f"importing {name} initialised CUDA: a forked child could not use the GPU")
 
 
 def _exit_code(pid: int) -> int | None:
@@ -182,7 +184,9 @@ def serve(control: socket.socket, parent_pid: int, modules: tuple[str, ...] = PR
         return 1  # the worker died before the signal was armed
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the children die with this server
     os.environ[NVML_CHECK_ENV] = "1"
-    preload(modules)
+    preload(modules[:1])  # torch, before any request: everything a child runs needs it
+    later = list(modules[1:])  # imported one at a time while no request waits (a worker's first
+    # request, its hardware detection, needs torch only and need not wait for torch._dynamo)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -193,9 +197,14 @@ def serve(control: socket.socket, parent_pid: int, modules: tuple[str, ...] = PR
     ended: set[int] = set()  # whose exit the worker was told
     while True:
         waiting: list[socket.socket | int] = [control, wake_r, *(children[pid] for pid in ended)]
-        readable, _, _ = select.select(waiting, [], [], PARENT_POLL_S)
+        readable, _, _ = select.select(waiting, [], [], 0.0 if later else PARENT_POLL_S)
         if os.getppid() != parent_pid:
             return 1
+        if later and not readable:
+            preload((later.pop(0),))
+            if not later:
+                _send(control, {"ready": True})  # every module imported (ForkServer.wait_ready)
+            continue
         if wake_r in readable:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 512)
@@ -274,10 +283,16 @@ class ForkedChild:
         self._lock = threading.Lock()
 
     def _settle(self, timeout: float | None) -> int | None:
-        with self._lock:
+        """The exit status once known, waiting up to `timeout` s for it (None: no limit). Another
+        thread waiting already: this one waits for it as long (poll: not at all), as Popen's do."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not (self._lock.acquire(blocking=False) if timeout == 0 else
+                self._lock.acquire(timeout=-1 if timeout is None else timeout)):
+            return self.returncode
+        try:
             if self.returncode is not None:
                 return self.returncode
-            self._answers.settimeout(timeout)
+            self._answers.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
             try:
                 data = self._answers.recv(MAX_MESSAGE)
             except (TimeoutError, BlockingIOError):
@@ -294,6 +309,8 @@ class ForkedChild:
             self.returncode = code
             self._answers.close()  # release: the server may now reap it
             return code
+        finally:
+            self._lock.release()
 
     def poll(self) -> int | None:
         return self._settle(0.0)
@@ -344,6 +361,32 @@ class ForkServer:
             line = raw.decode("utf-8", "replace").rstrip()
             self._stderr.append(line)
             log.debug("fork server: %s", line)
+
+    def wait_ready(self, timeout_s: float = SPAWN_TIMEOUT_S) -> bool:
+        """Wait until the server has imported every module it preloads (it serves requests
+        before: they fork with what it has so far). False if it did not within `timeout_s`
+        or is down."""
+        if self._control is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline and not self.why_down():
+                self._control.settimeout(min(1.0, max(0.0, deadline - time.monotonic())))
+                try:
+                    data = self._control.recv(MAX_MESSAGE)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return False
+                if not data:
+                    return False
+                with contextlib.suppress(ValueError, TypeError):
+                    if json.loads(data).get("ready"):
+                        return True
+            return False
+        finally:
+            if self._control is not None:
+                self._control.settimeout(None)
 
     def why_down(self) -> str:
         """Why the server is not usable (its exit status and last lines), or "" while it runs."""
@@ -419,11 +462,14 @@ class ForkServer:
                            os.fdopen(stderr_r, "rb"))
 
     def close(self) -> None:
-        """End the server: close the control socket (it exits), wait a moment, kill it if need be."""
+        """End the server (when the worker ends: its probes have ended). It holds nothing worth
+        a goodbye, and may be busy importing: closed and terminated at once."""
         if self._control is not None:
             self._control.close()
             self._control = None
         if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:

@@ -10,7 +10,7 @@ that imported torch once. The modes alternate, so host drift falls on both. Per 
   wall_s       spawn → the result line, as the worker waits for it;
   phases       the probe's ``setup_phases`` (where its setup time went).
 
-The server's preload (its start → the first fork's answer) is paid once per worker, while the
+The server's preload (its start → every module imported) is paid once per worker, while the
 worker leases its first trial. Medians per mode, warm-up excluded (`--skip` first runs).
 
     python bench/probe_start.py --device cuda --preset full --samples 1920 --repeats 5 \\
@@ -123,8 +123,8 @@ def main() -> int:
     began = time.perf_counter()
     server = ForkServer(env).start()
     try:
-        probe = server.popen(["-c", "pass"])  # the preload, paid once per worker
-        probe.wait(timeout=args.timeout)
+        if not server.wait_ready(args.timeout):  # the preload, paid once per worker
+            raise SystemExit(f"the fork server did not get ready: {server.why_down() or 'too slow'}")
         preload_s = time.perf_counter() - began
         runs = []
         for repeat in range(args.repeats):

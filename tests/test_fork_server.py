@@ -36,6 +36,7 @@ from autotune.worker import (
 @pytest.fixture(scope="module")
 def server() -> Iterator[ForkServer]:
     server = ForkServer(child_environment(1)).start()
+    assert server.wait_ready(120), server.why_down()  # every module imported (before: torch at least)
     yield server
     server.close()
 
