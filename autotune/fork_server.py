@@ -263,6 +263,37 @@ def main() -> int:
             return 1
 
 
+def probe_children(worker_pid: int, module: str = "autotune.probe_child") -> list[int]:
+    """The running children of worker `worker_pid` that run `module` (Linux /proc; [] elsewhere):
+    started cold, its own children with `module` on their command line; forked, its fork
+    server's children, which show the server's command line but are named after the module's
+    last part (`_run_argv` sets it as they start: a child forked a moment ago may not show yet)."""
+    from autotune.compile_workers import children, process_stat
+
+    def command_line(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
+    def name(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    found = []
+    for pid in children(worker_pid):
+        line = command_line(pid)
+        if module in line:
+            found.append(pid)
+        elif MODULE in line:
+            found += [p for p in children(pid) if name(p) == module.rpartition(".")[2][:15]]
+    return [p for p in found if (process_stat(p) or ["Z"])[0] != "Z"]
+
+
 # --- the worker's side -------------------------------------------------------------------------------
 
 

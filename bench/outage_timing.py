@@ -49,22 +49,16 @@ from typing import Any
 import httpx
 from studylib import environment, free_port, wait_healthy
 
-from autotune.compile_workers import children
+from autotune.fork_server import probe_children
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 CHILD_MODULE = "autotune.probe_child"
 TRIAL_LINE = re.compile(r"trial (\d+) \(([\d.]+) s\):")
 
 
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def probe_child(worker_pid: int) -> int | None:
-    kids = [p for p in children(worker_pid) if CHILD_MODULE in cmdline(p)]
+    """The worker's probe child, forked by its fork server or started cold."""
+    kids = probe_children(worker_pid, CHILD_MODULE)
     return kids[0] if kids else None
 
 

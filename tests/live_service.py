@@ -27,12 +27,12 @@ from typing import Any, TypeVar
 
 import httpx
 
+from autotune import fork_server
 from autotune.compile_workers import children
 
 T = TypeVar("T")
 CLI = [sys.executable, "-m", "autotune.cli"]
 CHILD_MODULE = "autotune.probe_child"
-FORK_SERVER_MODULE = "autotune.fork_server"
 
 # A search space whose probes take a few seconds on one CPU thread: micro-batches of 2-4,
 # no accumulation, so (5 warm-up + 5 timed) steps need only 40 samples.
@@ -85,26 +85,9 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def probe_children(worker_pid: int) -> list[int]:
-    """The worker's live probe child processes (found through /proc): started cold, its
-    children running the probe child's module; forked, its fork server's children named
-    after that module (autotune.fork_server)."""
-    found = []
-    for pid in children(worker_pid):
-        line = cmdline(pid)
-        if CHILD_MODULE in line:
-            found.append(pid)
-        elif FORK_SERVER_MODULE in line:
-            found += [p for p in children(pid) if process_name(p) == CHILD_MODULE.rpartition(".")[2]]
-    return [p for p in found if is_alive(p)]
+    """The worker's live probe child processes, forked or started cold (found through /proc)."""
+    return fork_server.probe_children(worker_pid, CHILD_MODULE)
 
 
 def is_alive(pid: int) -> bool:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from live_service import is_alive, process_name, wait_until
+from live_service import is_alive, wait_until
 
-from autotune.fork_server import ForkedChild, ForkServer, ForkServerError
+from autotune.fork_server import ForkedChild, ForkServer, ForkServerError, probe_children
 from autotune.probe_child import ChildJob
 from autotune.worker import (
     CHILD_MODULE,
@@ -99,7 +99,7 @@ def test_the_worker_forks_its_probe_children_and_detects_its_hardware_through_th
     child = ProbeProcess([sys.executable, "-m", CHILD_MODULE], job, server.env, server=server)
     assert isinstance(child.proc, ForkedChild)
     # ps shows the server's command line for it: its name says which it is (set as it starts)
-    wait_until(lambda: process_name(child.pid) == "probe_child", 10, "the forked child to name itself")
+    wait_until(lambda: probe_children(os.getpid()) == [child.pid], 10, "the forked child to name itself")
     events: list[tuple[str, Any]] = []
     while not events or events[-1][0] != "eof":
         events.append(child.events.get(timeout=120))
