@@ -34,6 +34,8 @@ request   worker → server on the control socket: one JSON object ``{"argv": ["
           a fresh socket pair that carries this child's answers.
 answers   server → worker on that per-child socket: ``{"pid": PID}`` once forked, then
           ``{"exit": CODE}`` (Popen's returncode: negative for a signal) once it ended.
+ready     server → worker on the control socket, once: ``{"ready": true}`` when every module
+          is imported (`ForkServer.wait_ready`; requests before it are served with what is).
 release   the worker closes its end once it has the exit status; only then does the server
           reap the child (until then it stays a zombie, as a Popen child does until waited
           for), so a pid the worker signals is never another process's.
@@ -41,7 +43,7 @@ release   the worker closes its end once it has the exit status; only then does 
 The child leads a new session (the worker kills its process group: DataLoader and compile
 workers with it), and its ``AUTOTUNE_PARENT_PID`` is the server's: a probe dies with the
 server (`autotune.probe_child.watch_parent`), the server with the worker (PR_SET_PDEATHSIG,
-and a poll of its parent pid). The worker closing the control socket ends the server.
+and a poll of its parent pid). The worker ends the server as it ends (`ForkServer.close`).
 
 `ForkServer` is the worker's side: `popen` returns a `ForkedChild`, which a
 `autotune.worker.ProbeProcess` uses as it uses a `subprocess.Popen`. When the server

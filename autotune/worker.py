@@ -1274,10 +1274,12 @@ DETECT_SCRIPT = ("import json, sys\n"
                  "    sys.exit(2)\n")
 
 
-def run_python(args: list[str], server: ForkServer | None = None, timeout_s: float = 300.0) -> tuple[int, str, str]:
-    """``python ARGS`` in a short-lived child (forked from `server` when it can, else started
-    cold): its (exit status, stdout, stderr). Raises subprocess.TimeoutExpired past `timeout_s`."""
-    if server is not None and server.down is None:
+def run_python(args: list[str], server: ForkServer | None = None, timeout_s: float | None = 300.0,
+               env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+    """``python ARGS`` in a short-lived child (forked from `server` when it can and `env`, if
+    given, is the server's; else started cold in `env`, default this process's): its (exit
+    status, stdout, stderr). Raises subprocess.TimeoutExpired past `timeout_s` (None: no limit)."""
+    if server is not None and server.down is None and (env is None or dict(env) == server.env):
         try:
             child = server.popen(args)
         except ForkServerError as exc:
@@ -1306,7 +1308,8 @@ def run_python(args: list[str], server: ForkServer | None = None, timeout_s: flo
             for stream in streams:
                 stream.close()
             return code, texts[0], texts[1]
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout_s, check=False,
+                          env=None if env is None else dict(env))
     return proc.returncode, proc.stdout, proc.stderr
 
 

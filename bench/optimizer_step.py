@@ -39,17 +39,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from studylib import run_cli
+
 HERE = Path(__file__).resolve().parent
 
 
 def probe_once(workload: str, preset: str, device: str, config: dict[str, Any], env: dict[str, str],
                samples: int | None, timeout: float) -> dict[str, Any]:
-    """One probe in a fresh process (`autotune probe --json`); its result, or a failure record."""
-    cmd = [sys.executable, "-m", "autotune.cli", "probe", "--json", "--workload", workload, "--preset", preset,
-           "--device", device, "--config", json.dumps(config)]
+    """One probe in a process of its own, as a worker runs it (`autotune probe --json`, forked by
+    studylib.run_cli); its result, or a failure record."""
+    cmd = ["probe", "--json", "--workload", workload, "--preset", preset, "--device", device,
+           "--config", json.dumps(config)]
     if samples:
         cmd += ["--samples", str(samples)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    proc = run_cli(cmd, env=env, timeout=timeout)
     try:
         result: dict[str, Any] = json.loads(proc.stdout)
     except json.JSONDecodeError:

@@ -1,7 +1,9 @@
-"""Benchmark: probe a set of configurations, each several times, each in a fresh process.
+"""Benchmark: probe a set of configurations, each several times, each in a process of its own.
 
 Every probe runs as `python -m autotune.cli probe --json` in its own process, as a worker
-would run it, so process start, CUDA context creation and compile are all real. The
+runs it: forked from a fork server that imported torch once (studylib.run_cli;
+AUTOTUNE_WARM_START=0: a fresh interpreter each), so CUDA context creation and compile are
+all real. The
 inductor cache directory is shared between the runs of this benchmark: the first run of
 a compiled config is a cold compile, later runs of it hit the warm cache.
 
@@ -18,10 +20,11 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from studylib import run_cli
 
 # The configurations of the probe-engine issue, on the `full` preset. The data pipeline is
 # the source research's starting point (8 workers, prefetch 4) in all of them.
@@ -38,13 +41,13 @@ DEFAULT_CONFIGS: dict[str, dict] = {
 
 
 def run_one(config: dict, args: argparse.Namespace, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-m", "autotune.cli", "probe", "--json", "--workload", args.workload,
-           "--preset", args.preset, "--device", args.device, "--config", json.dumps(config)]
+    cmd = ["probe", "--json", "--workload", args.workload, "--preset", args.preset, "--device", args.device,
+           "--config", json.dumps(config)]
     if args.samples:
         cmd += ["--samples", str(args.samples)]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        proc = run_cli(cmd, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"failure": {"kind": "timeout", "message": f"no result within {args.timeout} s"},
                 "wall_s": time.perf_counter() - t0}

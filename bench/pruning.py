@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
+from studylib import environment, free_port, hardware_class, pyplot, run_cli, wait_healthy
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 STUDY = "pruning-bench"
@@ -117,11 +117,11 @@ def rerun(args: argparse.Namespace) -> None:
             print("budget spent; run `rerun` again for the rest")
             break
         config = {k: v for k, v in trial["config"].items() if k != "effective_batch"}
-        cmd = [*CLI, "probe", "--json", "--workload", "ups", "--preset", document["spec"]["preset"],
+        cmd = ["probe", "--json", "--workload", "ups", "--preset", document["spec"]["preset"],
                "--device", args.device, "--config", json.dumps(config), "--samples", str(probe["samples"]),
                "--seed", "0"]
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = run_cli(cmd, timeout=600)
         wall = time.time() - t0
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         result = json.loads(lines[-1]) if lines else {"failure": {"kind": "error", "message": proc.stderr[-1500:]}}

@@ -1,19 +1,24 @@
-"""Helpers shared by the benchmarks that run real studies (pruning.py, tuning.py, service_load.py):
-a free port, the hardware class a worker on a device reports, the run's environment, and
-waiting for a freshly started service."""
+"""Helpers shared by the benchmarks: a free port, the hardware class a worker on a device
+reports, the run's environment, waiting for a freshly started service, and running
+`autotune probe` as a worker runs its probes (`run_cli`)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
+from autotune.fork_server import ForkServer
 from autotune.host_telemetry import cpu_model
+from autotune.worker import run_python
 
 
 def free_port() -> int:
@@ -54,6 +59,30 @@ def wait_healthy(http: httpx.Client, proc: subprocess.Popen[bytes], timeout: flo
             pass
         time.sleep(0.2)
     raise SystemExit("the service did not become healthy")
+
+
+_FORK_SERVERS: dict[tuple[tuple[str, str], ...], ForkServer] = {}
+
+
+def run_cli(args: list[str], env: Mapping[str, str] | None = None, timeout: float | None = None,
+            warm: bool = True) -> subprocess.CompletedProcess[str]:
+    """``python -m autotune.cli ARGS`` (an `autotune probe --json`, say) as a worker starts its
+    probe children: forked from a fork server (autotune/fork_server.py) that imported torch
+    once, one server per environment for the harness's whole run; each probe is still a
+    process of its own (its own CUDA context, compile state and memory). ``warm=False`` (for
+    an environment used once) or AUTOTUNE_WARM_START=0 starts a fresh interpreter instead.
+    Raises subprocess.TimeoutExpired past `timeout` s."""
+    environment = dict(os.environ if env is None else env)
+    server = None
+    if warm and os.environ.get("AUTOTUNE_WARM_START", "1").lower() not in ("0", "false", "no") \
+            and sys.platform.startswith("linux"):
+        key = tuple(sorted(environment.items()))
+        server = _FORK_SERVERS.get(key)
+        if server is None:
+            server = _FORK_SERVERS[key] = ForkServer(environment).start()
+            atexit.register(server.close)
+    code, out, err = run_python(["-m", "autotune.cli", *args], server, timeout, env=environment)
+    return subprocess.CompletedProcess(["autotune", *args], code, out, err)
 
 
 def pyplot() -> Any:

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
-from studylib import environment, free_port, hardware_class, pyplot, wait_healthy
+from studylib import environment, free_port, hardware_class, pyplot, run_cli, wait_healthy
 
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
 from autotune.gate import window_rate
@@ -403,15 +403,17 @@ def top_configs(root: Path, top: int) -> list[dict[str, Any]]:
 
 
 def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str,
-           env: dict[str, str] | None = None, windows: int | None = None) -> dict[str, Any]:
+           env: dict[str, str] | None = None, windows: int | None = None, warm: bool = True) -> dict[str, Any]:
+    """One `autotune probe --json` in a process of its own, as a worker runs it (studylib.run_cli:
+    forked from a fork server; `warm=False`: a fresh interpreter, for an environment used once)."""
     knobs = {k: v for k, v in config.items() if k != "effective_batch"}
-    cmd = [*CLI, "probe", "--preset", preset, "--device", device, "--config", json.dumps(knobs), "--json"]
+    cmd = ["probe", "--preset", preset, "--device", device, "--config", json.dumps(knobs), "--json"]
     if samples:
         cmd += ["--samples", str(samples)]
     if windows:
         cmd += ["--windows", str(windows)]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    proc = run_cli(cmd, env=env, warm=warm)
     if not proc.stdout.strip():
         raise SystemExit(f"probe printed nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -462,7 +464,8 @@ def cache_states(args: argparse.Namespace) -> None:
             if state == "cold" or cache is None:
                 cache = root / f"config{i}-{n}"
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-            probe = _probe(row["config"], row["samples"] or preset_samples, args.device, args.preset, env)
+            probe = _probe(row["config"], row["samples"] or preset_samples, args.device, args.preset, env,
+                           warm=False)  # a cache directory of its own: this environment is used once
             entry["probes"].append({"state": state, "cache": str(cache), **probe})
             out.write_text(json.dumps(doc, indent=1))  # after every probe: a cut-off run keeps what it measured
             print(f"[{i + 1}] {row['strategy']} #{row['number']} {state}: {probe['throughput_samples_per_s'] or 0:.0f} "
