@@ -1303,10 +1303,11 @@ def run_python(args: list[str], server: ForkServer | None = None, timeout_s: flo
                     os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 raise
-            for reader in readers:
-                reader.join(timeout=5.0)
-            for stream in streams:
-                stream.close()
+            finally:
+                for reader in readers:
+                    reader.join(timeout=5.0)
+                for stream in streams:
+                    stream.close()
             return code, texts[0], texts[1]
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout_s, check=False,
                           env=None if env is None else dict(env))

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from live_service import is_alive, wait_until
 
+from autotune.compile_workers import children
 from autotune.fork_server import ForkedChild, ForkServer, ForkServerError, probe_children
 from autotune.probe_child import ChildJob
 from autotune.worker import (
@@ -29,6 +30,7 @@ from autotune.worker import (
     WorkerOptions,
     child_environment,
     detect_hardware,
+    run_python,
     start_fork_server,
 )
 
@@ -87,6 +89,14 @@ def test_exit_status_poll_wait_and_signals_read_as_a_popen_childs(server: ForkSe
     os.killpg(sleeper.pid, signal.SIGTERM)
     assert sleeper.wait(timeout=30) == -signal.SIGTERM
     wait_until(lambda: not os.path.exists(f"/proc/{sleeper.pid}"), 10, "the server to reap the released child")
+
+
+def test_a_short_lived_child_past_its_limit_is_killed(server: ForkServer) -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(["-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"], server, timeout_s=1.0)
+    assert server.proc is not None
+    assert not [p for p in children(server.proc.pid) if is_alive(p)]  # killed, and released to be reaped
+    assert run_python(["-c", "print('next')"], server) == (0, "next\n", "")  # the server serves on
 
 
 def test_the_worker_forks_its_probe_children_and_detects_its_hardware_through_the_server(
