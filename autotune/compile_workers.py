@@ -52,6 +52,22 @@ def process_stat(pid: int | str) -> list[str] | None:
     return stat[stat.rfind(")") + 2:].split()
 
 
+def cmdline(pid: int) -> str:
+    """The command line of `pid`, its arguments joined by spaces ("" once it is gone or without /proc)."""
+    try:
+        return (_PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def process_name(pid: int) -> str:
+    """The name of `pid` (/proc/PID/comm: what ps -o comm shows; "" once it is gone)."""
+    try:
+        return (_PROC / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def children(pid: int) -> list[int]:
     """The live child processes of `pid` (Linux /proc; [] elsewhere or once `pid` is gone)."""
     try:

@@ -270,29 +270,15 @@ def probe_children(worker_pid: int, module: str = "autotune.probe_child") -> lis
     started cold, its own children with `module` on their command line; forked, its fork
     server's children, which show the server's command line but are named after the module's
     last part (`_run_argv` sets it as they start: a child forked a moment ago may not show yet)."""
-    from autotune.compile_workers import children, process_stat
-
-    def command_line(pid: int) -> str:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            return ""
-
-    def name(pid: int) -> str:
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                return f.read().strip()
-        except OSError:
-            return ""
+    from autotune.compile_workers import children, cmdline, process_name, process_stat
 
     found = []
     for pid in children(worker_pid):
-        line = command_line(pid)
+        line = cmdline(pid)
         if module in line:
             found.append(pid)
         elif MODULE in line:
-            found += [p for p in children(pid) if name(p) == module.rpartition(".")[2][:15]]
+            found += [p for p in children(pid) if process_name(p) == module.rpartition(".")[2][:15]]
     return [p for p in found if (process_stat(p) or ["Z"])[0] != "Z"]
 
 

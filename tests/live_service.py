@@ -77,14 +77,6 @@ def wait_until(predicate: Callable[[], T | None], timeout: float, what: str, int
         time.sleep(interval)
 
 
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def probe_children(worker_pid: int) -> list[int]:
     """The worker's live probe child processes, forked or started cold (found through /proc)."""
     return fork_server.probe_children(worker_pid, CHILD_MODULE)

@@ -22,7 +22,6 @@ from live_service import (
     CLI,
     LiveService,
     Processes,
-    cmdline,
     free_port,
     is_alive,
     leased_trial_ids,
@@ -33,7 +32,7 @@ from live_service import (
     wait_until,
 )
 
-from autotune.compile_workers import children
+from autotune.compile_workers import children, cmdline
 from autotune.demo import BASELINE_SEEDS
 
 pytestmark = pytest.mark.slow
