@@ -488,7 +488,7 @@ def worker(
                                                    "hardware class).")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or cuda:N,M,... (several GPUs: split into groups "
                                              "of --gpus-per-trial, one lease loop each).")] = "cpu",
-    gpus_per_trial: Annotated[int, typer.Option(help="GPUs per trial (torchrun + DDP/FSDP2 on this host; with "
+    gpus_per_trial: Annotated[int, typer.Option(help="GPUs per trial (N ranks, DDP/FSDP2 on this host; with "
                                                      "--device cpu: gloo processes). Only studies with this "
                                                      "gpus_per_trial are leased.", min=1, max=64)] = 1,
     max_trials: Annotated[int | None, typer.Option(help="Exit after this many trials (per GPU group).",

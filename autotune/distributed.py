@@ -1,13 +1,16 @@
-"""Multi-GPU probes: one trial over N local processes, launched with torchrun.
+"""Multi-GPU probes: one trial over N local processes, forked by one launcher.
 
 A study with ``gpus_per_trial`` N > 1 runs every probe (baselines, trials, re-measurements)
 on N processes of one host: one per GPU with NCCL, or N CPU processes with gloo (tests). The
-worker starts ``python -m autotune.distributed`` (the *launcher*) in its own process group;
-the launcher runs ``torch.distributed.run`` (torchrun, ``--standalone``) in-process, which
-starts the N *ranks* (``python -m autotune.distributed rank``), each in its own session.
+worker starts ``python -m autotune.distributed`` (the *launcher*) in its own process group.
+The launcher imports torch and the probe once, then forks the N *ranks* (`launch_main`), each
+in its own session: a rank starts in a few hundredths of a second instead of importing torch
+for itself (seconds of CPU each; what torchrun's fresh interpreters would cost). It forks
+from its only thread, before any CUDA context exists (checked): each rank creates its own.
+The ranks meet at a TCP store that rank 0 serves on a socket the launcher opened before the
+forks (its port is in every rank's MASTER_PORT), so no port is picked and then raced for.
 
-The job directory (``$AUTOTUNE_JOB_DIR``, made by the worker with `prepare_job_dir`) carries
-everything torchrun does not (it does not forward stdin to the ranks):
+The job directory (``$AUTOTUNE_JOB_DIR``, made by the worker with `prepare_job_dir`) carries:
 
 ``job.json``        the `ChildJob` (workload, preset, config, probe settings, world_size)
 ``stop``            created by the worker to prune: rank 0 sees it at the next window end
@@ -19,10 +22,10 @@ everything torchrun does not (it does not forward stdin to the ranks):
 Output: rank 0 alone writes the protocol of `autotune.probe_child` on stdout (report lines
 after every window with the global throughput and the mean loss over ranks, then the
 result); every rank points its own fd 1 at stderr. A rank whose probe fails writes its
-record and exits 1 at once: torchrun then kills the other ranks (they may be blocked in a
-collective) and exits non-zero, and the worker completes the trial with the earliest record
-(`collect_failure`: the first failure is the cause, later ones are its echo, e.g. a peer's
-"connection closed").
+record and exits 1 at once: the launcher then kills the other ranks (they may be blocked in
+a collective), says on stderr which rank ended how, and exits 1; the worker completes the
+trial with the earliest record (`collect_failure`: the first failure is the cause, later
+ones are its echo, e.g. a peer's "connection closed").
 
 No orphans: the launcher dies with the worker (`watch_parent`: PR_SET_PDEATHSIG + watchdog);
 each rank watches the launcher the same way ($AUTOTUNE_PARENT_PID is the launcher's pid in
@@ -30,25 +33,27 @@ the ranks' environment) and takes its process group (DataLoader workers) with it
 worker's kill of the launcher's group is followed by a kill of every rank's group
 (`kill_ranks`, from the pid files). A prune or a kill therefore leaves no process behind.
 
-The NCCL knobs (``nccl_nsocks_perthread`` …) become environment variables of the launch
-(`nccl_environment`), set by the launcher before torchrun starts the ranks. Each rank gets
-OMP_NUM_THREADS = the worker's --threads, else cores // N (torchrun's own default is 1, which
-would starve a rank's host side next to a single-GPU probe that has every core). torchrun's
-logs go into the job directory.
+The NCCL knobs (``nccl_nsocks_perthread`` …) become environment variables of the ranks
+(`nccl_environment`), set by the launcher before it forks them. Each rank gets
+OMP_NUM_THREADS = the worker's --threads, else cores // N (a single-GPU probe has every
+core; N ranks share them).
 
-This module imports torch only inside `launch_main` and `rank_main`: the worker imports it.
+This module imports torch only inside the launcher and the ranks: the worker imports it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,6 +65,8 @@ JOB_FILE = "job.json"
 STOP_FILE = "stop"
 STOP_POLL_S = 0.1
 MAX_WORLD_SIZE = 64
+STORE_HOST = "127.0.0.1"  # the ranks' rendezvous store (one host: NCCL finds its own interfaces)
+STORE_TIMEOUT_S = 300.0  # joining the process group: every rank connects within this
 
 
 def prepare_job_dir(job_json: str, parent: str | None = None) -> Path:
@@ -121,7 +128,7 @@ def _runs_job(pid: int, job_dir: Path) -> bool:
 
 def kill_ranks(job_dir: Path) -> None:
     """SIGKILL the process group of every rank of this job that is still alive (each rank
-    leads its own session: torchrun starts it so)."""
+    leads its own session)."""
     for pid in rank_pids(job_dir):
         if _runs_job(pid, job_dir):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -138,31 +145,113 @@ def _job_dir() -> Path:
     return Path(value)
 
 
-def launch_main() -> int:
-    """The launcher: die with the worker, export the NCCL knobs, run torchrun with N ranks."""
-    from autotune.probe_child import ChildJob, watch_parent
+def _describe(status: int) -> str:
+    """A wait status in words: "exited with 1", "was killed by SIGKILL"."""
+    if os.WIFSIGNALED(status):
+        return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exited with {os.waitstatus_to_exitcode(status)}"
 
-    watch_parent()
+
+def launch_main() -> int:
+    """The launcher (see the module docstring): import once, fork the N ranks, wait for them;
+    the first rank to fail ends the others. 0 when every rank ended well, else 1."""
+    from autotune.probe_child import PARENT_PID_ENV, set_parent_death_signal, watch_parent
+
+    set_parent_death_signal()  # the watchdog thread comes after the forks (fork from one thread only)
     job_dir = _job_dir()
-    job = ChildJob.from_json((job_dir / JOB_FILE).read_text())
+    job = _load_job(job_dir)
     if not 2 <= job.world_size <= MAX_WORLD_SIZE:
         print(f"autotune.distributed: world_size {job.world_size} is not in [2, {MAX_WORLD_SIZE}]", file=sys.stderr)
         return 2
+    worker = os.environ.get(PARENT_PID_ENV, "")
+    worker_pid = int(worker) if worker.isdigit() else os.getppid()
     os.environ.update(nccl_environment(job.config))
-    os.environ["AUTOTUNE_PARENT_PID"] = str(os.getpid())  # the ranks die with this launcher
-    # torchrun would give each rank 1 intra-op thread; a single-GPU probe has them all, so share them
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the ranks die with this launcher
+    # one process per GPU would get all the host's cores each: share them (the worker's --threads wins)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
-    from torch.distributed.run import main as torchrun
-
-    # torchrun's own logs go into the job directory (removed with it), not into a new /tmp dir per probe
-    args = ["--standalone", f"--nproc-per-node={job.world_size}", "--max-restarts=0",
-            f"--log-dir={job_dir / 'torchrun'}", "--module", "autotune.distributed", "rank"]
+    _preload()
+    # the store's listening socket, made before the forks: rank 0 serves the store on it, the
+    # others connect to its port (no port is chosen and then raced for)
+    listener = socket.create_server((STORE_HOST, 0), backlog=MAX_WORLD_SIZE)
+    ranks: dict[int, int] = {}  # pid -> rank
     try:
-        torchrun(args)
-    except Exception as e:  # ChildFailedError (a rank failed: its record says why), SignalException
-        print(f"autotune.distributed: {type(e).__name__}: {str(e).strip()[:2000]}", file=sys.stderr)
-        return 1
-    return 0
+        for rank in range(job.world_size):
+            pid = os.fork()
+            if pid == 0:
+                _rank_process(rank, job.world_size, listener)  # never returns
+            ranks[pid] = rank
+            (job_dir / f"rank-{rank}.pid").write_text(str(pid))  # before the rank runs: kill_ranks finds it
+    finally:
+        listener.close()
+    watch_parent(worker_pid)
+    return _wait_for_ranks(ranks, job_dir)
+
+
+def _load_job(job_dir: Path) -> Any:
+    from autotune.probe_child import ChildJob
+
+    return ChildJob.from_json((job_dir / JOB_FILE).read_text())
+
+
+def _preload() -> None:
+    """What every rank imports, imported once here so the forked ranks start with it; checks
+    that forking stays safe (one thread, no CUDA context)."""
+    import torch
+    import torch.distributed
+
+    import autotune.probe  # noqa: F401
+
+    if threading.active_count() != 1 or torch.cuda.is_initialized():
+        raise SystemExit("autotune.distributed: the launcher started a thread or CUDA before forking its ranks")
+
+
+def _rank_process(rank: int, world: int, listener: socket.socket) -> None:
+    """In a forked rank: lead a new session, run `rank_main`, exit with its status. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        from autotune.probe_child import set_process_name
+
+        set_process_name(f"rank{rank}")  # ps: each rank shows the launcher's command line
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR=STORE_HOST, MASTER_PORT=str(listener.getsockname()[1]))
+        if rank != 0:
+            listener.close()
+        code = rank_main(listener if rank == 0 else None)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+def _wait_for_ranks(ranks: dict[int, int], job_dir: Path) -> int:
+    """Reap the ranks; at the first that fails, SIGKILL the others' process groups (they may be
+    blocked in a collective, waiting for the one that failed). 0 when all exited 0, else 1."""
+    failed: str | None = None
+    while ranks:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        rank = ranks.pop(pid, None)
+        if rank is None or status == 0 or failed is not None:
+            continue
+        failed = f"rank {rank} {_describe(status)}"
+        print(f"autotune.distributed: {failed}: ending the other {len(ranks)} rank(s)", file=sys.stderr)
+        for other in ranks:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(other, signal.SIGKILL)
+    return 0 if failed is None else 1
 
 
 # --- one rank -------------------------------------------------------------------------------
@@ -189,16 +278,17 @@ def _watch_stop_file(job_dir: Path, stop: threading.Event) -> None:
     threading.Thread(target=poll, name="stop-file", daemon=True).start()
 
 
-def rank_main() -> int:
-    """One rank: join the process group, run the probe on this rank's device, then either
-    write the result (rank 0) or, on failure, the rank's record (and exit 1 at once)."""
+def rank_main(listener: socket.socket | None = None) -> int:
+    """One rank (forked by the launcher: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set; rank 0 gets the store's listening socket): join the process group, run
+    the probe on this rank's device, then either write the result (rank 0) or, on failure,
+    the rank's record (and exit 1 at once)."""
     from autotune.probe_child import ChildJob, ProtocolWriter, claim_stdout, run_job, watch_parent
 
     watch_parent()
     out = claim_stdout()
     job_dir = _job_dir()
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    (job_dir / f"rank-{rank}.pid").write_text(str(os.getpid()))
     job = ChildJob.from_json((job_dir / JOB_FILE).read_text())
     import torch
 
@@ -210,7 +300,12 @@ def rank_main() -> int:
     try:
         if cuda:
             torch.cuda.set_device(local_rank)
-        torch.distributed.init_process_group(backend="nccl" if cuda else "gloo")
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = torch.distributed.TCPStore(host, port, world, is_master=rank == 0, wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+                                           master_listen_fd=listener.fileno() if listener is not None else None)
+        torch.distributed.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank,
+                                             world_size=world)
     except Exception as e:
         from autotune.probe import ProbeResult
 
@@ -225,7 +320,7 @@ def rank_main() -> int:
     if result.get("failure"):
         _write_record(job_dir, rank, world, result)
         sys.stderr.flush()
-        os._exit(1)  # now: the peers may be blocked in a collective; torchrun ends them
+        os._exit(1)  # now: the peers may be blocked in a collective; the launcher ends them
     if rank == 0:  # stopped_early is the probe's own: set when every rank stopped at rank 0's word
         out.write({"type": "result", "result": result})
     torch.distributed.destroy_process_group()
@@ -234,11 +329,8 @@ def rank_main() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["rank"]:
-        return rank_main()
     if argv:
-        print("usage: python -m autotune.distributed [rank]  (the job directory comes in $AUTOTUNE_JOB_DIR)",
-              file=sys.stderr)
+        print("usage: python -m autotune.distributed  (the job directory comes in $AUTOTUNE_JOB_DIR)", file=sys.stderr)
         return 2
     return launch_main()
 

@@ -200,10 +200,15 @@ def apply_ddp(model: nn.Module, config: TrainConfig, notes: Notes, device: torch
         except ImportError as e:
             raise ProbeError("unsupported", f"parallel=fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6; "
                                             f"installed {torch.__version__}); use parallel=ddp") from e
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # the probe's device type, not the host's accelerator (fully_shard's default mesh): gloo
+        # ranks of a CPU probe on a GPU host shard on the CPU
+        mesh = init_device_mesh(device.type, (world,))
         blocks = [m for m in model.modules() if hasattr(m, "checkpoint") and not isinstance(m, nn.ModuleList)]
         for block in blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         for name in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"):
             notes[name] = f"{_shown(getattr(config, name))} (inactive: parallel=fsdp2)"
         notes["parallel"] = f"fsdp2: fully_shard on {len(blocks)} blocks + root, {world} ranks ({backend})"

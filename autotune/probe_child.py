@@ -17,8 +17,8 @@ stderr  everything else (logging, warnings, library chatter). File descriptor 1 
 Exit status 0 whenever the result line was written (the probe's failure, if any, is in it).
 
 This is the single-process probe. A probe over several GPUs (``world_size`` > 1) runs under
-torchrun instead (`autotune.distributed`): the same job and the same stdout protocol, written
-by rank 0, with the job passed in a file (torchrun does not forward stdin).
+ranks forked by one launcher instead (`autotune.distributed`): the same job and the same stdout
+protocol, written by rank 0, with the job passed in a file.
 SIGTERM asks the probe to stop at the next window boundary: the result then has
 ``stopped_early`` set (the worker sends it after the service said prune).
 
@@ -66,7 +66,7 @@ class ChildJob:
     device: str = "cpu"
     probe: dict[str, Any] = field(default_factory=dict)  # ProbeSpec fields
     threads: int | None = None  # torch intra-op threads (None: torch's default)
-    world_size: int = 1  # processes of the probe: > 1 runs under torchrun (autotune.distributed)
+    world_size: int = 1  # processes of the probe: > 1 runs as N ranks (autotune.distributed)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -198,7 +198,7 @@ class StudySpec(Strict):
                                                           "probe, up to this many times; then it stays failed")
     seed: int | None = Field(None, ge=0, le=2**32 - 1, description="sampler seed (0 to 2^32 - 1)")
     gpus_per_trial: int = Field(1, ge=1, le=64, description="GPUs (world size) of every probe of the study, "
-                                                            "baselines included: > 1 runs DDP/FSDP2 under torchrun "
+                                                            "baselines included: > 1 runs DDP/FSDP2 over N ranks "
                                                             "on one host; only workers started with the same "
                                                             "--gpus-per-trial get its trials (cpu: gloo processes)")
     _workload_checked: bool = PrivateAttr(False)

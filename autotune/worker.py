@@ -1,7 +1,7 @@
 """The worker: lease a trial, run its probe in a child process, report, complete; repeat.
 
 One worker serves one device, or several *GPU groups* (`plan_groups`): with
-``--gpus-per-trial N`` every trial runs on N GPUs at once (torchrun, `autotune.distributed`),
+``--gpus-per-trial N`` every trial runs on N GPUs at once (`autotune.distributed`),
 and ``--device cuda:0,1,2,3 --gpus-per-trial 2`` makes two groups (GPUs 0,1 and 2,3), each
 with its own lease loop (a thread; worker id suffixed with the group) and its own trials.
 ``--device cpu --gpus-per-trial 2`` runs 2 gloo processes per trial (tests, smoke runs). The
@@ -39,10 +39,11 @@ probe     `python -m autotune.probe_child` in its own process group (see probe_c
           worker's fork server (`autotune.fork_server`), which imported torch, torch._dynamo
           and the probe once, in that same environment; the hardware detection at start is
           forked from it too. A server that cannot serve leaves the children starting cold.
-          A group of N > 1 GPUs runs `python -m autotune.distributed` instead (torchrun, N
-          ranks, CUDA_VISIBLE_DEVICES = the group's GPUs), the job in a job directory: prune
-          = its stop file; a kill ends the launcher's group and every rank's group; a rank's
-          failure record (kind, message naming the rank) becomes the trial's result.
+          A group of N > 1 GPUs runs `python -m autotune.distributed` instead (a launcher
+          that imports torch once and forks N ranks, CUDA_VISIBLE_DEVICES = the group's
+          GPUs), the job in a job directory: prune = its stop file; a kill ends the
+          launcher's group and every rank's group; a rank's failure record (kind, message
+          naming the rank) becomes the trial's result.
 monitor   drains the child's stdout (its report lines and its result) and acts on decisions;
           it never waits on the network. A `Courier` thread carries the reports to POST /report
           and a heartbeat every `heartbeat_s` to the service (reply prune → SIGTERM the child:
@@ -474,7 +475,7 @@ class ProbeProcess:
 
     def request_stop(self) -> None:
         """Ask the probe to stop at its next window boundary (prune): SIGTERM to a single
-        child; the stop file of a distributed one (torchrun would take SIGTERM as "kill")."""
+        child; the stop file of a distributed one (its launcher takes SIGTERM as "kill")."""
         if self.job_dir is not None:
             request_stop(self.job_dir)
         else:
@@ -775,7 +776,7 @@ def final_result(run: TrialRun, hardware: Hardware, stderr_tail: str) -> dict[st
                                  f"(+{hard_timeout_grace_s(timeout):g} s grace) and was killed")
     if run.prune_reason is not None:
         return partial_result(run, hardware)
-    if run.rank_failure is not None:  # a rank failed: torchrun ended the others; its record says why
+    if run.rank_failure is not None:  # a rank failed: the launcher ended the others; its record says why
         return run.rank_failure
     why = describe_exit(run.returncode if run.returncode is not None else -1)
     return failed("error", f"{why}; stderr tail:\n{stderr_tail}" if stderr_tail else why)
@@ -864,7 +865,7 @@ class Worker:
             device = hw.device_name
         if self.group.world_size > 1:
             kind = "GPUs" if self.group.is_cuda else "gloo processes on the cpu"
-            device = f"{device} · {self.group.world_size} {kind} per trial ({self.group.name}, torchrun)"
+            device = f"{device} · {self.group.world_size} {kind} per trial ({self.group.name})"
         self.console.print(f"[bold]autotune worker[/] {self.worker_id}")
         self.console.print(f"  device   {device}")
         cpu = f" · {escape(hw.cpu_model)}, {hw.cpu_count} cores" if hw.cpu_model else ""  # host-bound configs follow it
@@ -1332,7 +1333,7 @@ def detect_hardware(device: str, server: ForkServer | None = None) -> Hardware:
 def start_fork_server(options: WorkerOptions) -> ForkServer | None:
     """The worker's fork server (`autotune.fork_server`), started in the environment its probe
     children get, or None: warm starts off (--cold-start), not Linux, several GPUs per trial
-    (the distributed launcher starts cold: its ranks see only their group's GPUs), or the
+    (the distributed launcher starts cold, with its group's GPUs, and forks its ranks itself), or the
     server could not be started (said; the children start cold)."""
     if not options.warm_start or options.gpus_per_trial != 1 or not sys.platform.startswith("linux"):
         return None

@@ -5,7 +5,7 @@ GPU, eager by default) on 1 GPU and on 2 GPUs, with gradient accumulation 1 and 
 GPUs with DDP bucket_cap_mb ∈ {1, 25, 100} (plus accumulation 4 without no_sync, to show
 what skipping the all-reduce of the inner micro-batches is worth). Every probe runs in a fresh
 process exactly as `autotune worker` starts it: the single-GPU child
-(``python -m autotune.probe_child``, job on stdin) or, for 2 GPUs, the torchrun launcher
+(``python -m autotune.probe_child``, job on stdin) or, for 2 GPUs, the distributed launcher
 (``python -m autotune.distributed``, job directory, CUDA_VISIBLE_DEVICES = the group), through
 the worker's own `ProbeProcess`. Every probe trains the same number of samples (global).
 

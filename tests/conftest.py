@@ -11,7 +11,7 @@
   tiny, and `make test` runs one test process per core: with torch's default of a thread per
   core, each process's OpenMP threads spin for cores the other holds (a 320-sample CPU probe
   took 25 s so on a busy 2-core host, 2.6 s with one thread). Tests that set threads on
-  purpose (a worker's `--threads`, torchrun's ranks) still pass their own.
+  purpose (a worker's `--threads`, a distributed probe's ranks) still pass their own.
 """
 
 from __future__ import annotations

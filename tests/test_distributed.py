@@ -1,7 +1,7 @@
 """Multi-process probes (autotune.distributed, DDP in autotune.knobs, --gpus-per-trial in the worker).
 
 Everything runs on the CPU with gloo: two real processes stand in for two GPUs. The slow
-tests launch real torchrun probes of the tiny preset (a few seconds each on two cores).
+tests launch real N-rank probes of the tiny preset (a few seconds each on two cores).
 """
 
 from __future__ import annotations
