@@ -425,6 +425,15 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
     return {**{k: result.get(k) for k in keep}, "started": t0, "wall_s": time.time() - t0}
 
 
+@functools.cache
+def _preset_samples(preset: str) -> int:
+    """The preset's probe samples, for a config that does not name its own. Asked only then:
+    `get_workload` imports torch, which the harness otherwise never needs (1.5-2 CPU-seconds)."""
+    from autotune.workloads import get_workload
+
+    return get_workload("ups", preset).defaults.samples
+
+
 def _fidelity_configs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The configs a fidelity or cache run measures: --config's own, else the studies' top ones
     (--only: some of them, by rank, e.g. a repeat)."""
@@ -450,9 +459,6 @@ def cache_states(args: argparse.Namespace) -> None:
     the speed of one that loaded its kernels from the cache?"""
     import tempfile
 
-    from autotune.workloads import get_workload
-
-    preset_samples = get_workload("ups", args.preset).defaults.samples
     out = Path(args.out)
     doc: dict[str, Any] = {"environment": environment(args.device), "sequence": args.sequence, "configs": []}
     root = Path(tempfile.mkdtemp(prefix="autotune-cache-states-"))
@@ -464,7 +470,7 @@ def cache_states(args: argparse.Namespace) -> None:
             if state == "cold" or cache is None:
                 cache = root / f"config{i}-{n}"
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-            probe = _probe(row["config"], row["samples"] or preset_samples, args.device, args.preset, env,
+            probe = _probe(row["config"], row["samples"] or _preset_samples(args.preset), args.device, args.preset, env,
                            warm=False)  # a cache directory of its own: this environment is used once
             entry["probes"].append({"state": state, "cache": str(cache), **probe})
             out.write_text(json.dumps(doc, indent=1))  # after every probe: a cut-off run keeps what it measured
@@ -489,12 +495,9 @@ def fidelity(args: argparse.Namespace) -> None:
     doc: dict[str, Any] = {"environment": environment(args.device), "preset": args.preset, "factor": args.factor,
                            "rounds": args.rounds, "order": args.order, "prime": [], "configs": []}
     started = time.time()  # --deadline-s counts from here: priming included
-    from autotune.workloads import get_workload
-
-    preset_samples = get_workload("ups", args.preset).defaults.samples
     if args.prime:
         for row in configs:
-            doc["prime"].append({**row, "probe": _probe(row["config"], row["samples"] or preset_samples,
+            doc["prime"].append({**row, "probe": _probe(row["config"], row["samples"] or _preset_samples(args.preset),
                                                         args.device, args.preset)})
             out.write_text(json.dumps(doc, indent=1))
     for r in range(args.rounds):
@@ -510,7 +513,7 @@ def fidelity(args: argparse.Namespace) -> None:
                 print(f"stopped before round {r + 1}'s pair of {row['strategy']} #{row['number']}: it would not end "
                       f"within --deadline-s {args.deadline_s:g} (judged by the longest pair so far)", flush=True)
                 return
-            samples = row["samples"] or preset_samples
+            samples = row["samples"] or _preset_samples(args.preset)
             # fine: the long run again, in windows the short probe's size (--fine)
             runs = {side: _probe(row["config"], samples * (1 if side == "short" else args.factor), args.device,
                                  args.preset, windows=args.fine if side == "fine" else None)

@@ -23,18 +23,48 @@ def _run(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess
     return run_bench(script, *args, cwd=cwd)
 
 
-def test_probe_configs_probes_each_config_in_its_own_process_and_reports_them(tmp_path: Path) -> None:
-    out = tmp_path / "probes.json"
-    configs = '{"small": {"batch_size": 4, "accum_steps": 1}, "large": {"batch_size": 8, "accum_steps": 1}}'
-    _run("probe_configs.py", ["--preset", "tiny", "--device", "cpu", "--samples", "80", "--repeats", "1",
-                              "--configs", configs, "--out", str(out)], tmp_path)
-    runs = json.loads(out.read_text())["runs"]
-    assert [(r["name"], r["config"]["batch_size"]) for r in runs] == [("small", 4), ("large", 8)]
+# Two configs, each probed once: a micro-batch of 4 accumulated twice (the tiny preset's own
+# shape) and one of 8 (effective batch 8 both: 80 samples are 10 steps of each)
+PROBE_CONFIGS = '{"baseline": {"batch_size": 4, "accum_steps": 2}, "b8": {"batch_size": 8, "accum_steps": 1}}'
+
+
+def _probe_configs(preset: str, out: Path) -> Path:
+    _run("probe_configs.py", ["--preset", preset, "--device", "cpu", "--samples", "80", "--repeats", "1",
+                              "--configs", PROBE_CONFIGS, "--out", str(out)], out.parent)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_probes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """probe_configs.py over PROBE_CONFIGS on the tiny preset, run once for the module: the
+    probe_configs test checks and reports it, the optimizer-step test tables it beside its
+    tiny-muon run (a run costs about 7 CPU-seconds: the script, its fork server, two probes)."""
+    return _probe_configs("tiny", tmp_path_factory.mktemp("probe-configs") / "tiny.json")
+
+
+def test_probe_configs_probes_each_config_in_its_own_process_and_reports_them(tmp_path: Path,
+                                                                              tiny_probes: Path) -> None:
+    runs = json.loads(tiny_probes.read_text())["runs"]
+    assert [(r["name"], r["config"]["batch_size"]) for r in runs] == [("baseline", 4), ("b8", 8)]
     assert all(r["failure"] is None and r["throughput_samples_per_s"] > 0 and r["samples_trained"] == 80
                for r in runs)
     png = tmp_path / "probes.png"
-    table = _run("report_probe.py", [str(out), "--png", str(png)], tmp_path).stdout
-    assert "| small |" in table and "| large |" in table and png.stat().st_size > 0
+    table = _run("report_probe.py", [str(tiny_probes), "--png", str(png)], tmp_path).stdout
+    assert "| baseline |" in table and "| b8 |" in table and png.stat().st_size > 0
+
+
+def test_the_harness_records_torchs_version_without_importing_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """studylib.environment, in a harness that has not imported torch (a CPU run's: the import
+    would cost it 1.5-2 CPU-seconds), records the version torch's distribution does: the same
+    string as torch.__version__."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import studylib  # a bench module (bench/ is not a package)
+
+    monkeypatch.delitem(sys.modules, "torch")  # as in a process that never imported it (put back after)
+    assert studylib.environment("cpu")["torch"] == torch.__version__
+    assert "torch" not in sys.modules  # read without importing it
 
 
 # The cpu space's knobs with smaller batches (effective batch <= 8, inverse-loss period <= 2), so
@@ -112,19 +142,15 @@ def test_ddp_runs_one_and_two_rank_probes_as_the_worker_launches_them(tmp_path: 
     assert not (tmp_path / "x.json").exists()
 
 
-def test_optimizer_step_runs_the_probe_and_the_apply_loop_and_tables_them(tmp_path: Path) -> None:
-    """The user's-step benchmark on a CPU: probe_configs.py for both ups optimizers, then
-    optimizer_step.py's mirrored probe / apply loop / probe and its table and chart."""
-    configs = '{"baseline": {"batch_size": 4, "accum_steps": 2}, "b8": {"batch_size": 8, "accum_steps": 1}}'
-    probes = []
-    for preset in ("tiny", "tiny-muon"):
-        out = tmp_path / f"{preset}.json"
-        _run("probe_configs.py", ["--preset", preset, "--device", "cpu", "--samples", "80", "--repeats", "1",
-                                  "--configs", configs, "--out", str(out)], tmp_path)
-        probes.append(str(out))
+def test_optimizer_step_runs_the_probe_and_the_apply_loop_and_tables_them(tmp_path: Path, tiny_probes: Path) -> None:
+    """The user's-step benchmark on a CPU: probe_configs.py for both ups optimizers (the tiny
+    preset's run is the module's), then optimizer_step.py's mirrored probe / apply loop / probe
+    and its table and chart. The loop times half a second: only its wiring is checked,
+    and it times at least one step however slow the host (its clock starts just before the first)."""
+    probes = [str(tiny_probes), str(_probe_configs("tiny-muon", tmp_path / "tiny-muon.json"))]
     loop = tmp_path / "loop.json"
     _run("optimizer_step.py", ["loop", "--preset", "tiny-muon", "--device", "cpu", "--samples", "80",
-                               "--config", '{"batch_size": 8, "accum_steps": 1}', "--seconds", "1",
+                               "--config", '{"batch_size": 8, "accum_steps": 1}', "--seconds", "0.5",
                                "--warmup-steps", "2", "--out", str(loop)], tmp_path)
     doc = json.loads(loop.read_text())
     assert [r["kind"] for r in doc["runs"]] == ["probe", "loop", "probe"]
