@@ -29,13 +29,16 @@ ranks see only their group's GPUs).
 Protocol, over a Unix SOCK_SEQPACKET pair the worker creates (`ForkServer`):
 
 request   worker → server on the control socket: one JSON object ``{"argv": ["-m",
-          "autotune.probe_child"]}`` (or ``["-c", CODE, ARG...]``) with four file
-          descriptors attached (SCM_RIGHTS): the child's stdin, stdout, stderr, and one end of
-          a fresh socket pair that carries this child's answers.
+          "autotune.probe_child"], "preloaded": true}`` (or ``["-c", CODE, ARG...]``) with
+          four file descriptors attached (SCM_RIGHTS): the child's stdin, stdout, stderr, and
+          one end of a fresh socket pair that carries this child's answers. ``preloaded``:
+          fork once every module is imported (a probe, which needs them all: forked before,
+          it would import the rest itself and the server again after, twice the CPU); false:
+          fork at once with what is (the hardware detection needs torch alone).
 answers   server → worker on that per-child socket: ``{"pid": PID}`` once forked, then
           ``{"exit": CODE}`` (Popen's returncode: negative for a signal) once it ended.
 ready     server → worker on the control socket, once: ``{"ready": true}`` when every module
-          is imported (`ForkServer.wait_ready`; requests before it are served with what is).
+          is imported (`ForkServer.wait_ready`).
 release   the worker closes its end once it has the exit status; only then does the server
           reap the child (until then it stays a zombie, as a Popen child does until waited
           for), so a pid the worker signals is never another process's.
@@ -236,13 +239,18 @@ def serve(control: socket.socket, parent_pid: int, modules: tuple[str, ...] = PR
                 continue
             answer = socket.socket(fileno=fds[3])
             try:
-                argv = json.loads(message)["argv"]
-            except (ValueError, KeyError, TypeError):
+                request = json.loads(message)
+                argv, preloaded = request["argv"], bool(request.get("preloaded", True))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 for fd in fds[:3]:
                     os.close(fd)
                 _send(answer, {"error": "bad request"})
                 answer.close()
                 continue
+            if preloaded and later:  # a probe: it would import the rest itself, and the server again after
+                preload(tuple(later))
+                later.clear()
+                _send(control, {"ready": True})
             inherited = [control.fileno(), wake_r, wake_w, fds[3], *(s.fileno() for s in children.values())]
             pid = os.fork()
             if pid == 0:
@@ -417,21 +425,22 @@ class ForkServer:
         tail = " | ".join(line for line in self._stderr if line.strip())[-600:]
         return f"it exited with status {code}" + (f": {tail}" if tail else "")
 
-    def popen(self, argv: list[str], timeout_s: float = SPAWN_TIMEOUT_S) -> ForkedChild:
+    def popen(self, argv: list[str], timeout_s: float = SPAWN_TIMEOUT_S, preloaded: bool = True) -> ForkedChild:
         """Fork a child running ``python ARGV`` (``["-m", MODULE, ...]`` or ``["-c", CODE, ...]``),
-        with stdin, stdout and stderr pipes to this process. Raises ForkServerError when the
-        server cannot (start the child cold then)."""
+        with stdin, stdout and stderr pipes to this process: once every preloaded module is
+        imported, or with `preloaded` False at once, with what is (torch at least). Raises
+        ForkServerError when the server cannot (start the child cold then)."""
         if self.down is not None:
             raise ForkServerError(self.down)
         if self._control is None or self.proc is None:
             raise ForkServerError("the fork server was not started")
         try:
-            return self._popen(argv, timeout_s)
+            return self._popen(argv, timeout_s, preloaded)
         except ForkServerError as exc:
             self.down = str(exc)
             raise
 
-    def _popen(self, argv: list[str], timeout_s: float) -> ForkedChild:
+    def _popen(self, argv: list[str], timeout_s: float, preloaded: bool) -> ForkedChild:
         assert self._control is not None
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
@@ -442,7 +451,8 @@ class ForkServer:
         try:
             with self._lock:
                 try:
-                    socket.send_fds(self._control, [json.dumps({"argv": argv}).encode()], theirs_fds)
+                    socket.send_fds(self._control, [json.dumps({"argv": argv, "preloaded": preloaded}).encode()],
+                                   theirs_fds)
                 except OSError as exc:
                     raise ForkServerError(f"the fork server does not take requests ({exc}); "
                                           f"{self.why_down() or 'it is still running'}") from exc

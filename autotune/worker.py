@@ -1279,10 +1279,11 @@ def run_python(args: list[str], server: ForkServer | None = None, timeout_s: flo
                env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
     """``python ARGS`` in a short-lived child (forked from `server` when it can and `env`, if
     given, is the server's; else started cold in `env`, default this process's): its (exit
-    status, stdout, stderr). Raises subprocess.TimeoutExpired past `timeout_s` (None: no limit)."""
+    status, stdout, stderr). Raises subprocess.TimeoutExpired past `timeout_s` (None: no limit).
+    A forked one does not wait for the server's whole preload: torch is there."""
     if server is not None and server.down is None and (env is None or dict(env) == server.env):
         try:
-            child = server.popen(args)
+            child = server.popen(args, preloaded=False)
         except ForkServerError as exc:
             log.warning("the fork server cannot start children (%s): they start cold from now on", exc)
         else:

@@ -91,6 +91,27 @@ def test_exit_status_poll_wait_and_signals_read_as_a_popen_childs(server: ForkSe
     wait_until(lambda: not os.path.exists(f"/proc/{sleeper.pid}"), 10, "the server to reap the released child")
 
 
+def test_a_probe_is_forked_after_the_whole_preload_and_a_short_script_at_once() -> None:
+    """Asked for both the moment it starts, a fresh server forks the short script (preloaded
+    False: the worker's hardware detection) as soon as torch is in, and the probe (preloaded,
+    the default) only once every module is: forked earlier, the probe would import
+    torch._dynamo and the rest itself, and the server again after it."""
+    fresh = ForkServer(child_environment(1)).start()
+    try:
+        seen = "import sys; print(all(m in sys.modules for m in ('torch._dynamo', 'autotune.workloads')))"
+        script = fresh.popen(["-c", seen], preloaded=False)
+        probe = fresh.popen(["-c", seen])
+        outputs = []
+        for child in (script, probe):
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.close()
+            outputs.append(child.stdout.read().decode().strip())
+            assert child.wait(timeout=120) == 0
+        assert outputs == ["False", "True"]
+    finally:
+        fresh.close()
+
+
 def test_a_short_lived_child_past_its_limit_is_killed(server: ForkServer) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         run_python(["-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"], server, timeout_s=1.0)
