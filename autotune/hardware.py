@@ -36,6 +36,25 @@ class Hardware:
         return f"{self.device_name}{mem} on {self.hostname}{cpu} (torch {self.torch_version})"
 
 
+def installed_torch_version() -> str | None:
+    """torch's version as its installed distribution records it (the string torch.__version__
+    holds), without importing torch; None where torch is not an installed distribution."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def detect_cpu(torch_version: str) -> Hardware:
+    """The CPU device: no question for torch but its version, so no torch import."""
+    name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return Hardware(hardware_class="cpu", device="cpu", device_name=name, memory_bytes=None,
+                    torch_version=torch_version, hostname=socket.gethostname(), cpu_count=os.cpu_count(),
+                    cpu_model=cpu_model())
+
+
 def detect(device: str = "cpu") -> Hardware:
     """Inspect `device` (cpu, cuda, cuda:N). Imports torch."""
     import torch
@@ -51,7 +70,4 @@ def detect(device: str = "cpu") -> Hardware:
                         hostname=socket.gethostname(), cpu_count=os.cpu_count(), cpu_model=cpu_model())
     if device != "cpu":
         raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
-    name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    return Hardware(hardware_class="cpu", device="cpu", device_name=name, memory_bytes=None,
-                    torch_version=torch.__version__, hostname=socket.gethostname(), cpu_count=os.cpu_count(),
-                    cpu_model=cpu_model())
+    return detect_cpu(torch.__version__)

@@ -37,8 +37,9 @@ probe     `python -m autotune.probe_child` in its own process group (see probe_c
           small grace, torch threads and a per-host TorchInductor cache set in its environment.
           Warm start (the default; `--cold-start` turns it off): the child is forked from the
           worker's fork server (`autotune.fork_server`), which imported torch, torch._dynamo
-          and the probe once, in that same environment; the hardware detection at start is
-          forked from it too. A server that cannot serve leaves the children starting cold.
+          and the probe once, in that same environment; a GPU's hardware detection at start
+          is forked from it too (a CPU is detected without torch). A server that cannot
+          serve leaves the children starting cold.
           A group of N > 1 GPUs runs `python -m autotune.distributed` instead (a launcher
           that imports torch once and forks N ranks, CUDA_VISIBLE_DEVICES = the group's
           GPUs), the job in a job directory: prune = its stop file; a kill ends the
@@ -105,7 +106,7 @@ from autotune.client import (
 from autotune.distributed import JOB_DIR_ENV, collect_failure, kill_ranks, launch_argv, prepare_job_dir, request_stop
 from autotune.fork_server import ForkedChild, ForkServer, ForkServerError
 from autotune.gate import window_rate
-from autotune.hardware import Hardware
+from autotune.hardware import Hardware, detect_cpu, installed_torch_version
 from autotune.probe_child import ChildJob
 from autotune.protocol import LeaseRequest, TrialLease
 from autotune.spool import Delivery, Spool, SpoolEntry, default_spool_dir, deliver, unauthorized_hint
@@ -1322,8 +1323,14 @@ def detect_hardware(device: str, server: ForkServer | None = None) -> Hardware:
 
     Asking torch about a GPU creates a CUDA context (~400 MiB of GPU memory on an H100)
     that would stay with the worker for its whole life, next to each probe's own; the
-    worker itself therefore never initialises CUDA (nor imports torch). Raises ValueError
-    when the device cannot be used."""
+    worker itself therefore never initialises CUDA (nor imports torch). The CPU needs no
+    question for torch but its version, which the installed distribution records: it is
+    detected here, and a CPU worker leases at once, while its fork server is still importing
+    torch (one that exits at once, e.g. refused a pinned study, stops that import midway).
+    Raises ValueError when the device cannot be used."""
+    version = installed_torch_version() if device == "cpu" else None
+    if version is not None:
+        return detect_cpu(version)
     code, out, err = run_python(["-c", DETECT_SCRIPT, device], server)
     if code != 0:
         lines = err.strip().splitlines()

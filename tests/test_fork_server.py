@@ -122,7 +122,9 @@ def test_a_short_lived_child_past_its_limit_is_killed(server: ForkServer) -> Non
 
 def test_the_worker_forks_its_probe_children_and_detects_its_hardware_through_the_server(
         server: ForkServer, tiny_datasets: Any) -> None:
-    assert detect_hardware("cpu", server).device == "cpu"
+    assert detect_hardware("cpu", server).device == "cpu"  # (the CPU: asked of no child, see test_worker)
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):  # a device torch is asked about: a forked child
+        detect_hardware("tpu", server)
     job = ChildJob(workload="ups", preset="tiny", config={"batch_size": 4, "accum_steps": 1},
                    probe={"samples": 40, "windows": 2, "warmup_steps": 5}, threads=1)
     # the server's environment: child_environment(1) when it started (a worker's never changes; a test's

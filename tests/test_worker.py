@@ -25,7 +25,7 @@ from rich.console import Console
 
 from autotune import worker as worker_module
 from autotune.client import Conflict, ServiceUnavailable
-from autotune.hardware import Hardware
+from autotune.hardware import Hardware, detect
 from autotune.probe_child import ChildJob
 from autotune.protocol import HeartbeatReply, ProbeSpec, ReportReply, TrialInfo, TrialLease
 from autotune.worker import (
@@ -385,8 +385,15 @@ time.sleep(120)
     assert not is_alive(grandchild)
 
 
-def test_hardware_is_detected_in_a_child_process() -> None:
+def test_hardware_is_detected_in_a_child_process_and_the_cpu_without_torch() -> None:
     hardware = detect_hardware("cpu")
     assert hardware.hardware_class == "cpu" and hardware.torch_version == torch.__version__
-    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+    assert hardware == detect("cpu")  # as torch itself answers it
+    # the worker process never imports torch: the CPU's only question for it, the version, is
+    # answered by its installed distribution
+    code = ("import sys; from autotune.worker import detect_hardware; h = detect_hardware('cpu'); "
+            "print(h.torch_version, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == [torch.__version__, "False"], out.stderr
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):  # any other device: asked in a child
         detect_hardware("tpu")
