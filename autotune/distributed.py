@@ -184,7 +184,7 @@ def launch_main() -> int:
     finally:
         listener.close()
     watch_parent(worker_pid)
-    return _wait_for_ranks(ranks, job_dir)
+    return _wait_for_ranks(ranks)
 
 
 def _load_job(job_dir: Path) -> Any:
@@ -232,7 +232,7 @@ def _rank_process(rank: int, world: int, listener: socket.socket) -> None:
         os._exit(code)
 
 
-def _wait_for_ranks(ranks: dict[int, int], job_dir: Path) -> int:
+def _wait_for_ranks(ranks: dict[int, int]) -> int:
     """Reap the ranks; at the first that fails, SIGKILL the others' process groups (they may be
     blocked in a collective, waiting for the one that failed). 0 when all exited 0, else 1."""
     failed: str | None = None
