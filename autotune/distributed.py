@@ -226,6 +226,10 @@ def _rank_process(rank: int, world: int, listener: socket.socket) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        import atexit
+
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # as an interpreter's exit would (compile-worker pools, ...)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(BaseException):
                 stream.flush()
