@@ -53,10 +53,9 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from autotune.config import NCCL_ENV_KNOBS
 
@@ -155,11 +154,11 @@ def _describe(status: int) -> str:
 def launch_main() -> int:
     """The launcher (see the module docstring): import once, fork the N ranks, wait for them;
     the first rank to fail ends the others. 0 when every rank ended well, else 1."""
-    from autotune.probe_child import PARENT_PID_ENV, set_parent_death_signal, watch_parent
+    from autotune.probe_child import PARENT_PID_ENV, ChildJob, set_parent_death_signal, watch_parent
 
     set_parent_death_signal()  # the watchdog thread comes after the forks (fork from one thread only)
     job_dir = _job_dir()
-    job = _load_job(job_dir)
+    job = ChildJob.from_json((job_dir / JOB_FILE).read_text())
     if not 2 <= job.world_size <= MAX_WORLD_SIZE:
         print(f"autotune.distributed: world_size {job.world_size} is not in [2, {MAX_WORLD_SIZE}]", file=sys.stderr)
         return 2
@@ -187,12 +186,6 @@ def launch_main() -> int:
     return _wait_for_ranks(ranks)
 
 
-def _load_job(job_dir: Path) -> Any:
-    from autotune.probe_child import ChildJob
-
-    return ChildJob.from_json((job_dir / JOB_FILE).read_text())
-
-
 def _preload() -> None:
     """What every rank imports, imported once here so the forked ranks start with it; checks
     that forking stays safe (one thread, no CUDA context)."""
@@ -205,35 +198,21 @@ def _preload() -> None:
         raise SystemExit("autotune.distributed: the launcher started a thread or CUDA before forking its ranks")
 
 
-def _rank_process(rank: int, world: int, listener: socket.socket) -> None:
+def _rank_process(rank: int, world: int, listener: socket.socket) -> NoReturn:
     """In a forked rank: lead a new session, run `rank_main`, exit with its status. Never returns."""
-    code = 1
-    try:
-        os.setsid()
-        from autotune.probe_child import set_process_name
+    from autotune.fork_server import exit_forked
+    from autotune.probe_child import set_process_name
 
+    def rank_process() -> int:
+        os.setsid()
         set_process_name(f"rank{rank}")  # ps: each rank shows the launcher's command line
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           MASTER_ADDR=STORE_HOST, MASTER_PORT=str(listener.getsockname()[1]))
         if rank != 0:
             listener.close()
-        code = rank_main(listener if rank == 0 else None)
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if stop.code is not None and not isinstance(stop.code, int):
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        import atexit
+        return rank_main(listener if rank == 0 else None)
 
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()  # as an interpreter's exit would (compile-worker pools, ...)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(BaseException):
-                stream.flush()
-        os._exit(code)
+    exit_forked(rank_process)
 
 
 def _wait_for_ranks(ranks: dict[int, int]) -> int:

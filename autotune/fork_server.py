@@ -70,8 +70,8 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
-from typing import IO, Any
+from collections.abc import Callable, Mapping
+from typing import IO, Any, NoReturn
 
 log = logging.getLogger("autotune.fork_server")
 
@@ -124,11 +124,11 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
         sock.send(json.dumps(message).encode())
 
 
-def _run_child(argv: list[str], stdio: list[int], inherited: list[int]) -> None:
+def _run_child(argv: list[str], stdio: list[int], inherited: list[int]) -> NoReturn:
     """In the forked child: take over `stdio` as fds 0-2, lead a new session, run `argv` as
     ``python ARGV`` would (``-m MODULE ...`` or ``-c CODE ...``), exit with its status. Never returns."""
-    code = 1
-    try:
+
+    def child() -> int:
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's handlers, back to an interpreter's
@@ -140,7 +140,19 @@ def _run_child(argv: list[str], stdio: list[int], inherited: list[int]) -> None:
             os.dup2(fd, target)
             os.close(fd)
         os.environ.pop(NVML_CHECK_ENV, None)
-        code = _run_argv(argv)
+        return _run_argv(argv)
+
+    exit_forked(child)
+
+
+def exit_forked(body: Callable[[], int]) -> NoReturn:
+    """End a forked child as an interpreter ends: run `body`, then exit with its status (a
+    SystemExit's code, its message on stderr; 1 and the traceback for any other exception),
+    after the exit functions (compile-worker pools, ...) and a flush of stdout and stderr.
+    Never returns (os._exit: nothing of the parent's runs on in the child)."""
+    code = 1
+    try:
+        code = body()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if stop.code is not None and not isinstance(stop.code, int):
@@ -152,7 +164,7 @@ def _run_child(argv: list[str], stdio: list[int], inherited: list[int]) -> None:
         import atexit
 
         with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()  # as an interpreter's exit would (compile-worker pools, ...)
+            atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(BaseException):
                 stream.flush()

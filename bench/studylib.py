@@ -5,8 +5,6 @@ reports, the run's environment, waiting for a freshly started service, and runni
 from __future__ import annotations
 
 import atexit
-import contextlib
-import importlib.metadata
 import os
 import platform
 import socket
@@ -19,6 +17,7 @@ from typing import Any
 import httpx
 
 from autotune.fork_server import ForkServer
+from autotune.hardware import installed_torch_version
 from autotune.host_telemetry import cpu_model
 from autotune.worker import run_python
 
@@ -45,9 +44,10 @@ def torch_version() -> str:
     that has not: the version its installed distribution records (the same string). A harness
     on a CPU never needs torch otherwise, and the import costs it 1.5-2 CPU-seconds."""
     if "torch" not in sys.modules:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # else: not a distribution, ask torch
-            return importlib.metadata.version("torch")
-    import torch  # already imported (free), or the fallback
+        version = installed_torch_version()
+        if version is not None:
+            return version
+    import torch  # already imported (free), or the fallback: not a distribution, ask torch
 
     return str(torch.__version__)
 
