@@ -799,6 +799,9 @@ def demo(
     trials: Annotated[int, typer.Option(help="Trials in the demo study.", min=2)] = 12,
     workers: Annotated[int, typer.Option(help="Worker processes (CPU).", min=1)] = 2,
     port: Annotated[int, typer.Option(help="Service port (0: a free one).", min=0, max=65535)] = 0,
+    samples: Annotated[int | None, typer.Option(
+        help="Training samples per probe (default: the tiny preset's 3072; at least 832, what the space's "
+             "largest batch needs): fewer for a quicker demo.", min=1)] = None,
 ) -> None:
     """Run the whole system on this machine (no GPU needed): service, a CPU study, workers.
 
@@ -807,7 +810,11 @@ def demo(
     """
     from autotune.demo import run_demo
 
-    raise typer.Exit(code=run_demo(workdir, trials=trials, workers=workers, port=port))
+    try:
+        code = run_demo(workdir, trials=trials, workers=workers, port=port, samples=samples)
+    except ValueError as e:
+        raise usage_error(f"--samples: {e}") from None
+    raise typer.Exit(code=code)
 
 
 if __name__ == "__main__":

@@ -101,13 +101,20 @@ BASELINE_SEEDS = 2
 REMEASURE_TOP_K = 2
 
 
-def demo_spec(name: str, trials: int) -> StudySpec:
+# The fewest probe samples that leave enough timed steps for the cpu space's largest effective
+# batch (32 × 2) with inverse losses every 4 steps: (8 warm-up + 5) × 64. The tiny preset trains 3072.
+MIN_SAMPLES = 832
+
+
+def demo_spec(name: str, trials: int, samples: int | None = None) -> StudySpec:
     """`trials` search trials after BASELINE_SEEDS baseline runs (n_trials counts both), then the
-    top REMEASURE_TOP_K feasible configs re-measured with a longer probe."""
-    # The tiny preset's 3072 samples leave enough timed steps for the cpu space's largest
-    # effective batch (32 × 2) with inverse losses every 4 steps: (8 warm-up + 5) × 64 = 832.
+    top REMEASURE_TOP_K feasible configs re-measured with a longer probe. `samples`: each
+    probe's training samples (None: the tiny preset's 3072)."""
+    if samples is not None and samples < MIN_SAMPLES:
+        raise ValueError(f"{samples} is too few: a demo probe needs at least {MIN_SAMPLES} samples (the cpu "
+                         f"space's largest effective batch of 64 for 8 warm-up and 5 timed steps)")
     return StudySpec(name=name, workload="ups", preset="tiny", space="cpu", n_trials=BASELINE_SEEDS + trials,
-                     sampler="tpe", hardware="cpu", probe=ProbeSpec(timeout_s=300.0), seed=0,
+                     sampler="tpe", hardware="cpu", probe=ProbeSpec(samples=samples, timeout_s=300.0), seed=0,
                      baseline_seeds=BASELINE_SEEDS, remeasure=RemeasureSpec(top_k=REMEASURE_TOP_K))
 
 
@@ -149,16 +156,17 @@ def progress_text(info: StudyInfo) -> str:
     return " · ".join(parts)
 
 
-def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
+def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, samples: int | None = None,
              console: Console | None = None) -> int:
     """Run the demo; the exit status (0: the study finished with completed trials)."""
+    name = f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    spec = demo_spec(name, trials, samples)  # a bad argument fails here, before anything is made
     console = console or Console(highlight=False, soft_wrap=True)
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     db_path = workdir / "autotune.db"
     port = port or free_port()
     api = f"http://127.0.0.1:{port}"
-    name = f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     threads = max(1, (os.cpu_count() or 1) // workers)
     cli = [sys.executable, "-m", "autotune.cli"]
     db_url = f"sqlite:///{db_path}"
@@ -181,9 +189,10 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0,
                 console.print(f"[bold red]error:[/] {problem}")
                 return 1
             console.print(f"service   {api} (database {db_path}, log {serve_log.name})")
-            client.create_study(demo_spec(name, trials))
+            client.create_study(spec)
             console.print(f"study     {name}: ups/tiny, space cpu, {BASELINE_SEEDS} baseline seeds + {trials} "
-                          f"search trials + top {REMEASURE_TOP_K} re-measured, TPE sampler, hardware cpu")
+                          f"search trials + top {REMEASURE_TOP_K} re-measured, TPE sampler, hardware cpu, "
+                          f"{f'{samples} samples' if samples else 'the preset samples'} a probe")
             worker_procs = []
             for i in range(workers):
                 log_path = workdir / f"worker-{i + 1}.log"

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import signal
@@ -173,6 +174,7 @@ def launch_main() -> int:
     # others connect to its port (no port is chosen and then raced for)
     listener = socket.create_server((STORE_HOST, 0), backlog=MAX_WORLD_SIZE)
     ranks: dict[int, int] = {}  # pid -> rank
+    gc.freeze()  # the preloaded objects: the ranks' collections never traverse (or copy) them
     try:
         for rank in range(job.world_size):
             pid = os.fork()

@@ -122,6 +122,13 @@ def test_too_few_samples_is_a_usage_error() -> None:
     assert "samples: 16 samples at effective batch 8" in result.stderr
 
 
+def test_a_demo_on_too_few_samples_is_a_usage_error_before_anything_is_made(tmp_path: Path) -> None:
+    result = invoke("demo", "--samples", "100", "--workdir", str(tmp_path / "demo"))
+    assert result.exit_code == 2
+    assert "--samples: 100 is too few" in result.stderr and "at least 832 samples" in result.stderr
+    assert not (tmp_path / "demo").exists()
+
+
 def test_unknown_workload_is_a_usage_error() -> None:
     result = invoke("probe", "--workload", "nope")
     assert result.exit_code == 2

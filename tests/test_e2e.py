@@ -174,9 +174,10 @@ def test_a_worker_waits_for_the_service_and_survives_its_restart(processes: Proc
 def test_the_demo_runs_a_study_and_stops_everything_it_started(tmp_path: Path, tiny_datasets: Any) -> None:
     workdir = tmp_path / "demo"
     port = free_port()
-    trials = 2  # the fewest the CLI takes: the wiring, not the search, is under test
+    trials = 2  # the fewest the CLI takes, on the fewest samples: the wiring, not the search, is under test
     proc = subprocess.run([*CLI, "demo", "--workdir", str(workdir), "--trials", str(trials), "--workers", "2",
-                           "--port", str(port)], capture_output=True, text=True, timeout=600, check=False,
+                           "--port", str(port), "--samples", "832"], capture_output=True, text=True, timeout=600,
+                          check=False,
                           env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -191,6 +192,7 @@ def test_the_demo_runs_a_study_and_stops_everything_it_started(tmp_path: Path, t
     # a recommendation, or the reason there is none (e.g. every search trial pruned): both are answers
     assert ("recommended config" in out and "speedup" in out) or "no recommendation:" in out
     assert f"optuna-dashboard sqlite:///{workdir.resolve()}/autotune.db" in out
+    assert "832 samples a probe" in out
     assert {p.name for p in workdir.iterdir()} >= {"autotune.db", "serve.log", "worker-1.log", "worker-2.log"}
     leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                  if f"127.0.0.1:{port}" in cmdline(pid) or str(workdir) in cmdline(pid)]

@@ -55,8 +55,9 @@ def run(server: ForkServer, code: str, *args: str, stdin: bytes = b"") -> tuple[
 
 def test_a_forked_child_starts_with_torch_imported_in_the_servers_environment(server: ForkServer) -> None:
     child, out, err = run(server, textwrap.dedent("""
-        import json, os, sys
+        import gc, json, os, sys
         print(json.dumps({"preloaded": [m in sys.modules for m in ("torch", "torch._dynamo", "autotune.probe")],
+                          "frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects()),
                           "argv": sys.argv, "stdin": sys.stdin.read(), "ppid": os.getppid(),
                           "leads_session": os.getsid(0) == os.getpid(), "omp": os.environ.get("OMP_NUM_THREADS"),
                           "parent_env": os.environ.get("AUTOTUNE_PARENT_PID"),
@@ -66,6 +67,8 @@ def test_a_forked_child_starts_with_torch_imported_in_the_servers_environment(se
     assert child.returncode == 3 and err == "to stderr\n"
     seen = json.loads(out)
     assert seen["preloaded"] == [True, True, True]  # what a cold child would spend seconds importing
+    # the server froze what it preloaded before it forked: the child's collections leave it alone
+    assert seen["frozen"] > 100_000 and seen["tracked"] < seen["frozen"] / 10, seen
     assert seen["argv"] == ["-c", "an-arg"] and seen["stdin"] == "the job"
     assert server.proc is not None and seen["ppid"] == server.proc.pid  # forked by the server ...
     assert seen["parent_env"] == str(server.proc.pid)  # ... and it dies with it (probe_child.watch_parent)
