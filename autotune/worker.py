@@ -46,7 +46,8 @@ probe     `python -m autotune.probe_child` in its own process group (see probe_c
           launcher's group and every rank's group; a rank's failure record (kind, message
           naming the rank) becomes the trial's result.
 monitor   drains the child's stdout (its report lines and its result) and acts on decisions;
-          it never waits on the network. A `Courier` thread carries the reports to POST /report
+          it never waits on the network. A `Courier` thread, started before the child (whose
+          fork may wait for the fork server's preload), carries the reports to POST /report
           and a heartbeat every `heartbeat_s` to the service (reply prune → SIGTERM the child:
           it stops at the next window and its result says stopped_early, or SIGKILL after a
           grace and a partial result is built from the reports; heartbeat reply stop → kill the
@@ -394,8 +395,8 @@ class ProbeProcess:
     the process group of every rank (each rank leads its own session)."""
 
     def __init__(self, argv: list[str], job: ChildJob, env: Mapping[str, str], job_dir: Path | None = None,
-                 server: ForkServer | None = None) -> None:
-        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+                 server: ForkServer | None = None, events: queue.Queue[tuple[str, Any]] | None = None) -> None:
+        self.events: queue.Queue[tuple[str, Any]] = events if events is not None else queue.Queue()
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
         self.job_dir = job_dir
         self.proc = self._start(argv, env, server)
@@ -1115,11 +1116,18 @@ class Worker:
                 if self.group.is_cuda:
                     env["CUDA_VISIBLE_DEVICES"] = self.group.visible_devices()
                 argv = self.options.launch_argv
-            child = ProbeProcess(argv, job, env, job_dir=job_dir, server=self.fork_server)
-            self.current = child
+            # the heartbeats start first: a worker's first probe waits for its fork server's preload
+            # (seconds; minutes on a loaded host or a slow disk), and the lease must hold meanwhile
+            events: queue.Queue[tuple[str, Any]] = queue.Queue()
             courier = Courier(self.client, lease.trial_id, self.worker_id, self.options.heartbeat_s,
-                              wake=lambda: child.events.put(("wake", None)))
+                              wake=lambda: events.put(("wake", None)))
             run.courier = courier.start()
+            try:
+                child = ProbeProcess(argv, job, env, job_dir=job_dir, server=self.fork_server, events=events)
+            except BaseException:
+                courier.close()
+                raise
+            self.current = child
             try:
                 if self.console.is_terminal and self.show_status:
                     with self.console.status("") as status:

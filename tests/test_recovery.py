@@ -131,6 +131,35 @@ def test_a_killed_workers_trial_is_retried_by_another_worker(service: LiveServic
     assert [t["feasible"] for t in trials.values()] == [False, True]
 
 
+# Imported by every process started with it on PYTHONPATH: the fork server alone (its command
+# line names it) sleeps before its preload, as on a loaded host or a slow disk
+SLOW_FORK_SERVER = """
+import time
+with open("/proc/self/cmdline", "rb") as f:
+    if b"autotune.fork_server" in f.read():
+        time.sleep({seconds})
+"""
+
+
+def test_a_lease_holds_while_the_first_probe_waits_for_the_fork_servers_preload(
+        service: LiveService, processes: Processes, tmp_path: Path) -> None:
+    """A worker leases at once, while its fork server still imports torch; its first probe waits
+    for that preload. The heartbeats start with the lease, so a preload longer than the grace
+    period costs the trial nothing."""
+    site = tmp_path / "slow-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_FORK_SERVER.format(seconds=GRACE_S + 3))
+    path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    service.submit(small_spec("slow-start", n_trials=1, pruning=NO_PRUNING))
+    worker = start_worker(processes, service.url, "--study", "slow-start", "--max-trials", "1",
+                          env={"PYTHONPATH": path})
+    assert worker.wait(timeout=120) == 0, log_text(worker)[-3000:]
+    trials = by_number(service, "slow-start")
+    assert list(trials) == [0], trials  # no retry: the lease was never reaped
+    assert trials[0]["state"] == "COMPLETE", trials[0]
+    assert trials[0]["duration_s"] > GRACE_S, trials[0]  # the wait was longer than the grace period
+
+
 def test_a_zombie_worker_is_refused_and_changes_nothing(service: LiveService, processes: Processes) -> None:
     """A worker frozen past the grace period (SIGSTOP: a hung host, a network partition) finds
     its trial re-run by another worker when it wakes up: its calls get 409."""
@@ -155,7 +184,7 @@ def test_a_zombie_worker_is_refused_and_changes_nothing(service: LiveService, pr
     trials = by_number(service, "zombie")
     assert trials[0]["state"] == "FAIL" and trials[0]["failure"]["kind"] == "lost"  # the zombie's result was refused
     assert trials[0]["retried_as"] == 1
-    assert trials[1]["state"] == "COMPLETE" and trials[1]["worker_id"] == "zz-b"
+    assert trials[1]["state"] == "COMPLETE" and trials[1]["worker_id"] == "zz-b", trials[1]
 
 
 def test_a_fake_zombies_late_calls_get_409_and_retries_run_out(silent_service: LiveService) -> None:
