@@ -59,6 +59,12 @@ def environment(device: str) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
+# One HTTP client for a script's REST calls: httpx's module-level functions build a client, TLS
+# context included, per call (25-40 ms of CPU, many times a second in a polling loop). No
+# keep-alive: each request opens its own connection (a restarted service leaves none stale).
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def wait_healthy(http: httpx.Client, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     """Return once GET /v1/health answers 200; exit if the service process dies or never does."""
     deadline = time.time() + timeout

@@ -32,6 +32,11 @@ from autotune.compile_workers import children
 
 T = TypeVar("T")
 CLI = [sys.executable, "-m", "autotune.cli"]
+# One HTTP client for every call of the test process: httpx's module-level functions build a
+# client, TLS context included, per call (25-40 ms of CPU, many times a second in a polling
+# wait). No keep-alive: each request opens its own connection, as a fresh client's would (a
+# service restart leaves no stale connection behind).
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 CHILD_MODULE = "autotune.probe_child"
 
 # A search space whose probes take a few seconds on one CPU thread: micro-batches of 2-4,
@@ -197,7 +202,7 @@ class LiveService:
 
     def healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200
+            return HTTP.get(f"{self.url}/v1/health", timeout=2).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -217,17 +222,17 @@ class LiveService:
     # --- REST shortcuts -----------------------------------------------------------------------
 
     def get(self, path: str) -> Any:
-        response = httpx.get(f"{self.url}{path}", headers=self.headers("admin"), timeout=10)
+        response = HTTP.get(f"{self.url}{path}", headers=self.headers("admin"), timeout=10)
         response.raise_for_status()
         return response.json()
 
     def post(self, path: str, body: Any, role: str = "admin", timeout: float = 30) -> httpx.Response:
         """POST with this service's `role` token; the response, whatever its status."""
-        return httpx.post(f"{self.url}{path}", json=body, headers=self.headers(role), timeout=timeout)
+        return HTTP.post(f"{self.url}{path}", json=body, headers=self.headers(role), timeout=timeout)
 
     def delete(self, path: str) -> Any:
         """DELETE with the admin token; raises on an error status."""
-        response = httpx.delete(f"{self.url}{path}", headers=self.headers("admin"), timeout=10)
+        response = HTTP.delete(f"{self.url}{path}", headers=self.headers("admin"), timeout=10)
         response.raise_for_status()
         return response.json()
 

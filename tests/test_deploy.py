@@ -48,6 +48,7 @@ import httpx
 import pytest
 import yaml
 from live_service import (
+    HTTP,
     LiveService,
     Processes,
     free_port,
@@ -673,7 +674,7 @@ class Rest:
         self.url, self.token = url, token
 
     def trials(self, study: str) -> list[dict[str, Any]]:
-        reply = httpx.get(f"{self.url}/v1/studies/{study}/trials", headers={"Authorization": f"Bearer {self.token}"},
+        reply = HTTP.get(f"{self.url}/v1/studies/{study}/trials", headers={"Authorization": f"Bearer {self.token}"},
                           timeout=10)
         reply.raise_for_status()
         data: list[dict[str, Any]] = reply.json()["data"]
@@ -695,7 +696,7 @@ def test_the_compose_commands_run_a_study_on_the_cpu(tmp_path: Path, processes: 
     def healthy() -> bool:
         assert server.poll() is None, log_text(server)[-3000:]
         try:
-            return httpx.get(f"{compose.url}/v1/health", timeout=2).status_code == 200
+            return HTTP.get(f"{compose.url}/v1/health", timeout=2).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -720,7 +721,7 @@ def test_the_compose_commands_run_a_study_on_the_cpu(tmp_path: Path, processes: 
         printed[" ".join(argv)] = done.stdout.strip()
     (admin,) = [out for command, out in printed.items() if "token create --role admin" in command]
     spec = small_spec("compose", n_trials=1)
-    r = httpx.post(f"{compose.url}/v1/studies", json=spec, headers={"Authorization": f"Bearer {admin}"}, timeout=30)
+    r = HTTP.post(f"{compose.url}/v1/studies", json=spec, headers={"Authorization": f"Bearer {admin}"}, timeout=30)
     assert r.status_code == 201, r.text
 
     shim = Shim(tmp_path)
@@ -757,7 +758,7 @@ def test_the_compose_commands_run_a_study_on_the_cpu(tmp_path: Path, processes: 
     def studies() -> list[str]:
         assert dashboard.poll() is None, log_text(dashboard)[-3000:]
         try:
-            reply = httpx.get(f"http://127.0.0.1:{dashboard_port}/api/studies", timeout=5)
+            reply = HTTP.get(f"http://127.0.0.1:{dashboard_port}/api/studies", timeout=5)
         except httpx.TransportError:
             return []
         return [s["study_name"] for s in reply.json()["study_summaries"]] if reply.status_code == 200 else []

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from live_service import LiveService, Processes, free_port, log_text, wait_until
+from live_service import HTTP, LiveService, Processes, free_port, log_text, wait_until
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -466,7 +466,7 @@ def start_and_wait(image: ServiceImage, processes: Processes, argv: list[str], l
     def answers() -> bool:
         assert proc.poll() is None, f"{what} exited with {proc.returncode}:\n{log_text(proc)[-3000:]}"
         try:
-            return httpx.get(url, timeout=2).status_code == 200
+            return HTTP.get(url, timeout=2).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -503,11 +503,11 @@ def test_the_compose_stack_runs_as_written_without_torch(image: ServiceImage, pr
     # on 0.0.0.0 writes need a token; the first one comes from `token create` (docs/deploy.md)
     url = f"http://127.0.0.1:{port}"
     spec = {"name": "docker", "space": "cpu", "hardware": "cpu", "n_trials": 2}
-    assert httpx.post(f"{url}/v1/studies", json=spec, timeout=30).status_code == 401
+    assert HTTP.post(f"{url}/v1/studies", json=spec, timeout=30).status_code == 401
     created = run_in(image, [*image.entrypoint, "token", "create", "--role", "admin", "--name", "me"], db_env)
     assert created.returncode == 0, created.stderr
     token = created.stdout.strip().splitlines()[-1].strip()
-    r = httpx.post(f"{url}/v1/studies", json=spec, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r = HTTP.post(f"{url}/v1/studies", json=spec, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     assert r.status_code == 201, r.text  # the spec is validated against the image's search_spaces/
 
     dashboard = services["dashboard"]
@@ -520,7 +520,7 @@ def test_the_compose_stack_runs_as_written_without_torch(image: ServiceImage, pr
     health = dashboard["environment"]["AUTOTUNE_HEALTH_URL"].replace(":8080/", f":{dashboard_port}/")
     start_and_wait(image, processes, [*dashboard["entrypoint"], *command], "dashboard.log", {},
                    {"AUTOTUNE_HEALTH_URL": health}, "the dashboard")
-    studies = httpx.get(f"http://127.0.0.1:{dashboard_port}/api/studies", timeout=30).json()["study_summaries"]
+    studies = HTTP.get(f"http://127.0.0.1:{dashboard_port}/api/studies", timeout=30).json()["study_summaries"]
     assert [s["study_name"] for s in studies] == ["docker"]
 
     processes.stop(service)
