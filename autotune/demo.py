@@ -190,9 +190,10 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
                 return 1
             console.print(f"service   {api} (database {db_path}, log {serve_log.name})")
             client.create_study(spec)
+            budget = f"{samples} samples" if samples else "the preset's samples"
             console.print(f"study     {name}: ups/tiny, space cpu, {BASELINE_SEEDS} baseline seeds + {trials} "
                           f"search trials + top {REMEASURE_TOP_K} re-measured, TPE sampler, hardware cpu, "
-                          f"{f'{samples} samples' if samples else 'the preset samples'} a probe")
+                          f"probes of {budget}")
             worker_procs = []
             for i in range(workers):
                 log_path = workdir / f"worker-{i + 1}.log"

@@ -192,7 +192,7 @@ def test_the_demo_runs_a_study_and_stops_everything_it_started(tmp_path: Path, t
     # a recommendation, or the reason there is none (e.g. every search trial pruned): both are answers
     assert ("recommended config" in out and "speedup" in out) or "no recommendation:" in out
     assert f"optuna-dashboard sqlite:///{workdir.resolve()}/autotune.db" in out
-    assert "832 samples a probe" in out
+    assert "probes of 832 samples" in out
     assert {p.name for p in workdir.iterdir()} >= {"autotune.db", "serve.log", "worker-1.log", "worker-2.log"}
     leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                  if f"127.0.0.1:{port}" in cmdline(pid) or str(workdir) in cmdline(pid)]
