@@ -90,3 +90,25 @@ def test_a_422_list_names_the_field() -> None:
                "type": "value_error"}]
     assert format_detail(detail) == ("n_trials: Input should be greater than or equal to 1; "
                                      "space.params.foo: unknown knob")
+
+
+def test_a_plain_http_client_loads_no_ca_bundle_and_an_https_one_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx's default TLS context (the CA bundle: 25-50 ms of a command's start) is built for an
+    https:// service only; an http:// one gets a bare context that trusts no certificate."""
+    import ssl
+
+    built: list[Any] = []
+    default = ssl.create_default_context
+
+    def counting(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        context = default(*args, **kwargs)
+        built.append(context)
+        return context
+
+    monkeypatch.setattr(ssl, "create_default_context", counting)
+    with Client("http://127.0.0.1:8765", "t"):
+        assert built == []
+    with Client("https://autotune.example:8765", "t"):
+        assert len(built) == 1
+        assert built[0].verify_mode == ssl.CERT_REQUIRED and built[0].check_hostname
+        assert built[0].cert_store_stats()["x509_ca"] > 0  # the CA bundle is loaded: certificates are checked
