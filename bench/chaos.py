@@ -54,7 +54,7 @@ from typing import Any
 
 import httpx
 from service_load import fresh_database, pg_server_version
-from studylib import HTTP, environment, free_port
+from studylib import environment, free_port, http
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "autotune.cli"]
@@ -122,7 +122,7 @@ def wait_healthy(url: str, service: Proc, timeout: float = 90) -> None:
         if not service.alive():
             raise SystemExit(f"the service exited; its log:\n{service.log_text()[-3000:]}")
         with contextlib.suppress(httpx.HTTPError):
-            if HTTP.get(f"{url}/v1/health", timeout=2).status_code == 200:
+            if http().get(f"{url}/v1/health", timeout=2).status_code == 200:
                 return
         time.sleep(0.2)
     raise SystemExit("the service did not answer /v1/health")
@@ -241,7 +241,7 @@ def run_backend(backend: str, args: argparse.Namespace, workdir: Path, rng: rand
         try:
             service.start()
             wait_healthy(url, service)
-            HTTP.post(f"{url}/v1/studies", json=study_spec(args), timeout=60).raise_for_status()
+            http().post(f"{url}/v1/studies", json=study_spec(args), timeout=60).raise_for_status()
             for w in workers:
                 w.start()
             next_kill = time.monotonic() + rng.uniform(*args.gap)
@@ -265,7 +265,7 @@ def run_backend(backend: str, args: argparse.Namespace, workdir: Path, rng: rand
                     continue
                 if len(kills) >= args.kills:
                     with contextlib.suppress(httpx.HTTPError):
-                        if HTTP.get(f"{url}/v1/studies/{STUDY}", timeout=5).json().get("state") == "finished":
+                        if http().get(f"{url}/v1/studies/{STUDY}", timeout=5).json().get("state") == "finished":
                             finished = True
                             break
                 for w in workers:
@@ -277,7 +277,7 @@ def run_backend(backend: str, args: argparse.Namespace, workdir: Path, rng: rand
                         w.start()
                 time.sleep(0.5)
             wall = time.monotonic() - started
-            trials = HTTP.get(f"{url}/v1/studies/{STUDY}/trials", timeout=60).json()["data"]
+            trials = http().get(f"{url}/v1/studies/{STUDY}/trials", timeout=60).json()["data"]
         finally:
             codes = {w.name: w.stop() for w in workers}
             service.stop(signal.SIGINT)

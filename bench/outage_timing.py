@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from studylib import HTTP, environment, free_port, wait_healthy
+from studylib import environment, free_port, http, wait_healthy
 
 from autotune.fork_server import probe_children
 
@@ -88,7 +88,7 @@ class Service:
 
     def healthy(self) -> bool:
         try:
-            return HTTP.get(f"{self.url}/v1/health", timeout=1).status_code == 200
+            return http().get(f"{self.url}/v1/health", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -127,7 +127,7 @@ def one_run(mode: str, index: int, args: argparse.Namespace, workdir: Path) -> d
     name = f"outage-{mode}-{index}"
     worker: subprocess.Popen[bytes] | None = None
     try:
-        HTTP.post(f"{service.url}/v1/studies", json=spec(name, args), timeout=30).raise_for_status()
+        http().post(f"{service.url}/v1/studies", json=spec(name, args), timeout=30).raise_for_status()
         worker_log = run_dir / "worker.log"
         with worker_log.open("wb") as log:
             worker = subprocess.Popen([*CLI, "worker", "--api", service.url, "--study", name, "--threads", "1",

@@ -62,7 +62,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from studylib import HTTP, free_port, pyplot
+from studylib import free_port, http, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -111,7 +111,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the service exited ({self.proc.returncode}):\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if HTTP.get(f"{self.url}/v1/health", timeout=2).status_code == 200:
+                if http().get(f"{self.url}/v1/health", timeout=2).status_code == 200:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"the service did not answer /v1/health within {timeout:.0f} s:\n{self.log_tail()}")
@@ -364,11 +364,11 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
             study = f"load-{sampler}-{workers}w"
             spec = {"name": study, "space": SPACE, "hardware": HARDWARE, "n_trials": n_trials, "sampler": sampler,
                     "seed": args.seed, "baseline": {"batch_size": 8, "accum_steps": 1}}
-            r = HTTP.post(f"{base}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
+            r = http().post(f"{base}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
             if r.status_code != 201:
                 raise RuntimeError(f"creating the study failed: {r.status_code} {r.text}")
             if args.server == "instrumented":
-                HTTP.get(f"{base}/bench/profile", timeout=30)  # drop the study creation's records
+                http().get(f"{base}/bench/profile", timeout=30)  # drop the study creation's records
             level = Level()
             cpu_server0, cpu_client0 = server.cpu_s(), time.process_time()
             t0 = time.perf_counter()
@@ -376,9 +376,9 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
             wall = time.perf_counter() - t0
             cpu_server = (server.cpu_s() or 0.0) - (cpu_server0 or 0.0)
             cpu_client = time.process_time() - cpu_client0
-            info = HTTP.get(f"{base}/v1/studies/{study}", timeout=60).json()
-            trial_list = HTTP.get(f"{base}/v1/studies/{study}/trials", timeout=60).json()["data"]
-            profile = HTTP.get(f"{base}/bench/profile", timeout=60).json() if args.server == "instrumented" else None
+            info = http().get(f"{base}/v1/studies/{study}", timeout=60).json()
+            trial_list = http().get(f"{base}/v1/studies/{study}/trials", timeout=60).json()["data"]
+            profile = http().get(f"{base}/bench/profile", timeout=60).json() if args.server == "instrumented" else None
         finally:
             server.stop()
         log = server.log_text()
@@ -685,7 +685,7 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             spec = {"name": study, "space": SPACE, "hardware": HARDWARE, "n_trials": n_trials, "sampler": sampler,
                     "seed": args.seed, "baseline": {"batch_size": 8, "accum_steps": 1},
                     "max_retries": args.max_retries}
-            r = HTTP.post(f"{server.url}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
+            r = http().post(f"{server.url}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
             if r.status_code != 201:
                 raise RuntimeError(f"creating the study failed: {r.status_code} {r.text}")
             cpu0 = server.cpu_s()
@@ -693,7 +693,7 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             finished = asyncio.run(drive_chaos(server.url, study, tokens, args, chaos))
             wall = time.time() - t0
             cpu = (server.cpu_s() or 0.0) - (cpu0 or 0.0)
-            info = HTTP.get(f"{server.url}/v1/studies/{study}", timeout=60).json()
+            info = http().get(f"{server.url}/v1/studies/{study}", timeout=60).json()
         finally:
             server.stop()
         log = server.log_text()

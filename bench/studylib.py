@@ -5,6 +5,7 @@ reports, the run's environment, waiting for a freshly started service, and runni
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import platform
 import socket
@@ -59,10 +60,13 @@ def environment(device: str) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-# One HTTP client for a script's REST calls: httpx's module-level functions build a client, TLS
-# context included, per call (25-40 ms of CPU, many times a second in a polling loop). No
-# keep-alive: each request opens its own connection (a restarted service leaves none stale).
-HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+@functools.cache
+def http() -> httpx.Client:
+    """One HTTP client for a script's REST calls, made at the first: httpx's module-level
+    functions build a client, TLS context included, per call (25-40 ms of CPU, many times a
+    second in a polling loop), and a script that makes none needs none. No keep-alive: each
+    request opens its own connection (a restarted service leaves none stale)."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def wait_healthy(http: httpx.Client, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
