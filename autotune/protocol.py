@@ -136,16 +136,38 @@ class PruningSpec(Strict):
 
 
 class RemeasureSpec(Strict):
-    """Re-measure the top configs with a longer probe once the search is done (no winner's curse)."""
+    """The verdict: once the search is done, the top configs and the baseline are measured again
+    in interleaved rounds until each config is decided (autotune.verdict; docs/measurement.md,
+    *The verdict*). Every round runs the baseline and the undecided configs once each, with the
+    round's own probe seed; a config is *certified* when its speedup's interval lies above 1 and
+    its quality is non-inferior to the baseline's at the same budget, *rejected* when either is
+    shown worse, and measured again otherwise, up to max_rounds."""
 
-    top_k: int = Field(3, ge=0, le=100, description="configs re-measured (0 disables)")
-    samples_factor: float = Field(2.0, ge=1, le=100, description="probe samples × this factor")
-    windows: int = Field(16, ge=5, le=100, description="timed windows of the re-measurement")
-    seed_offset: int = Field(1000, ge=0, le=2**30, description="probe seed + this offset")
-    rounds: int = Field(1, ge=1, le=10, description="re-measurements per config, in interleaved rounds (every "
-                        "config once, then again in reverse order: A B C C B A): they count together, so a host whose "
-                        "speed drifts over minutes favours no config; 2-3 where repeated runs of one config differ "
-                        "by more than the configs do")
+    top_k: int = Field(2, ge=0, le=100, description="distinct configs re-measured (0 disables the verdict)")
+    samples_factor: float = Field(1.0, ge=1, le=100, description="probe samples × this factor; 1 (the default) "
+                                  "re-measures at the search's budget, so the baseline seeds count as runs of "
+                                  "the baseline and quality is judged where the gate was set")
+    windows: int | None = Field(None, ge=5, le=100, description="timed windows of a re-measurement (None: the "
+                                "study's probe.windows)")
+    seed_offset: int = Field(1000, ge=0, le=2**30, description="round r's probe seed: probe.seed + this + r")
+    rounds: int = Field(2, ge=1, le=20, description="rounds before the first decision (at least 2: a config's "
+                        "own run-to-run spread needs two runs)")
+    max_rounds: int | None = Field(None, ge=2, le=20, description="the most rounds (None: what fits in a third of "
+                                   "the study's probes, n_trials / (3 × (top_k + 1)), at least 2 and at most 10)")
+    confidence: float = Field(0.95, ge=0.5, le=0.999, description="1 − the chance of certifying a config that is not "
+                              "faster or not as good, over every config and round: split evenly between the "
+                              "speed and the quality test")
+
+    def round_limit(self, n_trials: int) -> int:
+        """The most rounds a study runs (`max_rounds`, else derived from the study's size)."""
+        if self.max_rounds is not None:
+            return max(self.max_rounds, self.min_rounds)
+        derived = n_trials // (3 * (self.top_k + 1))
+        return max(self.min_rounds, min(10, derived))
+
+    @property
+    def min_rounds(self) -> int:
+        return max(2, self.rounds)
 
 
 class QualitySpec(Strict):
@@ -544,6 +566,38 @@ class TrialList(BaseModel):
     count: int
 
 
+class ConfigVerdict(BaseModel):
+    """One config's part in the verdict (autotune.verdict): its runs at the judged budget and what
+    the decision rule made of them. The baseline's row has no speedup or quality difference."""
+
+    trial_number: int = Field(..., description="the search trial (or the baseline's first seed) it stands for")
+    role: Literal["baseline", "candidate"]
+    status: Literal["baseline", "certified", "rejected", "undecided", "failed", "stopped"] = Field(
+        ..., description="certified: faster and no worse beyond the noise; rejected: shown slower or worse; "
+        "undecided: neither yet; failed: a run failed; stopped: no longer measured (slower than a certified config)")
+    reason: str = ""
+    config: dict[str, Any] = Field(default_factory=dict)
+    n: int = Field(0, description="runs at the judged budget (a candidate's search trial is not one of them: "
+                                  "it was chosen for its speed)")
+    throughput_samples_per_s: float | None = Field(None, description="geometric mean over the runs")
+    throughput_sd_log: float | None = Field(None, description="sample sd of log throughput over the runs (about the "
+                                            "relative run-to-run spread)")
+    throughputs: list[float] = Field(default_factory=list, description="each run's throughput")
+    quality_mean: float | None = None
+    quality_sd: float | None = None
+    qualities: list[float] = Field(default_factory=list)
+    speedup: float | None = None
+    speedup_ci_low: float | None = None
+    speedup_ci_high: float | None = None
+    quality_diff: float | None = Field(None, description="mean quality minus the baseline's, signed so that > 0 is "
+                                       "worse")
+    quality_diff_ci_high: float | None = Field(None, description="the upper end of that difference's interval")
+    quality_margin: float | None = Field(None, description="the non-inferiority margin: max(abs_tol, k × the "
+                                         "baseline's sd at this budget)")
+    alpha: float | None = Field(None, description="the one-sided level each test used at the last look (the study's "
+                                "error rate spent over configs and looks)")
+
+
 class Recommendation(BaseModel):
     study: str
     config: dict[str, Any]
@@ -606,6 +660,19 @@ class Recommendation(BaseModel):
                                       "interval)")
     energy_method: str | None = Field(None, description="nvml_total_energy | power_integral")
     energy_verdict: str = Field("", description="one sentence on the energy ratio (empty: not measured)")
+    certified: bool = Field(False, description="the pick is faster beyond the noise and its quality no worse than "
+                            "the baseline's (autotune.verdict); False: `config` is the baseline's own")
+    outcome: Literal["certified", "no_win", "undecided", "not_judged"] = Field(
+        "not_judged", description="certified; no_win: every candidate was rejected; undecided: the re-measure budget "
+        "ran out before a candidate was decided; not_judged: re-measurement is off (remeasure.top_k 0)")
+    reason: str = Field("", description="why the verdict is what it is, in one sentence")
+    configs: list[ConfigVerdict] = Field(default_factory=list, description="the decision rule's inputs, baseline "
+                                         "first: n, mean and sd per config")
+    rounds_run: int = Field(0, description="re-measure rounds run")
+    max_rounds: int = Field(0, description="the most rounds the study may run (remeasure.round_limit)")
+    remeasure_probes: int = Field(0, description="re-measure probes run (the verdict's cost)")
+    uncertified: ConfigVerdict | None = Field(None, description="the fastest candidate that was not certified (what "
+                                              "`autotune best --uncertified` prints)")
 
     def energy_lines(self) -> list[str]:
         """The energy in words (the YAML header, the report): the pick's J/sample, the baseline's
