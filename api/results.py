@@ -73,9 +73,10 @@ import yaml
 from api.optuna_bridge import TrialRecord
 from api.outcome import NOT_ABOUT_THE_CONFIG
 from autotune.config import KNOBS, normalised
-from autotune.gate import BaselineStats, Estimate, Gate, t_quantile, window_rate
+from autotune.gate import BaselineStats, Estimate, Gate
 from autotune.gate import is_feasible as gate_feasible
-from autotune.protocol import OBJECTIVES, Recommendation, StudySpec, TrialInfo
+from autotune.protocol import OBJECTIVES, ConfigVerdict, Recommendation, StudySpec, TrialInfo
+from autotune.verdict import Judgement, Sample, judge, test_alpha, welch
 
 GIB = 2**30
 
@@ -345,18 +346,22 @@ class TrialContext:
         return self._base.number if knob_config(trial) == self._base_config else None
 
     def remeasure_feasibility(self, trial: TrialRecord, spec: StudySpec) -> tuple[bool | None, str | None]:
-        """A re-measurement's feasibility, judged against the baseline at its own budget."""
+        """A re-measurement's feasibility: its config's quality as the verdict judged it at this
+        budget (against the baseline's runs there), None while undecided."""
         rm = self._rm
-        if rm is None or rm.gate is None:
-            why = rm.unjudged if rm is not None and rm.unjudged else \
-                "the baseline's re-measurement at this budget has not finished"
-            return None, f"not judged: {why}"
         if not completed(trial):
             return False, None
-        quality = metric(trial, spec, "quality")
-        side = "≤" if spec.quality_direction == "minimize" else "≥"
-        ok = bool(gate_feasible(quality, rm.gate, spec.quality_direction)) and fits_memory(trial, spec)
-        return ok, f"judged at the re-measure budget: gate {side} {rm.gate:.6g} (the baseline re-measured)"
+        of = trial.user_attrs.get("remeasure_of")
+        if rm is None or not isinstance(of, int):
+            return None, "not judged yet"
+        if of == rm.baseline:
+            return True, "the baseline's own run at the judged budget"
+        judged = rm.judged(spec, of)
+        status = rm.status.get(of, "undecided")
+        if judged is None:
+            return None, f"quality not yet decided by the verdict (trial {of}: {status})"
+        side = "no worse than" if judged else "worse than"
+        return judged, f"judged by the verdict: quality {side} the baseline's at this budget (trial {of}: {status})"
 
 
 def trial_infos(trials: Sequence[TrialRecord], spec: StudySpec, all_trials: Sequence[TrialRecord] | None = None
@@ -459,15 +464,6 @@ def remeasure_key(trial: TrialRecord) -> tuple[int, int] | None:
     return of, round_
 
 
-def remeasure_plan(spec: StudySpec, targets: Sequence[TrialRecord]) -> list[tuple[TrialRecord, int]]:
-    """Every (target, round) the study re-measures, in creation order: round by round, every
-    other round in reverse (A B C, C B A, A B C, …). Over each pair of rounds every target's
-    re-measurements then sit at the same mean place in the sequence, so a host whose speed
-    drifts steadily while they run favours none of them; in plain rotation (A B C A B C) the
-    first target would always run before the others and gain from a host that slows down."""
-    return [(t, r) for r in range(spec.remeasure.rounds) for t in (targets if r % 2 == 0 else targets[::-1])]
-
-
 def chosen_by(spec: StudySpec) -> Literal["throughput", "energy"]:
     """What ranks the candidates for re-measurement and the recommendation: throughput, unless
     the study minimizes energy and does not optimise throughput (see the module docstring)."""
@@ -488,13 +484,23 @@ def ranked_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
 
 
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
-    """The configs to re-measure: the top_k candidates by throughput, fastest first (by energy
-    per sample, lowest first, where energy picks: `chosen_by`), then the baseline (its first
-    completed seed), so that every re-measured config is compared with the baseline at the
-    same sample budget, in the same interleaved rounds. Nothing when no candidate is feasible."""
+    """The configs to re-measure: the top_k *distinct* candidates by throughput, fastest first
+    (by energy per sample, lowest first, where energy picks: `chosen_by`; a config drawn twice
+    is re-measured once, for its first trial), then the baseline (its first completed seed), so
+    that every re-measured config is compared with the baseline at the same sample budget, in
+    the same interleaved rounds. Nothing when no candidate is feasible."""
     if spec.remeasure.top_k <= 0 or gate is None:
         return []
-    targets = [t for _, t in ranked_candidates(spec, trials, gate)[:spec.remeasure.top_k]]
+    targets: list[TrialRecord] = []
+    seen: list[dict[str, Any] | None] = []
+    for _, t in ranked_candidates(spec, trials, gate):
+        config = knob_config(t)
+        if config is not None and config in seen:
+            continue
+        seen.append(config)
+        targets.append(t)
+        if len(targets) == spec.remeasure.top_k:
+            break
     base = baseline_target(trials)
     return [*targets, base] if targets and base is not None else targets
 
@@ -520,76 +526,150 @@ def _windows(trial: TrialRecord, key: str = "window_throughputs") -> list[float]
 
 @dataclass(frozen=True)
 class Remeasurement:
-    """Where a study's re-measurement stands (`remeasurement`)."""
+    """Where a study's verdict stands (`remeasurement`): the re-measure rounds so far, replayed
+    from the trials, and each candidate's status (autotune.verdict)."""
 
-    targets: list[TrialRecord]  # the configs re-measured: candidates best first (`chosen_by`), then the baseline
+    targets: list[TrialRecord]  # the configs re-measured: distinct candidates best first, then the baseline
     runs: dict[int, list[TrialRecord]]  # target number -> its completed re-measurements, round by round
     dropped: dict[int, str]  # target number -> why it is out (a re-measurement failed for good)
-    pending: bool  # a planned re-measurement has not settled (or the search is still on)
+    pending: bool  # the verdict is not finished: a round is to be created or is running (or the search is on)
     baseline: int | None  # the baseline target's number
-    gate: float | None  # the gate at the re-measure budget (from the baseline's re-measurement)
-    unjudged: str | None  # why quality at the re-measure budget is not judged (gate None)
+    base_runs: list[TrialRecord]  # the baseline's runs at the judged budget (its seeds, with factor 1)
+    status: dict[int, str]  # candidate number -> certified | rejected | undecided | failed | stopped
+    judgements: dict[int, Judgement]  # candidate number -> its latest judgement
+    rounds_done: int  # rounds whose every run has settled
+    round_limit: int
+    next_round: list[TrialRecord]  # the targets of round `rounds_done`, in creation order (empty: finished)
+    probes: int  # re-measure trials that ran (retries of lost ones not counted twice)
 
     def judged(self, spec: StudySpec, number: int) -> bool | None:
-        """Whether target `number`'s re-measured quality passes the gate at its own budget
-        (the mean over its rounds, and each round's peak memory); None when not judged."""
-        runs = self.runs.get(number)
-        if not runs or self.gate is None:
+        """Whether target `number`'s quality held at the judged budget: False once its quality
+        half was rejected (or a run failed, or did not fit max_memory_gb), True once it was
+        certified, None while undecided."""
+        if number in self.dropped:
+            return False
+        j = self.judgements.get(number)
+        if j is None or j.margin is None or j.quality_high is None or j.quality_low is None:
             return None
-        quality = [q for r in runs if (q := metric(r, spec, "quality")) is not None]
-        return (bool(quality) and bool(gate_feasible(statistics.fmean(quality), self.gate, spec.quality_direction))
-                and all(fits_memory(r, spec) for r in runs))
+        if j.quality_low > j.margin or not all(fits_memory(r, spec) for r in self.runs.get(number, [])):
+            return False
+        return True if j.quality_high < j.margin else None
+
+    @property
+    def unjudged(self) -> str | None:
+        return None
+
+
+def _by(spec: StudySpec) -> tuple[str, bool]:
+    """(the metric the verdict compares, whether higher is better): throughput, or energy per sample."""
+    by = chosen_by(spec)
+    return RANK_METRIC[by], by == "throughput"
+
+
+def _values(runs: Sequence[TrialRecord], spec: StudySpec, name: str) -> list[float]:
+    return [v for r in runs if (v := metric(r, spec, name)) is not None and (name == "quality" or v > 0)]
+
+
+def _geomean(values: Sequence[float]) -> float | None:
+    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
 
 
 def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> Remeasurement:
-    """The re-measurements of the study's targets. A re-measured config is judged against the
-    baseline re-measured at the same sample budget: the gate there is the baseline's
-    re-measured quality (mean over its rounds) widened by the same tolerance as the search's
-    gate, with the baseline seeds' spread (every re-measurement runs one seed, so its rounds
-    do not show a seed spread). The longer probe may train a model to a better (or, when it
-    overfits, a worse) quality: a gate set at the short budget would judge it by the wrong
-    yardstick. Without a baseline re-measurement the re-measured quality is not judged."""
+    """Replay the study's verdict from its trials (module docstring; autotune.verdict).
+
+    Round r runs the baseline and every candidate still undecided after round r − 1, once
+    each, with probe seed probe.seed + seed_offset + r (even rounds in rank order, the baseline
+    last; odd rounds reversed, so a drifting host favours none). From round `remeasure.min_rounds`
+    on, each undecided candidate is judged after its round, at the level `test_alpha` spends
+    on that look; a candidate slower than a certified one stops. The verdict ends when no
+    candidate is undecided or after `round_limit` rounds. The runs judged: a candidate's
+    re-measurements (its search trial was chosen for its speed: the winner's curse), the
+    baseline's re-measurements and, when re-measuring at the search's budget
+    (samples_factor 1), its seeds."""
     targets = remeasure_targets(spec, trials, gate)
     state = retries(spec, trials)
-    runs: dict[int, list[TrialRecord]] = {}
-    dropped: dict[int, str] = {}
-    settled: set[tuple[int, int]] = set()
-    for t in trials:
-        key = remeasure_key(t)
-        if key is None or not state.settled(t):
-            continue
-        settled.add(key)
-        if completed(t) and metric(t, spec, "throughput_samples_per_s") is not None:
-            runs.setdefault(key[0], []).append(t)
-        else:
-            kind = t.user_attrs.get("failure_kind") or service_state(t).lower()
-            dropped.setdefault(key[0], f"its re-measurement (trial {t.number}) failed ({kind})")
-    for number in runs:
-        runs[number].sort(key=lambda r: ((remeasure_key(r) or (0, 0))[1], r.number))
-    pending = spec.remeasure.top_k > 0 and (
-        not targets or any((t.number, r) not in settled for t, r in remeasure_plan(spec, targets)))
+    rs = spec.remeasure
+    limit = rs.round_limit(spec.n_trials)
     base = baseline_target(trials)
     base_number = base.number if base is not None and any(t.number == base.number for t in targets) else None
-    gate_long, unjudged = None, None
-    if base_number is not None:
-        quality = [q for r in runs.get(base_number, []) if (q := metric(r, spec, "quality")) is not None]
-        seeds = baseline_summary(spec, trials).quality
-        if quality and seeds is not None:
-            stats = BaselineStats(mean=statistics.fmean(quality), std=seeds.std, n=seeds.n)
-            gate_long = Gate(spec.gate.abs_tol, spec.gate.k).threshold(stats, spec.quality_direction)
-        elif base_number in dropped:
-            why = dropped[base_number].removeprefix("its ")
-            unjudged = (f"the baseline's {why}: quality at the re-measure budget is not judged "
-                        "(the re-measured configs keep the search's verdict)")
+    cands = [t for t in targets if t.number != base_number]
+    settled: dict[tuple[int, int], TrialRecord] = {}
+    probes = 0
+    for t in trials:
+        key = remeasure_key(t)
+        if key is not None and state.settled(t):
+            settled[key] = t
+        if key is not None and t.finished and not state.superseded(t):
+            probes += 1
+    fixed = []
+    if rs.samples_factor == 1.0:
+        fixed = [t for t in baselines(trials) if completed(t) and not state.superseded(t)]
+    runs: dict[int, list[TrialRecord]] = {}
+    dropped: dict[int, str] = {}
+    status = {c.number: "undecided" for c in cands}
+    judgements: dict[int, Judgement] = {}
+    name, higher = _by(spec)
+    looks = limit - rs.min_rounds + 1
+    next_round: list[TrialRecord] = []
+    rounds_done = 0
+    for r in range(limit if cands else 0):
+        planned = [c for c in cands if status[c.number] == "undecided"]
+        if not planned:
+            break
+        order = [*planned, *([base] if base is not None and base_number is not None else [])]
+        order = order if r % 2 == 0 else order[::-1]
+        if not all((t.number, r) in settled for t in order):
+            next_round = order
+            break
+        for t in order:
+            run = settled[(t.number, r)]
+            if completed(run) and metric(run, spec, name) is not None:
+                runs.setdefault(t.number, []).append(run)
+            elif t.number != base_number:
+                kind = run.user_attrs.get("failure_kind") or service_state(run).lower()
+                dropped.setdefault(t.number, f"its re-measurement (trial {run.number}) failed ({kind})")
+                status[t.number] = "failed"
+        rounds_done = r + 1
+        if rounds_done < rs.min_rounds:
+            continue
+        look = rounds_done - rs.min_rounds + 1
+        alpha = test_alpha(rs.confidence, len(cands), look, looks)
+        base_runs = [*fixed, *runs.get(base_number, [])] if base_number is not None else fixed
+        for c in planned:
+            if status[c.number] != "undecided":
+                continue
+            mine = runs.get(c.number, [])
+            if not all(fits_memory(m, spec) for m in mine):
+                status[c.number] = "rejected"
+                judgements[c.number] = Judgement("rejected", f"a re-measurement's peak memory exceeds max_memory_gb "
+                                                             f"({spec.max_memory_gb} GiB)")
+                continue
+            j = judge(_values(mine, spec, name), _values(base_runs, spec, name), _values(mine, spec, "quality"),
+                      _values(base_runs, spec, "quality"), alpha=alpha, abs_tol=spec.gate.abs_tol, k=spec.gate.k,
+                      quality_direction=spec.quality_direction, higher_is_better=higher,
+                      metric="speedup" if higher else "energy ratio")
+            judgements[c.number] = j
+            status[c.number] = j.status
+        sign = 1.0 if higher else -1.0
+        best = max((sign * g for n, s in status.items() if s == "certified"
+                    and (g := _geomean(_values(runs.get(n, []), spec, name))) is not None), default=None)
+        if best is not None:
+            for c in cands:
+                g = _geomean(_values(runs.get(c.number, []), spec, name))
+                if status[c.number] == "undecided" and g is not None and sign * g < best:
+                    status[c.number] = "stopped"
+    base_runs = [*fixed, *runs.get(base_number, [])] if base_number is not None else fixed
+    pending = rs.top_k > 0 and (not targets or bool(next_round))
     return Remeasurement(targets=targets, runs=runs, dropped=dropped, pending=pending, baseline=base_number,
-                         gate=gate_long, unjudged=unjudged)
+                         base_runs=base_runs, status=status, judgements=judgements, rounds_done=rounds_done,
+                         round_limit=limit, next_round=next_round, probes=probes)
 
 
 def front_values(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[int, list[float]]:
     """Trial number -> the objective values (the spec's order) of every candidate on which the
     front is computed: a feasible search trial at its re-measured value where it has one (the
-    pooled throughput and mean quality of its rounds). A candidate whose re-measurement failed,
-    or whose re-measured quality fails the gate at its budget, is left out."""
+    geometric-mean throughput and the mean quality of its re-measurements). A candidate whose
+    re-measurement failed, or whose quality the verdict showed worse, is left out."""
     gate = gate_quality(spec, trials)
     rm = remeasurement(spec, trials, gate)
     out: dict[int, list[float]] = {}
@@ -597,8 +677,8 @@ def front_values(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[int, li
         if t.number in rm.dropped or rm.judged(spec, t.number) is False:
             continue
         runs = rm.runs.get(t.number) or [t]
-        throughput = _pooled_throughput(runs, spec)
-        quality = [q for r in runs if (q := metric(r, spec, "quality")) is not None]
+        throughput = _geomean(_values(runs, spec, "throughput_samples_per_s"))
+        quality = _values(runs, spec, "quality")
         energy = _pooled_energy(runs, spec)
         if throughput is None or not quality or ("energy" in spec.objectives and energy is None):
             continue
@@ -608,75 +688,50 @@ def front_values(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[int, li
     return out
 
 
-@dataclass(frozen=True)
-class Speedup:
-    """A ratio (a speedup, or an energy ratio) with its 95 % confidence interval (`ratio_interval`)."""
+def _config_verdict(spec: StudySpec, target: TrialRecord, runs: Sequence[TrialRecord], role_: str, status: str,
+                    judgement: Judgement | None, reason: str = "") -> ConfigVerdict:
+    """One row of the verdict's inputs (Recommendation.configs)."""
+    thr = _values(runs, spec, "throughput_samples_per_s")
+    qual = _values(runs, spec, "quality")
+    logs = [math.log(v) for v in thr]
+    j = judgement
+    return ConfigVerdict(
+        trial_number=target.number, role=role_, status=status, reason=reason or (j.reason if j else ""),  # type: ignore[arg-type]
+        config=knob_config(target) or {}, n=len(thr), throughput_samples_per_s=_geomean(thr),
+        throughput_sd_log=statistics.stdev(logs) if len(logs) > 1 else None, throughputs=thr,
+        quality_mean=statistics.fmean(qual) if qual else None,
+        quality_sd=statistics.stdev(qual) if len(qual) > 1 else None, qualities=qual,
+        speedup=j.ratio if j else None, speedup_ci_low=j.ratio_low if j else None,
+        speedup_ci_high=j.ratio_high if j else None, quality_diff=j.quality_diff if j else None,
+        quality_diff_ci_high=j.quality_high if j else None, quality_margin=j.margin if j else None,
+        alpha=j.alpha if j else None)
 
-    ratio: float
-    low: float | None
-    high: float | None
-    basis: str  # how the interval was formed, for the notes
 
-
-def speedup_interval(pick: Sequence[TrialRecord], base: Sequence[TrialRecord],
-                     groups: Sequence[Sequence[TrialRecord]], spec: StudySpec) -> Speedup | None:
-    """The pick's throughput over the baseline's, with a 95 % interval on the ratio (`ratio_interval`)."""
-    return ratio_interval(pick, base, groups, spec, "throughput_samples_per_s")
-
-
-def ratio_interval(pick: Sequence[TrialRecord], base: Sequence[TrialRecord], groups: Sequence[Sequence[TrialRecord]],
-                   spec: StudySpec, name: str) -> Speedup | None:
-    """The pick's `name` (throughput_samples_per_s: a speedup; energy_j_per_sample: an energy
-    ratio) over the baseline's, with a 95 % interval on the ratio.
-
-    Each probe run (a process) is one measurement: the log of its value varies from run to run
-    with the host's state, far more than its windows do. That run-to-run spread is pooled over
-    every config measured more than once (`groups`: the baseline seeds, each re-measured
-    config's rounds), assuming the host's noise is the same relative size for all of them, and
-    the interval on log(ratio) is Student-t with the pooled degrees of freedom:
-    ± t · s · √(1/n_pick + 1/n_base). With no config run twice the run-to-run spread is unknown
-    and the interval falls back to the windows of each side's runs (it is then too narrow,
-    and the notes say so)."""
-    pooled = _pooled_throughput if name == "throughput_samples_per_s" else _pooled_energy
-    pick_value, base_value = pooled(pick, spec), pooled(base, spec)
-    if pick_value is None or not base_value:
-        return None
-    ratio = pick_value / base_value
-    squares, dof, runs_pooled, configs = 0.0, 0, 0, 0
-    for group in groups:
-        logs = [math.log(v) for r in group if (v := metric(r, spec, name)) and v > 0]
-        if len(logs) >= 2:
-            mean = statistics.fmean(logs)
-            squares += sum((x - mean) ** 2 for x in logs)
-            dof += len(logs) - 1
-            runs_pooled, configs = runs_pooled + len(logs), configs + 1
-    if dof > 0:
-        half = t_quantile(0.95, dof) * math.sqrt(squares / dof) * math.sqrt(1 / len(pick) + 1 / len(base))
-        basis = f"run-to-run spread pooled over {runs_pooled} runs of {configs} configs ({dof} degrees of freedom)"
-    else:
-        halves = []
-        for runs in (pick, base):
-            if name == "throughput_samples_per_s":
-                windows = [w for r in runs for w in _windows(r)]
-                est = Estimate.for_rate(windows) if len(windows) >= 2 else None
-            else:
-                windows = [w for r in runs for w in _windows(r, "window_energy_j_per_sample")]
-                est = Estimate.from_values(windows) if len(windows) >= 2 else None
-            if est is None:
-                return Speedup(ratio, None, None, "no interval: a side has fewer than 2 timed windows")
-            if est.low <= 0:
-                return Speedup(ratio, None, None, "no interval: a side's windows vary too much")
-            halves.append(math.log(est.high / est.low) / 2)
-        half = math.hypot(*halves)
-        basis = ("the windows of one run per side: no config was run twice, so the run-to-run spread is not "
-                 "in this interval (run more baseline_seeds or remeasure.rounds)")
-    return Speedup(ratio, ratio * math.exp(-half), ratio * math.exp(half), basis)
+def verdict_rows(spec: StudySpec, trials: Sequence[TrialRecord], rm: Remeasurement) -> list[ConfigVerdict]:
+    """The decision rule's inputs, the baseline first, then the candidates in rank order."""
+    rows = []
+    base = next((t for t in rm.targets if t.number == rm.baseline), None)
+    if base is not None:
+        rows.append(_config_verdict(spec, base, rm.base_runs, "baseline", "baseline", None,
+                                    f"{len(rm.base_runs)} runs at the judged budget"))
+    for t in rm.targets:
+        if t.number == rm.baseline:
+            continue
+        status = rm.status.get(t.number, "undecided")
+        why = rm.dropped.get(t.number, "") if status == "failed" else \
+            ("slower than a certified config: no longer measured" if status == "stopped" else "")
+        rows.append(_config_verdict(spec, t, rm.runs.get(t.number, []), "candidate", status,
+                                    rm.judgements.get(t.number), why))
+    return rows
 
 
 def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> Recommendation:
-    """The fastest candidate that kept its quality at the re-measure budget, or the one with
-    the lowest energy per sample where energy picks (`chosen_by`; see the module docstring).
-    Raises NoRecommendation when there is none yet, or none at all."""
+    """The study's verdict once its re-measurement has finished: the fastest certified candidate
+    (the lowest energy per sample where energy picks: `chosen_by`), or, when none was
+    certified, the baseline's own config with certified False and the fastest uncertified
+    candidate beside it. With re-measurement off (remeasure.top_k 0) nothing is judged: the
+    baseline's config again, the search's fastest candidate as the uncertified one. Raises
+    NoRecommendation while there is nothing to say yet, or when the baseline failed."""
     runs = baselines(trials)
     if not runs:
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: its baseline trial has not been "
@@ -694,175 +749,160 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
     assert summary.quality is not None
     gate = gate_quality(spec, trials)
     by = chosen_by(spec)
+    _, higher = _by(spec)
     scored_pool = ranked_candidates(spec, trials, gate)
-    if not scored_pool:
+    search_over = search_done(spec, trials, spec.n_trials)
+    if not scored_pool and not search_over:
         what = "a throughput" if by == "throughput" else "an energy per sample"
         raise NoRecommendation(f"study {study_name!r} has no feasible search trial with {what} yet "
                                "(baseline seeds are the reference, never a recommendation)")
     rm = remeasurement(spec, trials, gate)
-    name = quality_name(spec, trials)
+    qname = quality_name(spec, trials)
+    if scored_pool and rm.pending:
+        score0, first = scored_pool[0]
+        so_far = (f"the fastest search trial so far is trial {first.number} at {score0:,.1f} samples/s"
+                  if by == "throughput" else
+                  f"the search trial with the lowest energy so far is trial {first.number} at {score0:.4g} J/sample")
+        raise NoRecommendation(
+            f"study {study_name!r} has no verdict yet: its top configs and the baseline are being re-measured "
+            f"(round {rm.rounds_done + 1} of at most {rm.round_limit}; {rm.probes} re-measurements so far); {so_far}")
+    base = baseline_target(trials)
+    assert base is not None
+    rows = verdict_rows(spec, trials, rm)
+    base_runs = rm.base_runs or [t for t in runs if completed(t) and not retries(spec, trials).superseded(t)]
+    certified = [r for r in rows if r.status == "certified"]
+    sign = 1.0 if higher else -1.0
     caveats: list[str] = []
-    if spec.remeasure.top_k > 0:
-        if rm.pending:
-            score0, first = scored_pool[0]
-            done = sum(len(v) for v in rm.runs.values()) + len(rm.dropped)
-            so_far = (f"the fastest search trial so far is trial {first.number} at {score0:,.1f} samples/s"
-                      if by == "throughput" else
-                      f"the search trial with the lowest energy so far is trial {first.number} at {score0:.4g} "
-                      "J/sample")
-            raise NoRecommendation(
-                f"study {study_name!r} has no recommendation yet: its top configs and the baseline are being "
-                f"re-measured with a longer probe ({done} of {len(remeasure_plan(spec, rm.targets)) or '?'} "
-                f"re-measurements settled); {so_far}, not yet re-measured")
-        ranked = []
-        for target in rm.targets:
-            if target.number == rm.baseline or target.number in rm.dropped or not rm.runs.get(target.number):
-                continue
-            if rm.judged(spec, target.number) is False:
-                continue
-            if (score := _score(rm.runs[target.number], spec, by)) is not None:
-                ranked.append((score, target, rm.runs[target.number]))
-        if not ranked:
-            why = "; ".join([f"trial {n}: {w}" for n, w in rm.dropped.items() if n != rm.baseline]
-                            + [f"trial {t.number}: its re-measured {name} fails the gate at the re-measure budget"
-                               for t in rm.targets if t.number != rm.baseline and rm.judged(spec, t.number) is False])
-            kept = "speed" if by == "throughput" else "energy per sample"
-            raise NoRecommendation(f"study {study_name!r} has nothing to recommend: no re-measured config kept its "
-                                   f"{kept} and quality ({why}); keep the baseline config, or widen the search")
-        if rm.unjudged:
-            caveats.append(rm.unjudged)
+    if certified:
+        pick_row = max(certified, key=lambda r: (sign * (r.throughput_samples_per_s or 0.0)
+                                                 if higher else sign * _energy_of(rm, r, spec), -r.trial_number))
+        outcome = "certified"
+        reason = (f"trial {pick_row.trial_number} is certified: {rm.judgements[pick_row.trial_number].reason} "
+                  f"(after {rm.rounds_done} round{'s' if rm.rounds_done != 1 else ''})")
     else:
-        ranked = [(score, t, [t]) for score, t in scored_pool]
-        best_of = "the fastest" if by == "throughput" else "the lowest energy"
-        caveats.append("not re-measured (remeasure.top_k is 0): this is the search's own measurement of the config, "
-                       f"and {best_of} of many noisy measurements is flattered by its luck (winner's curse)")
-    sign = 1.0 if by == "throughput" else -1.0
-    _, best, pick_runs = max(ranked, key=lambda c: (sign * c[0], -c[1].number))
-    throughput = _pooled_throughput(pick_runs, spec)
-    assert throughput is not None  # a candidate's runs completed with a throughput
-    remeasured = pick_runs[0] is not best
-    base_runs = rm.runs.get(rm.baseline, []) if remeasured and rm.baseline is not None else []
-    seeds = [t for t in runs if completed(t) and not retries(spec, trials).superseded(t)]
-    if not base_runs:
-        base_runs = seeds
-    groups = [seeds] + [rm.runs[t.number] for t in rm.targets if t.number in rm.runs]
-    speed = speedup_interval(pick_runs, base_runs, groups, spec)
-    run = pick_runs[-1]  # the latest measurement: its notes and peak memory
+        pick_row = None
+        if spec.remeasure.top_k <= 0:
+            outcome = "not_judged"
+            reason = ("nothing was judged: re-measurement is off (remeasure.top_k 0), so no config was shown faster "
+                      "beyond the noise; keep the baseline config, or turn re-measurement on")
+        elif not scored_pool:
+            outcome = "no_win"
+            reason = (f"no search trial kept the baseline's {qname} (none passed the quality gate); keep the baseline "
+                      "config, or widen the search")
+        elif any(r.status == "undecided" for r in rows):
+            outcome = "undecided"
+            reason = (f"no config was certified within the re-measure budget ({rm.rounds_done} rounds of at most "
+                      f"{rm.round_limit}): the fastest was neither shown faster and no worse nor shown otherwise; keep "
+                      "the baseline config, or raise remeasure.max_rounds or measure on a quieter host")
+        else:
+            outcome = "no_win"
+            whys = "; ".join(f"trial {r.trial_number}: {r.reason}" for r in rows if r.role == "candidate")
+            reason = f"no config beat the baseline: {whys}; keep the baseline config"
+    # the fastest uncertified candidate (what --uncertified prints)
+    others = [r for r in rows if r.role == "candidate" and r.status != "certified" and r.n > 0]
+    uncertified = max(others, key=lambda r: sign * (r.throughput_samples_per_s or 0.0)) if others else None
+    if uncertified is None and pick_row is None and scored_pool:
+        _, top = scored_pool[0]
+        uncertified = _config_verdict(spec, top, [top], "candidate", "undecided", None,
+                                      "not re-measured: the search's own measurement, flattered by being the fastest "
+                                      "of many (winner's curse)")
+    chosen = next(t for t in trials if t.number == (pick_row.trial_number if pick_row else base.number))
+    pick_runs = rm.runs.get(chosen.number, []) if pick_row else base_runs
+    base_row = rows[0] if rows and rows[0].role == "baseline" else _config_verdict(
+        spec, base, base_runs, "baseline", "baseline", None)
+    j = rm.judgements.get(chosen.number) if pick_row else None
+    thr = (pick_row.throughput_samples_per_s if pick_row else base_row.throughput_samples_per_s) \
+        or metric(chosen, spec, "throughput_samples_per_s") or 0.0
+    base_thr = base_row.throughput_samples_per_s
     windows = [w for r in pick_runs for w in _windows(r)]
-    ci = Estimate.for_rate(windows) if len(windows) >= 2 else None  # throughput: the windows' rate
-    round_rates = [thr for r in pick_runs if (thr := metric(r, spec, "throughput_samples_per_s")) is not None] \
-        if remeasured else []
+    ci = Estimate.for_rate(windows) if len(windows) >= 2 else None
+    run = pick_runs[-1] if pick_runs else chosen
     notes = [str(n) for n in run.user_attrs.get("measurement_notes") or []]
-    if ci is not None and len(round_rates) >= 2 and (min(round_rates) < ci.low or max(round_rates) > ci.high):
-        notes.append(_rounds_note(round_rates, throughput))
-    energy = ratio_interval(pick_runs, base_runs, groups, spec, "energy_j_per_sample")
-    if speed is not None and energy is not None and speed.basis == energy.basis:
-        caveats.append(f"speedup and energy ratio intervals: {speed.basis}")
-    else:
-        caveats += [f"{what} interval: {ratio.basis}" for what, ratio in (("speedup", speed), ("energy ratio", energy))
-                    if ratio is not None]
-    saves = None if energy is None or energy.high is None else energy.high < 1.0
+    energy = _energy_ratio(pick_runs, base_runs, spec) if pick_row else None
+    saves = None if energy is None or energy[2] is None else energy[2] < 1.0
     methods = sorted({str(m) for r in [*pick_runs, *base_runs] if (m := r.user_attrs.get("energy_method"))})
-    config = best.user_attrs.get("config") or {}
-    peak = run.user_attrs.get("peak_mem_reserved_bytes") or best.user_attrs.get("peak_mem_reserved_bytes")
-    base_thr = _pooled_throughput(base_runs, spec)
-    judged_long = remeasured and rm.gate is not None
-    quality_runs = pick_runs if judged_long else [best]
-    qualities = [q for r in quality_runs if (q := metric(r, spec, "quality")) is not None]
-    quality = statistics.fmean(qualities) if qualities else None
-    base_quality = summary.quality.mean
-    if judged_long:
-        base_q = [q for r in base_runs if (q := metric(r, spec, "quality")) is not None]
-        base_quality = statistics.fmean(base_q) if base_q else base_quality
-    gate_used = rm.gate if judged_long else gate
-    nrmse = name == "val_nrmse"  # the val_nrmse fields are set for NRMSE only: a loss is not an NRMSE
-    beats = None if speed is None or speed.low is None else speed.low > 1.0
+    peak = run.user_attrs.get("peak_mem_reserved_bytes")
+    quality = (pick_row.quality_mean if pick_row else base_row.quality_mean)
+    base_quality = base_row.quality_mean if base_row.quality_mean is not None else summary.quality.mean
+    base_sd = base_row.quality_sd if base_row.quality_sd is not None else summary.quality.std
+    margin = j.margin if j is not None and j.margin is not None else None
+    qsign = 1.0 if spec.quality_direction == "minimize" else -1.0
+    gate_used = base_quality + qsign * margin if margin is not None else gate
+    nrmse = qname == "val_nrmse"
+    config = chosen.user_attrs.get("config") or {}
+    if spec.remeasure.top_k <= 0 and scored_pool:
+        caveats.append("not re-measured (remeasure.top_k is 0): the search's own measurements, and the fastest of many "
+                       "noisy measurements is flattered by its luck (winner's curse)")
     return Recommendation(
-        study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=best.number,
-        throughput_samples_per_s=throughput, val_nrmse=quality if nrmse else None,
+        study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=chosen.number,
+        throughput_samples_per_s=thr, val_nrmse=quality if nrmse else None,
         baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=base_quality if nrmse else None,
-        speedup=speed.ratio if speed else None, gate_nrmse=gate_used if nrmse else None,
-        quality_metric=name, quality_direction=spec.quality_direction, quality=quality,
-        baseline_quality=base_quality, baseline_quality_std=summary.quality.std, gate_quality=gate_used,
+        speedup=j.ratio if j and higher else (1.0 if pick_row is None else None),
+        gate_nrmse=gate_used if nrmse else None,
+        quality_metric=qname, quality_direction=spec.quality_direction, quality=quality,
+        baseline_quality=base_quality, baseline_quality_std=base_sd, gate_quality=gate_used,
         peak_mem_reserved_bytes=int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None,
         throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
-        remeasured=remeasured, remeasure_rounds=len(pick_runs) if remeasured else 0,
-        round_throughputs=round_rates,
-        baseline_val_nrmse_std=summary.quality.std if nrmse else None,
-        baseline_seeds=summary.quality.n,
+        remeasured=bool(pick_row), remeasure_rounds=len(pick_runs) if pick_row else 0,
+        round_throughputs=_values(pick_runs, spec, "throughput_samples_per_s") if pick_row else [],
+        baseline_val_nrmse_std=base_sd if nrmse else None, baseline_seeds=len(base_runs),
         measurement_notes=notes, caveats=caveats,
-        speedup_ci_low=speed.low if speed else None, speedup_ci_high=speed.high if speed else None,
-        beats_baseline=beats, verdict=_verdict(speed, beats),
-        quality_budget="remeasure" if judged_long else "search",
-        search_quality=metric(best, spec, "quality"), search_gate_quality=gate,
-        search_throughput_samples_per_s=metric(best, spec, "throughput_samples_per_s"),
-        baseline_remeasured=bool(remeasured and rm.baseline is not None and rm.runs.get(rm.baseline)),
-        chosen_by=by, energy_j_per_sample=_pooled_energy(pick_runs, spec),
+        speedup_ci_low=j.ratio_low if j and higher else None, speedup_ci_high=j.ratio_high if j and higher else None,
+        beats_baseline=bool(pick_row) if higher else None,
+        verdict=_verdict_sentence(outcome, reason, j if higher else None),
+        quality_budget="remeasure" if spec.remeasure.samples_factor > 1 else "search",
+        search_quality=metric(chosen, spec, "quality"), search_gate_quality=gate,
+        search_throughput_samples_per_s=metric(chosen, spec, "throughput_samples_per_s"),
+        baseline_remeasured=rm.baseline is not None and bool(rm.runs.get(rm.baseline)),
+        chosen_by=by, energy_j_per_sample=_pooled_energy(pick_runs, spec) if pick_row else None,
         baseline_energy_j_per_sample=_pooled_energy(base_runs, spec),
-        energy_ratio=energy.ratio if energy else None, energy_ratio_ci_low=energy.low if energy else None,
-        energy_ratio_ci_high=energy.high if energy else None, saves_energy=saves,
-        energy_method=" + ".join(methods) or None, energy_verdict=_energy_verdict(energy, saves, by),
+        energy_ratio=energy[0] if energy else None, energy_ratio_ci_low=energy[1] if energy else None,
+        energy_ratio_ci_high=energy[2] if energy else None, saves_energy=saves,
+        energy_method=" + ".join(methods) or None,
+        energy_verdict=_energy_sentence(energy, saves) if energy else "",
+        certified=bool(pick_row), outcome=outcome, reason=reason, configs=rows,  # type: ignore[arg-type]
+        rounds_run=rm.rounds_done, max_rounds=rm.round_limit, remeasure_probes=rm.probes, uncertified=uncertified,
     )
 
 
-def _score(runs: Sequence[TrialRecord], spec: StudySpec, by: str) -> float | None:
-    """What ranks re-measured configs (`chosen_by`): the pooled throughput, or energy per sample."""
-    return _pooled_throughput(runs, spec) if by == "throughput" else _pooled_energy(runs, spec)
+def _energy_of(rm: Remeasurement, row: ConfigVerdict, spec: StudySpec) -> float:
+    return _geomean(_values(rm.runs.get(row.trial_number, []), spec, "energy_j_per_sample")) or math.inf
 
 
-NOISE_ADVICE = ("keep the baseline config; to tell smaller differences apart, re-measure more "
-                "(remeasure.rounds, baseline_seeds) or measure on a quieter host")
+def _energy_ratio(pick: Sequence[TrialRecord], base: Sequence[TrialRecord], spec: StudySpec
+                  ) -> tuple[float, float | None, float | None] | None:
+    """The pick's energy per sample over the baseline's (geometric means) with a Welch 95 % interval."""
+    p, b = _values(pick, spec, "energy_j_per_sample"), _values(base, spec, "energy_j_per_sample")
+    if not p or not b:
+        return None
+    ratio = (_geomean(p) or 0.0) / (_geomean(b) or 1.0)
+    if len(p) < 2 or len(b) < 2:
+        return ratio, None, None
+    d = welch(Sample.of([math.log(v) for v in p]), Sample.of([math.log(v) for v in b]))
+    low, high = d.bounds(0.025)
+    return ratio, math.exp(low), math.exp(high)
 
 
-def _verdict(speed: Speedup | None, beats: bool | None) -> str:
-    """One sentence: whether the pick beat the baseline beyond the noise."""
-    if speed is None:
-        return "the speedup is unknown: the baseline has no throughput"
-    if beats is None:
-        return f"{speed.ratio:.2f}× the baseline's throughput; no confidence interval ({speed.basis})"
-    interval = f"{speed.ratio:.2f}× (95 % CI {speed.low:.2f}–{speed.high:.2f}×)"
-    if beats:
-        return f"{interval} the baseline's throughput: faster beyond the noise"
-    return f"no config beat the baseline beyond the noise: {interval}; {NOISE_ADVICE}"
-
-
-def _energy_verdict(energy: Speedup | None, saves: bool | None, by: str) -> str:
-    """One sentence on the pick's energy per sample against the baseline's ("" unless both were measured)."""
-    if energy is None:
-        return ""
-    if energy.low is None or energy.high is None:
-        return f"{energy.ratio:.2f}× the baseline's energy per sample; no confidence interval ({energy.basis})"
-    interval = f"{energy.ratio:.2f}× (95 % CI {energy.low:.2f}–{energy.high:.2f}×) the baseline's energy per sample"
+def _energy_sentence(energy: tuple[float, float | None, float | None], saves: bool | None) -> str:
+    ratio, low, high = energy
+    if low is None or high is None:
+        return f"{ratio:.2f}× the baseline's energy per sample; no confidence interval (fewer than 2 runs a side)"
+    interval = f"{ratio:.2f}× (95 % CI {low:.2f}–{high:.2f}×) the baseline's energy per sample"
     if saves:
         return f"{interval}: less energy beyond the noise"
-    if energy.low > 1.0:
+    if low > 1.0:
         return f"{interval}: more energy beyond the noise"
-    if by == "energy":
-        return f"no config used less energy per sample than the baseline beyond the noise: {interval}; {NOISE_ADVICE}"
     return f"{interval}: not told apart from the baseline's beyond the noise"
 
 
-def _rounds_note(rates: Sequence[float], pooled: float) -> str:
-    """Said when a config's re-measurements differ by more than the interval over their windows
-    (which sees the spread inside each process, not between processes)."""
-    spread = (max(rates) - min(rates)) / pooled
-    return (f"its {len(rates)} re-measurements ran at {', '.join(f'{r:,.0f}' for r in rates)} samples/s, "
-            f"{spread * 100:.0f} % apart: more than the 95 % interval over their windows, which leaves out how much "
-            f"the host's speed varies from process to process; configs closer than that are ranked by the host's "
-            f"state at the time (more remeasure.rounds pool more of it)")
-
-
-def _pooled_throughput(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:
-    """One measurement's throughput; several re-measurements' pooled: the timed samples over the
-    timed seconds of all their windows (every run of a config is one probe, so its windows hold
-    equal samples), else, without stored windows, their throughputs' median."""
-    values = [v for r in runs if (v := metric(r, spec, "throughput_samples_per_s")) is not None]
-    if len(runs) == 1 or not values:
-        return values[0] if values else None
-    windows = [_windows(r) for r in runs]
-    if all(windows):
-        return window_rate([w for ws in windows for w in ws])[0]
-    return statistics.median(values)
+def _verdict_sentence(outcome: str, reason: str, j: Judgement | None) -> str:
+    """One sentence: the speedup with its interval and whether it is certified."""
+    if outcome == "certified" and j is not None and j.ratio is not None:
+        return (f"{j.ratio:.2f}× (interval {j.ratio_low:.2f}–{j.ratio_high:.2f}×) the baseline's throughput, "
+                "certified: faster beyond the noise and no worse")
+    if outcome == "certified":
+        return "certified: " + reason
+    return reason
 
 
 def _pooled_energy(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:
@@ -876,46 +916,69 @@ def _pooled_energy(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None
 
 
 def recommendation_yaml(rec: Recommendation) -> str:
-    """The recommended config as YAML that `autotune probe --config FILE` reads, with the
-    numbers behind it as a comment header."""
-    picked = " (the lowest energy per sample among the candidates)" if rec.chosen_by == "energy" else ""
-    lines = [f"# autotune recommendation for study {rec.study}: trial {rec.trial_number}{picked}",
-             f"# throughput: {rec.throughput_samples_per_s:.1f} samples/s"]
+    """The config to train with as YAML that `autotune probe --config FILE` reads, under a
+    header with the verdict and the numbers behind it. Without a certified pick it is the
+    baseline's own config (never a slower one): `uncertified_yaml` has the fastest uncertified
+    candidate for those who want it."""
+    if not rec.certified:
+        lines = [f"# autotune verdict for study {rec.study}: KEEP THE BASELINE ({rec.outcome})",
+                 f"# {rec.reason}",
+                 "# the config below is the baseline's own (trial "
+                 f"{rec.trial_number}); `autotune best --uncertified` prints the fastest uncertified candidate"]
+    else:
+        picked = " (the lowest energy per sample among the certified)" if rec.chosen_by == "energy" else ""
+        lines = [f"# autotune verdict for study {rec.study}: CERTIFIED, trial {rec.trial_number}{picked}",
+                 f"# {rec.verdict}"]
+    lines += _number_lines(rec)
+    body = yaml.safe_dump(rec.config, sort_keys=False, default_flow_style=False) if rec.config else "{}\n"
+    return "\n".join(lines) + "\n" + body
+
+
+def uncertified_yaml(rec: Recommendation) -> str:
+    """The fastest uncertified candidate's config, labelled so (`autotune best --uncertified`)."""
+    row = rec.uncertified
+    if row is None:
+        return (f"# autotune study {rec.study}: no uncertified candidate (every candidate was certified or none "
+                "ran)\n{}\n")
+    speed = "n/a" if row.speedup is None else f"{row.speedup:.2f}x"
+    if row.speedup_ci_low is not None and row.speedup_ci_high is not None:
+        speed += f", interval {row.speedup_ci_low:.2f}-{row.speedup_ci_high:.2f}x"
+    lines = [f"# UNCERTIFIED: trial {row.trial_number} of study {rec.study} ({row.status}): not shown faster and no "
+             "worse than the baseline beyond the noise",
+             f"# {row.reason}" if row.reason else "# (no reason recorded)",
+             f"# {row.n} runs; speedup {speed}"]
+    config = {k: v for k, v in row.config.items() if k in KNOBS}
+    return "\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+def _number_lines(rec: Recommendation) -> list[str]:
+    lines = []
     if rec.baseline_throughput_samples_per_s is not None:
-        speedup = f"{rec.speedup:.2f}x" if rec.speedup is not None else "n/a"
-        if rec.speedup_ci_low is not None and rec.speedup_ci_high is not None:
-            speedup += f", 95% CI {rec.speedup_ci_low:.2f}-{rec.speedup_ci_high:.2f}x"
-        same = " at the same budget" if rec.baseline_remeasured else ""
-        lines.append(f"# baseline throughput: {rec.baseline_throughput_samples_per_s:.1f} samples/s{same} "
-                     f"(speedup {speedup})")
-    if rec.beats_baseline is False and rec.chosen_by == "throughput":
-        lines.append(f"# WARNING: {rec.verdict}")
+        lines.append(f"# throughput: {rec.throughput_samples_per_s:.1f} samples/s; baseline "
+                     f"{rec.baseline_throughput_samples_per_s:.1f} samples/s (geometric means over their runs)")
     lines += [f"# {line}" for line in rec.energy_lines()]
-    if rec.saves_energy is False and rec.chosen_by == "energy":
-        lines.append(f"# WARNING: {rec.energy_verdict}")
     name = rec.quality_metric
     side = "<=" if rec.quality_direction == "minimize" else ">="
-    gate = f" (gate: {side} {rec.gate_quality:.6g})" if rec.gate_quality is not None else ""
+    gate = f" (bound: {side} {rec.gate_quality:.6g})" if rec.gate_quality is not None else ""
     base = "n/a" if rec.baseline_quality is None else f"{rec.baseline_quality:.6g}"
     if rec.baseline_quality_std is not None and rec.baseline_seeds > 1:
-        base += f" ± {rec.baseline_quality_std:.2g} over {rec.baseline_seeds} seeds"
+        base += f" ± {rec.baseline_quality_std:.2g} over {rec.baseline_seeds} runs"
     value = "n/a" if rec.quality is None else f"{rec.quality:.6g}"
-    budget = " (re-measured, against the baseline re-measured at that budget)" if rec.quality_budget == "remeasure" \
-        else ""
-    lines.append(f"# {name}: {value}{gate}; baseline {name}: {base}{budget}")
-    if rec.quality_budget == "remeasure" and rec.search_quality is not None:
-        lines.append(f"# {name} in the search's shorter probe: {rec.search_quality:.6g}")
-    if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
-        lines.append(f"# throughput 95% CI: {rec.throughput_ci_low:.1f}–{rec.throughput_ci_high:.1f} samples/s"
-                     f"{' (re-measured)' if rec.remeasured else ''}")
+    lines.append(f"# {name}: {value}{gate}; baseline {name}: {base}")
+    for row in rec.configs:
+        thr = "n/a" if row.throughput_samples_per_s is None else f"{row.throughput_samples_per_s:.1f}"
+        sd = "" if row.throughput_sd_log is None else f" sd(log) {row.throughput_sd_log:.3f}"
+        q = "" if row.quality_mean is None else f", {name} {row.quality_mean:.6g}" + (
+            "" if row.quality_sd is None else f" sd {row.quality_sd:.2g}")
+        lines.append(f"# {row.role} trial {row.trial_number} [{row.status}]: n {row.n}, {thr} samples/s{sd}{q}")
     lines.append("# peak memory reserved: " + ("n/a (not measured on this device)" if rec.peak_mem_reserved_bytes
                                                 is None else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB"))
     lines += [f"# note: {note}" for note in rec.measurement_notes]
+    lines += [f"# caveat: {c}" for c in rec.caveats]
     if rec.config and rec.config.get("lr") is not None:
         lines.append("# lr: the probes' (the workload preset's); autotune.apply keeps your optimizer's lr "
                      "unless use_config_lr=True")
-    body = yaml.safe_dump(rec.config, sort_keys=False, default_flow_style=False) if rec.config else "{}\n"
-    return "\n".join(lines) + "\n" + body
+    return lines
 
 
 def front_infos(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialInfo]:

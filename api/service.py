@@ -73,11 +73,8 @@ from api.results import (
     metric,
     recommend,
     remeasure_key,
-    remeasure_plan,
-    remeasure_targets,
     remeasurement,
     retried_as,
-    retries,
     role,
     search_done,
     trial_info,
@@ -335,14 +332,11 @@ class TuningService:
                          message=message)
 
     def _finished(self, ctx: StudyContext, trials: list[TrialRecord]) -> bool:
-        """Every baseline and search trial finished, and every re-measurement too (none of them
-        lost with a retry still to come)."""
+        """Every baseline and search trial finished, and the verdict too: no re-measure round is
+        to be created or running (none of them lost with a retry still to come)."""
         if not search_done(ctx.spec, trials, self.bridge.max_trials(ctx)):
             return False
-        targets = remeasure_targets(ctx.spec, trials, gate_nrmse(ctx.spec, trials))
-        state = retries(ctx.spec, trials)
-        done = {remeasure_key(t) for t in trials if state.settled(t)}
-        return all((t.number, r) in done for t, r in remeasure_plan(ctx.spec, targets))
+        return not remeasurement(ctx.spec, trials, gate_nrmse(ctx.spec, trials)).next_round
 
     def get_study(self, name: str) -> StudyInfo:
         return self._study_info(self._record(name))
@@ -463,18 +457,23 @@ class TuningService:
         trials = self.bridge.trials(ctx.name)
         if not search_done(spec, trials, self.bridge.max_trials(ctx)):
             return None
-        already = {remeasure_key(t) for t in trials}
-        todo = [(t, r) for t, r in remeasure_plan(spec, remeasure_targets(spec, trials, self._gates[ctx.name]))
-                if (t.number, r) not in already]
-        if not todo:
-            self._remeasures_created.add(ctx.name)
+        rm = remeasurement(spec, trials, self._gates[ctx.name])
+        if not rm.next_round:  # the verdict is in: nothing more to re-measure
+            if not rm.pending:
+                self._remeasures_created.add(ctx.name)
             return None
-        target, round_ = todo[0]
+        round_ = rm.rounds_done
+        already = {remeasure_key(t) for t in trials}
+        todo = [t for t in rm.next_round if (t.number, round_) not in already]
+        if not todo:
+            return None  # the round's trials all exist: wait for them before deciding the next
+        target = todo[0]
         samples = spec.probe.samples or target.user_attrs.get("samples_trained")
         factor = spec.remeasure.samples_factor
         probe = spec.probe.model_copy(update={
             "samples": min(10_000_000, round(samples * factor)) if isinstance(samples, int) and samples else None,
-            "windows": spec.remeasure.windows, "seed": spec.probe.seed + spec.remeasure.seed_offset,
+            "windows": spec.remeasure.windows or spec.probe.windows,
+            "seed": spec.probe.seed + spec.remeasure.seed_offset + round_,
             "timeout_s": min(86_400.0, spec.probe.timeout_s * factor)})
         config = target.user_attrs.get("config")
         knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
@@ -555,6 +554,8 @@ class TuningService:
                                                 params=plan.params)
                     except SpaceError:
                         log.exception("study %s: could not draw a config; trial failed", ctx.name)
+                        continue
+                    if asked is None:  # every draw repeated a config measured or in flight: told, none to run
                         continue
                     try:
                         crud.add_lease(session, asked.trial_id, ctx.name, asked.number, request.worker_id, now)

@@ -1,0 +1,123 @@
+"""The verdict through the service (fake ProbeResults over the API): sequential re-measure
+rounds, per-config spread, quality at the judged budget, certified or not, and what /best
+says in each case."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from service_helpers import StudyFactory, complete, lease
+
+Truth = Callable[[dict[str, Any], int], tuple[float, float]]  # (lease, index) -> (throughput, quality)
+
+
+def _drive(client: TestClient, truth: Truth, limit: int = 200) -> list[dict[str, Any]]:
+    """Answer every lease from `truth` until the service hands out nothing; the leases, in order."""
+    leases = []
+    for i in itertools.count():
+        assert i < limit, "the study did not finish"
+        got = lease(client, f"w{i}")
+        if got is None:
+            if client.get("/v1/studies/s").json()["state"] == "finished":
+                return leases
+            continue
+        throughput, quality = truth(got, i)
+        complete(client, got, f"w{i}", throughput=throughput, nrmse=quality)
+        leases.append(got)
+    return leases
+
+
+def _trials(client: TestClient) -> list[dict[str, Any]]:
+    data: list[dict[str, Any]] = client.get("/v1/studies/s/trials").json()["data"]
+    return data
+
+
+# the space's one knob that matters: a fused optimizer is faster
+SPACE = {"params": {"fused_optimizer": {"choices": [False, True]}, "batch_size": {"choices": [8]}}}
+BASE = {"fused_optimizer": False, "batch_size": 8}  # a draw of it measures the baseline: one candidate
+COMMON: dict[str, Any] = {"space": SPACE, "baseline": BASE, "starting_points": "none", "sampler": "random"}
+
+
+def _noisy(base_cv: float, ratio: float, pick_cv: float, quality: Callable[[dict[str, Any]], float]) -> Truth:
+    """A host-bound baseline (spread base_cv) and a fused config `ratio` times faster (spread pick_cv)."""
+    noise = itertools.cycle([-1.0, 1.0, 0.3, -0.3, 0.8, -0.8])
+
+    def truth(got: dict[str, Any], _: int) -> tuple[float, float]:
+        z = next(noise)
+        if got["config"].get("fused_optimizer"):
+            return 100.0 * ratio * math.exp(pick_cv * z), quality(got)
+        return 100.0 * math.exp(base_cv * z), 0.1 + 0.002 * z
+    return truth
+
+
+def test_a_true_win_over_a_noisy_baseline_is_certified_and_decided_configs_stop(
+        client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", n_trials=6, baseline_seeds=3, seed=0, **COMMON,
+               remeasure={"top_k": 2, "max_rounds": 6})
+    leases = _drive(client, _noisy(0.2, 2.0, 0.02, lambda got: 0.1 + 0.001 * (got["probe"]["seed"] % 3)))
+    trials = _trials(client)
+    rounds = [t for t in trials if t["role"] == "remeasure"]
+    assert rounds, "re-measured"
+    # each round's seed is its own (probe.seed + seed_offset + round), and the same for every config in it
+    for t in rounds:
+        got = next(x for x in leases if x["trial_id"] == t["trial_id"])
+        assert got["probe"]["seed"] == 1000 + t["remeasure_round"]
+        assert got["probe"]["samples"] is None or got["probe"]["samples"] == got["probe"]["samples"]
+    best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is True and best["outcome"] == "certified"
+    assert best["config"]["fused_optimizer"] is True
+    assert best["speedup"] == pytest.approx(2.0, rel=0.1) and best["speedup_ci_low"] > 1.0
+    base_row = best["configs"][0]
+    assert base_row["role"] == "baseline" and base_row["n"] >= 3 + 2  # its seeds count: the same budget
+    pick_row = next(r for r in best["configs"] if r["trial_number"] == best["trial_number"])
+    assert pick_row["status"] == "certified" and pick_row["n"] == best["rounds_run"]
+    assert pick_row["throughput_sd_log"] < base_row["throughput_sd_log"]  # each config its own spread
+    # the study stopped measuring once decided: fewer rounds than allowed
+    assert best["rounds_run"] < best["max_rounds"] == 6
+    assert best["remeasure_probes"] == len(rounds)
+    text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
+    assert "CERTIFIED" in text and yaml.safe_load(text)["fused_optimizer"] is True
+
+
+def test_a_study_with_no_win_keeps_the_baseline_config_and_names_the_fastest_uncertified(
+        client: TestClient, make_study: StudyFactory) -> None:
+    make_study("s", n_trials=6, baseline_seeds=3, seed=0, **COMMON,
+               remeasure={"top_k": 2, "max_rounds": 3})
+    _drive(client, _noisy(0.15, 1.0, 0.15, lambda got: 0.1))
+    best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is False and best["outcome"] in ("undecided", "no_win")
+    base = next(t for t in _trials(client) if t["role"] == "baseline")
+    assert best["trial_number"] == base["number"] and best["config"]["fused_optimizer"] is False
+    assert best["uncertified"]["config"]["fused_optimizer"] is True
+    assert best["rounds_run"] == 3  # undecided: measured until the budget was spent
+    text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
+    assert "KEEP THE BASELINE" in text and yaml.safe_load(text)["fused_optimizer"] is False
+
+
+def test_a_faster_config_with_worse_quality_is_rejected(client: TestClient, make_study: StudyFactory) -> None:
+    # the gate at the search budget lets it through (0.1 + max(0.01, 2 sd)); its runs show it worse than the margin
+    make_study("s", n_trials=6, baseline_seeds=3, seed=0, **COMMON,
+               gate={"abs_tol": 0.01, "k": 2.0}, remeasure={"top_k": 2, "max_rounds": 6})
+    truth = _noisy(0.02, 2.0, 0.02, lambda got: 0.1 + 0.1 if got["role"] == "remeasure" else 0.105)
+    _drive(client, truth)
+    best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is False and best["outcome"] == "no_win"
+    rows = [r for r in best["configs"] if r["role"] == "candidate"]
+    assert rows and all(r["status"] == "rejected" for r in rows)
+    assert "quality worse" in rows[0]["reason"]
+
+
+def test_a_duplicate_config_is_remeasured_once(client: TestClient, make_study: StudyFactory) -> None:
+    """top_k takes distinct configs: two search trials of one config are one target."""
+    make_study("s", n_trials=6, baseline_seeds=3, seed=0, **COMMON,
+               remeasure={"top_k": 2, "max_rounds": 2})
+    _drive(client, _noisy(0.2, 2.0, 0.02, lambda got: 0.1))
+    configs = [tuple(sorted(r["config"].items())) for r in client.get("/v1/studies/s/best").json()["configs"]]
+    assert len(configs) == len(set(configs))
+
