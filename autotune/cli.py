@@ -21,7 +21,7 @@ from autotune.client import DEFAULT_API, ApiError, Client, Conflict, Invalid, No
 from autotune.compile_workers import summary as compile_workers_summary
 from autotune.config import KNOBS, ConfigError, load_config_arg, parse_config
 from autotune.stdout_guard import stdout_to_stderr
-from autotune.tables import studies_table, trials_table
+from autotune.tables import studies_table, trials_table, verdict_line, verdict_table
 
 if TYPE_CHECKING:
     from autotune.protocol import StudyInfo
@@ -731,9 +731,9 @@ def status(
         console.print("failures: " + ", ".join(f"{n} {kind}" for kind, n in sorted(info.failures.items())),
                       highlight=False)
     console.print(trials_table(trials, f"trials of {info.name}"))
-    if info.best and info.best.get("speedup") is not None:
-        console.print(f"best so far: trial {info.best['trial_number']}, {info.best['speedup']:.2f}× the baseline "
-                      f"(`autotune best {info.name}`)", highlight=False)
+    console.print(verdict_line(info), highlight=False, soft_wrap=True)
+    if info.best and info.best.get("configs"):
+        console.print(verdict_table(_recommendation(info.best)))
 
 
 @app.command()
@@ -741,25 +741,50 @@ def best(
     study: Annotated[str, typer.Argument(help="The study's name.")],
     output_format: Annotated[str, typer.Option("--format", help="yaml (a config file `autotune probe --config` "
                                                                 "reads) or json.")] = "yaml",
+    uncertified: Annotated[bool, typer.Option("--uncertified", help="Print the fastest candidate that was NOT "
+                                              "certified (labelled so) instead of the verdict's config.")] = False,
     api: ApiOption = DEFAULT_API,
     token: TokenOption = None,
     token_file: TokenFileOption = None,
 ) -> None:
-    """Print the recommended config: the fastest trial that passes the quality gate.
+    """Print the study's verdict: the certified pick's config, else the baseline's own.
 
-    Exit status: 0 printed, 1 nothing to recommend yet (or the service is unreachable).
+    A pick is certified when it is faster than the baseline beyond the noise and its quality is
+    no worse (docs/measurement.md, *The verdict*). Without one the YAML holds the baseline's
+    config under a header that says why, never a slower config; `--uncertified` prints the
+    fastest uncertified candidate for those who want it.
+
+    Exit status: 0 a certified pick was printed; 1 no certified pick (the study found none, has
+    no verdict yet, or --uncertified printed an uncertified config), or the service is
+    unreachable; 2 bad input (an unknown option value or study).
     """
+    from autotune.recommendation import recommendation_yaml, uncertified_yaml
+
     if output_format not in ("yaml", "json"):
         raise usage_error(f"--format: {output_format!r} is not allowed; allowed: yaml | json")
     with service_client(api, resolve_token(token, token_file)) as client:
         try:
-            if output_format == "yaml":
-                sys.stdout.write(client.best_yaml(study))
-            else:
-                sys.stdout.write(json.dumps(client.best(study).model_dump(mode="json"), indent=2) + "\n")
+            rec = client.best(study)
         except NotFound as e:
             err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
-            raise typer.Exit(code=1) from None
+            raise typer.Exit(code=2 if "no study named" in e.message else 1) from None
+    if uncertified:
+        if output_format == "json":
+            row = rec.uncertified.model_dump(mode="json") if rec.uncertified else None
+            sys.stdout.write(json.dumps({"study": rec.study, "certified": False, "uncertified": row}, indent=2) + "\n")
+        else:
+            sys.stdout.write(uncertified_yaml(rec))
+        err.print(f"[yellow]uncertified:[/] {rich_escape(rec.uncertified.reason) if rec.uncertified else 'none'}",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1)
+    if output_format == "yaml":
+        sys.stdout.write(recommendation_yaml(rec))
+    else:
+        sys.stdout.write(json.dumps(rec.model_dump(mode="json"), indent=2) + "\n")
+    if not rec.certified:
+        err.print(f"[yellow]no certified pick ({rec.outcome}):[/] {rich_escape(rec.reason)}; the config printed is "
+                  "the baseline's own", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1)
 
 
 @app.command()
@@ -815,6 +840,12 @@ def demo(
     except ValueError as e:
         raise usage_error(f"--samples: {e}") from None
     raise typer.Exit(code=code)
+
+
+def _recommendation(best: Mapping[str, Any]) -> Any:
+    from autotune.protocol import Recommendation
+
+    return Recommendation.model_validate(best)
 
 
 if __name__ == "__main__":

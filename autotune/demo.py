@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune.client import ApiError, Client, NotFound, ServiceUnavailable
 from autotune.protocol import ProbeSpec, RemeasureSpec, StudyInfo, StudySpec
-from autotune.tables import recommendation_table, trials_table
+from autotune.tables import recommendation_table, trials_table, verdict_table
 
 HEALTH_TIMEOUT_S = 90.0
 STOP_GRACE_S = 25.0  # a worker may spend up to 20 s completing its interrupted trial
@@ -97,8 +97,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-BASELINE_SEEDS = 2
+BASELINE_SEEDS = 3  # the verdict judges quality against at least three baseline seeds
 REMEASURE_TOP_K = 2
+REMEASURE_MAX_ROUNDS = 4
 
 
 # The fewest probe samples that leave enough timed steps for the cpu space's largest effective
@@ -108,14 +109,16 @@ MIN_SAMPLES = 832
 
 def demo_spec(name: str, trials: int, samples: int | None = None) -> StudySpec:
     """`trials` search trials after BASELINE_SEEDS baseline runs (n_trials counts both), then the
-    top REMEASURE_TOP_K feasible configs re-measured with a longer probe. `samples`: each
+    verdict: the top REMEASURE_TOP_K distinct feasible configs and the baseline re-measured in
+    rounds until each is decided (at most REMEASURE_MAX_ROUNDS). `samples`: each
     probe's training samples (None: the tiny preset's 3072)."""
     if samples is not None and samples < MIN_SAMPLES:
         raise ValueError(f"{samples} is too few: a demo probe needs at least {MIN_SAMPLES} samples (the cpu "
                          f"space's largest effective batch of 64 for 8 warm-up and 5 timed steps)")
     return StudySpec(name=name, workload="ups", preset="tiny", space="cpu", n_trials=BASELINE_SEEDS + trials,
                      sampler="tpe", hardware="cpu", probe=ProbeSpec(samples=samples, timeout_s=300.0), seed=0,
-                     baseline_seeds=BASELINE_SEEDS, remeasure=RemeasureSpec(top_k=REMEASURE_TOP_K))
+                     baseline_seeds=BASELINE_SEEDS,
+                     remeasure=RemeasureSpec(top_k=REMEASURE_TOP_K, max_rounds=REMEASURE_MAX_ROUNDS))
 
 
 class DemoError(Exception):
@@ -151,8 +154,10 @@ def progress_text(info: StudyInfo) -> str:
     parts = [f"{c.get('COMPLETE', 0)} complete", f"{c.get('PRUNED', 0)} pruned", f"{c.get('FAIL', 0)} failed",
              f"{c.get('RUNNING', 0)} running"]
     best = info.best or {}
-    if best.get("speedup") is not None:
-        parts.append(f"best {best['speedup']:.2f}× the baseline (trial {best['trial_number']})")
+    if best.get("certified") and best.get("speedup") is not None:
+        parts.append(f"certified {best['speedup']:.2f}× the baseline (trial {best['trial_number']})")
+    elif best:
+        parts.append(f"no certified pick ({best.get('outcome')})")
     return " · ".join(parts)
 
 
@@ -192,7 +197,8 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
             client.create_study(spec)
             budget = f"{samples} samples" if samples else "the preset's samples"
             console.print(f"study     {name}: ups/tiny, space cpu, {BASELINE_SEEDS} baseline seeds + {trials} "
-                          f"search trials + top {REMEASURE_TOP_K} re-measured, TPE sampler, hardware cpu, "
+                          f"search trials + the verdict (top {REMEASURE_TOP_K} and the baseline re-measured, up to "
+                          f"{REMEASURE_MAX_ROUNDS} rounds), TPE sampler, hardware cpu, "
                           f"probes of {budget}")
             worker_procs = []
             for i in range(workers):
@@ -202,7 +208,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
                     "--threads", str(threads), "--heartbeat", "2"], log_path, env={"AUTOTUNE_TOKEN": worker_token}))
             console.print(f"workers   {workers} × `autotune worker --device cpu --threads {threads}` "
                           f"(logs worker-N.log)")
-            total = BASELINE_SEEDS + trials + REMEASURE_TOP_K + 1  # re-measurements: at most top_k and the baseline
+            total = BASELINE_SEEDS + trials + 2 * (REMEASURE_TOP_K + 1)  # grows if the verdict needs more rounds
             finished = follow(client, name, total, worker_procs, serve, console)
             if finished is None:
                 return 1
@@ -235,7 +241,10 @@ def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess
         while True:
             info = client.get_study(name)
             done = sum(info.counts.get(s, 0) for s in FINISHED)
-            progress.update(task, completed=done, description=progress_text(info))
+            trials = max(trials, done + info.counts.get("RUNNING", 0))  # more verdict rounds than the least
+            if info.state != "running":
+                trials = done
+            progress.update(task, completed=done, total=trials, description=progress_text(info))
             if not console.is_terminal and done != shown:
                 console.print(escape(f"[{done:>{len(str(trials))}}/{trials}] ") + progress_text(info))
                 shown = done
@@ -262,9 +271,16 @@ def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, con
     pareto.sort(key=lambda t: -(t.throughput_samples_per_s or 0.0))
     console.print(trials_table(pareto, "Pareto front: throughput (higher is better) vs val NRMSE (lower is better)"))
     try:
-        console.print(recommendation_table(client.best(info.name)))
-    except NotFound as e:  # an answer too: nothing the search found beat the baseline's quality and speed
-        console.print(f"[yellow]no recommendation:[/] {e.message}")
+        rec = client.best(info.name)
+    except NotFound as e:  # the study has no verdict (its baseline failed)
+        console.print(f"[yellow]no verdict:[/] {e.message}")
+    else:
+        console.print(verdict_table(rec))
+        console.print(recommendation_table(rec))
+        if rec.certified:
+            console.print(f"[bold green]verdict: CERTIFIED[/] trial {rec.trial_number}: {escape(rec.verdict)}")
+        else:
+            console.print(f"[bold yellow]verdict: keep the baseline[/] ({rec.outcome}): {escape(rec.reason)}")
     console.print(f"\nopen the Optuna dashboard: optuna-dashboard sqlite:///{db_path}", soft_wrap=True)
     if info.state != "finished" or c.get("COMPLETE", 0) == 0:
         console.print("[bold red]error:[/] the study did not finish with completed trials")

@@ -61,6 +61,8 @@ def studies_table(studies: list[StudyInfo]) -> Table:
         shown = "-" if speedup is None else f"{speedup:.2f}×"
         if best.get("chosen_by") == "energy" and energy is not None:  # picked by energy: its ratio first
             shown = f"{energy:.2f}× energy"
+        if best and not best.get("certified"):
+            shown = "keep baseline" if best.get("outcome") != "not_judged" else "not judged"
         table.add_row(s.name, s.state, s.spec.hardware, f"{sum(c.values())}/{s.spec.n_trials}", outcomes, shown)
     return table
 
@@ -99,11 +101,52 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
     return table
 
 
+def verdict_line(info: StudyInfo) -> str:
+    """One line on where the study's verdict stands (`autotune status`, the demo's progress)."""
+    best = info.best
+    if not best:
+        if info.state == "running":
+            return "verdict: not yet (the search and the re-measurement of its top configs come first)"
+        return f"verdict: none ({info.message})" if info.message else "verdict: none"
+    if best.get("certified"):
+        speed = best.get("speedup")
+        low, high = best.get("speedup_ci_low"), best.get("speedup_ci_high")
+        interval = f" (interval {low:.2f}–{high:.2f}×)" if low is not None and high is not None else ""
+        return (f"verdict: CERTIFIED trial {best['trial_number']}, {speed:.2f}×{interval} the baseline, quality no "
+                f"worse (`autotune best {info.name}`)")
+    return f"verdict: keep the baseline ({best.get('outcome')}): {best.get('reason', '')}"
+
+
+def verdict_table(rec: Recommendation) -> Table:
+    """The decision rule's inputs, one row per config: runs, throughput (geometric mean) and its
+    spread, quality mean and sd, the speedup's interval and the status."""
+    name = "NRMSE" if rec.quality_metric == "val_nrmse" else rec.quality_metric
+    table = Table(title=f"the verdict's inputs ({rec.rounds_run} of at most {rec.max_rounds} rounds, "
+                        f"{rec.remeasure_probes} re-measure probes)")
+    for column in ("trial", "role", "n", "samples/s", "sd(log)", name, f"sd({name})", "speedup (interval)",
+                   "status"):
+        table.add_column(column, justify="right" if column not in ("role", "status") else "left", no_wrap=True)
+    colors = {"certified": "green", "rejected": "red", "undecided": "yellow", "failed": "red", "stopped": "white",
+              "baseline": "cyan"}
+    for row in rec.configs:
+        interval = "-" if row.speedup is None else f"{row.speedup:.2f}×"
+        if row.speedup_ci_low is not None and row.speedup_ci_high is not None:
+            interval += f" ({row.speedup_ci_low:.2f}–{row.speedup_ci_high:.2f})"
+        table.add_row(str(row.trial_number), row.role, str(row.n), _num(row.throughput_samples_per_s, ",.1f"),
+                      _num(row.throughput_sd_log, ".3f"), _num(row.quality_mean, ".4f"), _num(row.quality_sd, ".2g"),
+                      interval, f"[{colors.get(row.status, 'white')}]{row.status}[/]")
+    return table
+
+
 def recommendation_table(rec: Recommendation) -> Table:
+    if not rec.certified:
+        return _keep_baseline_table(rec)
     picked = " (lowest energy per sample)" if rec.chosen_by == "energy" else ""
-    table = Table(title=f"recommended config of {rec.study}: trial {rec.trial_number}{picked}", show_header=False)
+    table = Table(title=f"CERTIFIED: recommended config of {rec.study}: trial {rec.trial_number}{picked}",
+                  show_header=False)
     table.add_column(style="bold")
     table.add_column()
+    table.add_row("[green]verdict[/]", f"[green]{rich_escape(rec.verdict)}[/]")
     base_thr = rec.baseline_throughput_samples_per_s
     table.add_row("throughput", f"{rec.throughput_samples_per_s:,.1f} samples/s"
                   + ("" if base_thr is None else f" (baseline {base_thr:,.1f})"))
@@ -152,4 +195,24 @@ def recommendation_table(rec: Recommendation) -> Table:
         table.add_row("[yellow]note[/]", rich_escape(note))
     for knob, value in rec.config.items():
         table.add_row(f"  {knob}", json.dumps(value))
+    return table
+
+
+def _keep_baseline_table(rec: Recommendation) -> Table:
+    """No certified pick: the verdict, why, and the fastest uncertified candidate (not the config to use)."""
+    table = Table(title=f"verdict of {rec.study}: KEEP THE BASELINE ({rec.outcome})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("[yellow]why[/]", f"[yellow]{rich_escape(rec.reason)}[/]")
+    base = rec.baseline_throughput_samples_per_s
+    table.add_row("baseline", f"trial {rec.trial_number}" + ("" if base is None else f", {base:,.1f} samples/s"))
+    row = rec.uncertified
+    if row is not None:
+        speed = "" if row.speedup is None else f", {row.speedup:.2f}×"
+        if row.speedup_ci_low is not None and row.speedup_ci_high is not None:
+            speed += f" (interval {row.speedup_ci_low:.2f}–{row.speedup_ci_high:.2f}×)"
+        table.add_row("fastest uncertified", f"trial {row.trial_number} ({row.status}{speed}, {row.n} runs): "
+                      f"`autotune best {rec.study} --uncertified`")
+    for note in rec.caveats:
+        table.add_row("[yellow]note[/]", rich_escape(note))
     return table
