@@ -406,6 +406,25 @@ def _plot_failures(study: StudyInfo, trials: list[TrialInfo], path: Path) -> Non
     plt.close(fig)
 
 
+def _verdict_inputs(r: Recommendation) -> str:
+    """The decision rule's inputs as an HTML table: n, mean and sd per config, and each status."""
+    if not r.configs:
+        return ""
+    esc = html.escape
+    rows = "".join(
+        f"<tr><td>{c.trial_number}</td><td>{esc(c.role)}</td><td>{c.n}</td>"
+        f"<td>{_fmt(c.throughput_samples_per_s, ',.1f')}</td><td>{_fmt(c.throughput_sd_log, '.3f')}</td>"
+        f"<td>{_fmt(c.quality_mean, '.4f')}</td>"
+        f"<td>{_fmt(c.quality_sd, '.2g')}</td><td>{_fmt(c.speedup, '.2f')}"
+        + (f" ({c.speedup_ci_low:.2f}–{c.speedup_ci_high:.2f})" if c.speedup_ci_low is not None
+           and c.speedup_ci_high is not None else "")
+        + f"</td><td>{esc(c.status)}</td><td>{esc(c.reason)}</td></tr>" for c in r.configs)
+    return (f"<p>The verdict's inputs ({r.rounds_run} of at most {r.max_rounds} rounds, {r.remeasure_probes} "
+            "re-measure probes; docs/measurement.md, <i>The verdict</i>):</p><table><tr><th>trial</th><th>role</th>"
+            "<th>n</th><th>samples/s (geometric mean)</th><th>sd(log)</th><th>quality</th><th>sd</th>"
+            f"<th>speedup (interval)</th><th>status</th><th>why</th></tr>{rows}</table>")
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -442,11 +461,20 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
             f"<td>{_fmt(t.throughput_samples_per_s, ',.1f')}</td><td>{_fmt(quality_of(t), '.4f')}</td>"
             + (f"<td>{_fmt(t.energy_j_per_sample, '.4g')}</td>" if energy else "")
             + f"<td>{feasible}</td><td>{esc(failure[:200])}</td><td><code>{esc(json.dumps(t.params))}</code></td></tr>")
-    if recommendation:
+    if recommendation and not recommendation.certified:
+        r = recommendation
+        fastest = r.uncertified
+        rec = (f"<p class=verdict><b>Verdict: keep the baseline</b> ({esc(r.outcome)}). {esc(r.reason)}</p>"
+               + (f"<p>The fastest uncertified candidate is trial {fastest.trial_number} ({esc(fastest.status)}): not "
+                  f"the config to train with (<code>autotune best --uncertified</code> prints it).</p>"
+                  if fastest is not None else "")
+               + _verdict_inputs(r) + "".join(f"<p><i>{esc(c)}</i></p>" for c in r.caveats))
+    elif recommendation:
         r = recommendation
         quality = r.quality if r.quality is not None else r.val_nrmse
         baseline_quality = r.baseline_quality if r.baseline_quality is not None else r.baseline_val_nrmse
-        rec = (f"<p>Trial {r.trial_number}: <b>{r.throughput_samples_per_s:,.1f} samples/s</b>"
+        rec = (f"<p class=verdict><b>Verdict: CERTIFIED</b>, trial {r.trial_number}: {esc(r.verdict)}</p>"
+               f"<p>Trial {r.trial_number}: <b>{r.throughput_samples_per_s:,.1f} samples/s</b>"
                f" ({_fmt(r.speedup, '.2f')}× the baseline's {_fmt(r.baseline_throughput_samples_per_s, ',.1f')}),"
                f" {esc(label)} {_fmt(quality, '.4f')} (baseline {_fmt(baseline_quality, '.4f')},"
                f" gate {side} {_fmt(gate, '.4f')}).</p>"
@@ -456,10 +484,10 @@ def write_report(study: StudyInfo, trials: list[TrialInfo], recommendation: Reco
                + "".join(f"<p>{esc(line)}</p>" for line in r.energy_lines())
                + (f"<p><b>{esc(r.energy_verdict)}</b></p>" if r.energy_verdict else "")
                + "".join(f"<p><i>{esc(c)}</i></p>" for c in r.caveats)
-               + f"<pre>{esc(json.dumps(r.config, indent=2))}</pre>")
+               + _verdict_inputs(r) + f"<pre>{esc(json.dumps(r.config, indent=2))}</pre>")
     else:
-        rec = ("<p>No recommendation yet: no search trial passes the quality gate, or its re-measurement has "
-               "not finished (<code>autotune best</code> says which).</p>")
+        rec = ("<p>No verdict yet: the baseline or the search has not finished, or the re-measurement of its top "
+               "configs is still running (<code>autotune best</code> says which).</p>")
     energy_section = ('\n<h2>Energy vs speed</h2><img src="energy.png" alt="GPU energy per sample against '
                       'throughput">') if energy else ""
     energy_head = "<th>J/sample</th>" if energy else ""
@@ -474,7 +502,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;font-size:13px}}img{{max-width:100%
 <p>workload <b>{esc(study.spec.workload)}/{esc(study.spec.preset)}</b> · space <b>{esc(space_name)}</b>
 · hardware <b>{esc(study.spec.hardware)}</b> · sampler {esc(study.spec.sampler)} · state {esc(study.state)}</p>
 <p>trials by state: {esc(counts)} · failures by kind: {esc(failures)}</p>
-<h2>Recommendation</h2>{rec}
+<h2>Verdict</h2>{rec}
 <h2>{'Energy' if chosen_by(study, recommendation) == 'energy' else 'Speed'} vs quality</h2>
 <img src="pareto.png" alt="Pareto front">{energy_section}
 <h2>Best so far</h2><img src="progress.png" alt="best feasible speedup by trial">
