@@ -75,7 +75,7 @@ from autotune.gate import BaselineStats, Estimate, Gate
 from autotune.gate import is_feasible as gate_feasible
 from autotune.protocol import OBJECTIVES, ConfigVerdict, Recommendation, StudySpec, TrialInfo
 from autotune.recommendation import recommendation_yaml, uncertified_yaml  # noqa: F401 (the route imports them here)
-from autotune.verdict import Judgement, Sample, judge, test_alpha, welch
+from autotune.verdict import Judgement, Sample, judge, level_at, welch
 
 GIB = 2**30
 
@@ -579,7 +579,7 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
     Round r runs the baseline and every candidate still undecided after round r − 1, once
     each, with probe seed probe.seed + seed_offset + r (even rounds in rank order, the baseline
     last; odd rounds reversed, so a drifting host favours none). From round `remeasure.min_rounds`
-    on, each undecided candidate is judged after its round, at the level `test_alpha` spends
+    on, each undecided candidate is judged after its round, at the level `level_at` spends
     on that look; a candidate slower than a certified one stops. The verdict ends when no
     candidate is undecided or after `round_limit` rounds. The runs judged: a candidate's
     re-measurements (its search trial was chosen for its speed: the winner's curse), the
@@ -632,7 +632,7 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
         if rounds_done < rs.min_rounds:
             continue
         look = rounds_done - rs.min_rounds + 1
-        alpha = test_alpha(rs.confidence, len(cands), look, looks)
+        alpha = level_at(rs.confidence, len(cands), look, looks)
         base_runs = [*fixed, *runs.get(base_number, [])] if base_number is not None else fixed
         for c in planned:
             if status[c.number] != "undecided":

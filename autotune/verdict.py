@@ -79,6 +79,7 @@ def _incomplete_beta(a: float, b: float, x: float) -> float:
 
 def t_cdf(t: float, dof: float) -> float:
     """P(T ≤ t) for Student's t with `dof` (> 0, real) degrees of freedom."""
+    dof = min(dof, 1e6)  # beyond, the normal distribution to many digits
     tail = 0.5 * _incomplete_beta(dof / 2.0, 0.5, dof / (dof + t * t))
     return 1.0 - tail if t > 0 else tail
 
@@ -87,8 +88,6 @@ def t_ppf(p: float, dof: float) -> float:
     """The p-quantile of Student's t (bisection on `t_cdf`; `dof` may be fractional: Welch)."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must lie in (0, 1), not {p}")
-    if dof > 1e6:
-        dof = 1e6
     low, high = -1e4, 1e4
     for _ in range(120):
         mid = (low + high) / 2.0
@@ -147,7 +146,7 @@ def look_alpha(alpha: float, look: int, looks: int) -> float:
     return alpha * (2 * look - 1) / looks ** 2
 
 
-def test_alpha(confidence: float, candidates: int, look: int, looks: int) -> float:
+def level_at(confidence: float, candidates: int, look: int, looks: int) -> float:
     """The one-sided level of each half's test for one candidate at one look."""
     return look_alpha((1.0 - confidence) / 2.0, look, looks) / max(1, candidates)
 
@@ -176,7 +175,7 @@ def judge(cand_metric: Sequence[float], base_metric: Sequence[float], cand_quali
 
     `*_metric`: each run's throughput (or energy per sample with higher_is_better False; all
     > 0); `*_quality`: each run's quality metric; `alpha`: each half's one-sided level
-    (`test_alpha`)."""
+    (`level_at`)."""
     if any(v <= 0 or not math.isfinite(v) for v in [*cand_metric, *base_metric]):
         raise ValueError("throughputs must be finite and > 0")
     if len(cand_metric) < MIN_RUNS or len(base_metric) < MIN_RUNS:
