@@ -167,7 +167,10 @@ class RemeasureSpec(Strict):
 
     @property
     def min_rounds(self) -> int:
-        return max(2, self.rounds)
+        """Rounds before the first decision: at least 2 (a config's own spread), and 3 when the
+        re-measurement runs at a longer budget than the search (samples_factor > 1), where the
+        baseline's seeds do not count and its quality spread needs three runs."""
+        return max(2, self.rounds, 3 if self.samples_factor > 1 else 2)
 
 
 class QualitySpec(Strict):
