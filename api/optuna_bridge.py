@@ -24,6 +24,10 @@ re-measurement failed or its quality failed the gate at that budget: the dashboa
 then `autotune best`'s. Baseline seeds and re-measurements carry the params of the config they
 ran (where the value lies in the space), and the samplers never see them (`_SamplerView`):
 they are not draws of the search.
+
+No configuration is probed twice by the search: a draw of a config already measured, in flight
+or the baseline's is a *repeat* (user attr repeat_of), told its twin's outcome and never leased
+(`OptunaBridge.ask`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
@@ -67,9 +71,12 @@ log = logging.getLogger(__name__)
 FINISHED_STATES = ("COMPLETE", "FAIL", "PRUNED")
 # A grid larger than this is refused at study creation: enumerating it would stall the service.
 MAX_GRID_COMBINATIONS = 1_000_000
-# A drawn search trial whose params equal a measured trial's is told that measurement instead of
-# being run (`OptunaBridge.ask`); at most this many in a row per ask, then the draw runs anyway.
+# A drawn search trial whose config is one measured, in flight or the baseline's is not run
+# (`OptunaBridge.ask`); at most this many such draws per ask, then the ask hands out nothing.
 MAX_REPEATS = 20
+# user attr of a drawn trial held (RUNNING, never leased) until the in-flight trial it repeats has
+# finished for good (`OptunaBridge._settle_repeats`): true while held, false once told
+HELD_ATTR = "repeat_pending"
 # lease-specific user attrs not carried over to a repeat
 REPEAT_DROPPED_ATTRS = ("worker_id", "starting_point", "retry_of", "attempt", "grid_index", "remeasure_of",
                         "remeasure_round", "probe", "prune_reason")
@@ -455,23 +462,56 @@ class OptunaBridge:
 
     # --- trials --------------------------------------------------------------------------------
 
+    @overload
+    def ask(self, ctx: StudyContext, baseline_config: Mapping[str, Any], attrs: Mapping[str, Any] | None = None,
+            created: int | None = None, role: str | None = None,
+            params: Mapping[str, Any] | None = None) -> AskedTrial: ...
+
+    @overload
+    def ask(self, ctx: StudyContext, baseline_config: None = None, attrs: Mapping[str, Any] | None = None,
+            created: int | None = None, role: str | None = None,
+            params: Mapping[str, Any] | None = None) -> AskedTrial | None: ...
+
     def ask(self, ctx: StudyContext, baseline_config: Mapping[str, Any] | None = None,
             attrs: Mapping[str, Any] | None = None, created: int | None = None,
-            role: str | None = None, params: Mapping[str, Any] | None = None) -> AskedTrial:
+            role: str | None = None, params: Mapping[str, Any] | None = None) -> AskedTrial | None:
         """Create the next trial. With `baseline_config` (a fixed config), nothing is suggested (its
         values may lie outside the space) and the trial's role is `role` (default baseline:
         user attr is_baseline=True). Otherwise a search trial: with `params` (the retry of a
-        lost search trial) those values are enqueued and suggested again, so the trial has the
-        same params and config; without, the space is sampled (grid: the next grid
-        configuration). A sampled draw whose params equal a search trial's that completed with
-        a measurement is told that measurement (user attr repeat_of; no worker runs it) and
-        the space is sampled again, up to MAX_REPEATS times and within n_trials: the last
-        draw is handed out whatever it is. The config is stored as user attr "config",
-        together with `attrs` and "role" (one write). `created`: the study's count of configurations (first
-        attempts, retries not counted) before this ask, when the caller knows it. A config
-        that fails the knob rules is told as a failed trial ("unsupported": COMPLETE with
-        worst-case values and the failed constraint, see api/outcome.py) and SpaceError is
-        raised."""
+        lost search trial, or a user's starting point) those values are enqueued and suggested
+        again, so the trial has the same params and config, and it runs whatever it repeats;
+        without, the space is sampled (grid: the next grid configuration).
+
+        No duplicate probes: a sampled (or grid) draw whose config is one the study has measured
+        or is measuring is not handed out (`_twins`: configs compared normalised, so two params
+        that make the same training are one config). Such a draw is a *repeat* (user attr
+        repeat_of; no worker ever runs it; it counts toward n_trials like any draw), and the
+        space is sampled again:
+
+        * the config of a search trial that completed with a measurement: told that trial's
+          result at once (`_tell_repeat`), so the sampler sees the point again;
+        * the baseline's config: told the first completed baseline seed's result, marked
+          baseline_repeat_of (and repeat_of) that seed. Its Optuna values are what a run of the
+          baseline's config as a search trial is told, the worst case (`projected_values`:
+          the baseline measures the baseline, never a candidate), so the sampler learns the
+          point is no finding;
+        * the config of a search trial in flight (RUNNING, or lost with a retry to come): the
+          drawn trial is *held*: it stays RUNNING with user attrs repeat_of and repeat_pending,
+          is never leased (the reaper passes it over, `running_started_before`), and is told
+          its twin's outcome once the twin has finished for good (`_settle_repeats`, from
+          `finish_once`): its measurement, its failure or its pruning, following the twin's
+          retries if it is lost. Until then the sampler sees it as one more running trial.
+
+        Failed and pruned configs are not twins: a draw of one runs again. A draw is tried at
+        most MAX_REPEATS times per ask and never beyond n_trials; when the last one allowed is
+        still a repeat, the ask returns None: nothing to hand out (the caller leases nothing;
+        the next ask samples again, so a study whose every remaining draw is a repeat uses up
+        its budget and finishes). The handed-out config is stored as user attr "config",
+        together with `attrs` and "role" (one write). `created`: the study's count of
+        configurations (first attempts, retries not counted) before this ask, when the caller
+        knows it. A config that fails the knob rules is told as a failed trial ("unsupported":
+        COMPLETE with worst-case values and the failed constraint, see api/outcome.py) and
+        SpaceError is raised."""
         from api.outcome import failed_attrs, worst_values  # api.outcome imports nothing of this module
 
         handle = self._handle(ctx)
@@ -479,18 +519,25 @@ class OptunaBridge:
         if baseline_config is not None:
             return self._create_fixed(ctx, study, dict(baseline_config), role or "baseline", attrs)
         role = "search"
-        drawn = params is None and ctx.spec.sampler != "grid"  # the sampler's own draw (may repeat one)
-        if params is not None:
-            study.enqueue_trial(dict(params))
-        elif ctx.spec.sampler == "grid":
-            grid = self._grid(ctx, handle)
-            # the first baseline_seeds trials are the baseline
-            index = self._created(ctx, created) - ctx.spec.baseline_seeds
-            study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
-        # configurations this ask may answer from earlier measurements (each one counts toward
-        # n_trials); the last draw is always handed out
-        room = min(MAX_REPEATS, self.max_trials(ctx) - self._created(ctx, created) - 1) if drawn else 0
+        check = params is None  # the sampler's draw or the grid's next configuration (may repeat one)
+        twins: dict[str, tuple[str, FrozenTrial]] = {}
+        preset: dict[str, Any] = {}
+        if check:
+            trials = self.storage.get_all_trials(self.study_id(ctx.name), deepcopy=False)
+            self._settle_repeats(ctx, trials)  # held repeats whose twin finished meanwhile (another process)
+            twins, preset = self._twins(ctx, trials)
+        configs = self._created(ctx, created)
+        # draws this ask may spend on repeats: each counts toward n_trials
+        allowed = min(MAX_REPEATS, self.max_trials(ctx) - configs)
+        repeats = held = 0
         while True:
+            if params is not None:
+                study.enqueue_trial(dict(params))
+            elif ctx.spec.sampler == "grid":
+                grid = self._grid(ctx, handle)
+                # the first baseline_seeds trials are the baseline; each repeat used one configuration
+                index = configs + repeats - ctx.spec.baseline_seeds
+                study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
             with handle.snapshot.scope() if handle.snapshot is not None else contextlib.nullcontext():
                 trial = study.ask()
                 try:
@@ -500,12 +547,24 @@ class OptunaBridge:
                         **(attrs or {}), "role": role, "is_baseline": False,
                         **failed_attrs("unsupported", str(e))})
                     raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
-                # within the ask's scope: the trials the sampler has just read (TPE's snapshot)
-                twin = self._measured_twin(study, trial.params) if room > 0 else None
+            twin = twins.get(_config_key(config, preset)) if check else None
             if twin is None:
                 break
-            self._tell_repeat(ctx, trial, twin, config)
-            room -= 1
+            kind, twin_trial = twin
+            if kind == "running":
+                self._hold_repeat(ctx, trial, twin_trial, config)
+                held += 1
+            else:
+                self._tell_repeat(ctx, trial._trial_id, trial.number, twin_trial, config, baseline=kind == "baseline")
+            repeats += 1
+            if repeats >= allowed:
+                break
+        if held:  # a twin finished by another service process while this ask held its repeat
+            self._settle_repeats(ctx)
+        if twin is not None:  # the last draw allowed repeated one too
+            log.info("study %s: %d draw(s) repeated a config measured or in flight; nothing to hand out now",
+                     ctx.name, repeats)
+            return None
         self.set_user_attrs(trial._trial_id, {**(attrs or {}), "is_baseline": False, "role": role, "config": config})
         return AskedTrial(trial_id=trial._trial_id, number=trial.number, params=dict(trial.params),
                           config=config, is_baseline=False, role=role)
@@ -537,29 +596,125 @@ class OptunaBridge:
         """The study's configurations so far: `created` when the caller knows it, else counted."""
         return self.n_trials(ctx.name) if created is None else created
 
-    @staticmethod
-    def _measured_twin(study: optuna.Study, params: Mapping[str, Any]) -> FrozenTrial | None:
-        """The first search trial with exactly `params` that completed with a measurement (not a
-        failure, not itself a repeat), or None. A pruned or failed one is run again."""
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            attrs = t.user_attrs
-            if (t.params == params and attrs.get("role", "search") == "search" and not attrs.get("is_baseline")
-                    and not attrs.get("failure_kind") and "repeat_of" not in attrs and t.values is not None):
-                return t
-        return None
+    def _twins(self, ctx: StudyContext, trials: list[FrozenTrial]
+               ) -> tuple[dict[str, tuple[str, FrozenTrial]], dict[str, Any]]:
+        """The configs a draw must not probe again, by `_config_key`, each with its twin:
+        ("baseline", the first completed baseline seed), ("measured", the first search trial that
+        completed with a measurement: not a failure, not a repeat) or ("running", a search trial
+        in flight: RUNNING and not a held repeat, or lost with a retry to come), in that order
+        of precedence; and the preset's values of the knobs the baseline left to the preset
+        (what it ran says them). A search trial's config is the one it was leased, the space's
+        fixed knobs and its params (its stored config is the effective one once it ran); the
+        baseline's is the spec's baseline config, or what it ran. Pruned and failed search trials
+        are no twins: their configs may run again."""
+        from api.outcome import PRESET_KNOBS
+        from api.results import may_retry  # api.results imports only TrialRecord of this module
 
-    def _tell_repeat(self, ctx: StudyContext, trial: optuna.Trial, twin: FrozenTrial,
+        trials = sorted(trials, key=lambda t: t.number)
+        base = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("role") == "baseline"
+                     and not t.user_attrs.get("failure_kind") and isinstance(t.user_attrs.get("config"), dict)), None)
+        preset: dict[str, Any] = {}
+        found: dict[str, tuple[str, FrozenTrial]] = {}
+        if base is not None:
+            leased, ran = normalised(ctx.spec.baseline_config()), normalised(base.user_attrs["config"])
+            preset = {k: ran[k] for k in PRESET_KNOBS if leased.get(k) is None and ran.get(k) is not None}
+            for config in (ctx.spec.baseline_config(), base.user_attrs["config"]):
+                found.setdefault(_config_key(config, preset), ("baseline", base))
+        rank = {"baseline": 0, "measured": 1, "running": 2}
+        retried = {t.user_attrs.get("retry_of") for t in trials}
+        for t in trials:
+            attrs = t.user_attrs
+            if attrs.get("role", "search") != "search" or attrs.get("is_baseline") or "repeat_of" in attrs:
+                continue
+            if t.state == TrialState.COMPLETE and not attrs.get("failure_kind") and t.values is not None:
+                kind = "measured"
+            elif ((t.state == TrialState.RUNNING and isinstance(attrs.get("config"), dict))
+                  or (t.state == TrialState.FAIL and t.number not in retried and may_retry(ctx.spec, _record(t)))):
+                kind = "running"
+            else:
+                continue
+            key = _config_key({**ctx.space.fixed, **t.params}, preset)
+            if key not in found or rank[kind] < rank[found[key][0]]:
+                found[key] = (kind, t)
+        return found, preset
+
+    def _hold_repeat(self, ctx: StudyContext, trial: optuna.Trial, twin: FrozenTrial,
                      config: Mapping[str, Any]) -> None:
-        """Finish a drawn trial that repeats `twin`'s params with `twin`'s measurement, without
+        """Hold a drawn trial that repeats the config of `twin`, a trial in flight: it stays
+        RUNNING, never leased, until `_settle_repeats` tells it `twin`'s outcome."""
+        self.set_user_attrs(trial._trial_id, {"is_baseline": False, "role": "search", "config": dict(config),
+                                              "repeat_of": twin.number, HELD_ATTR: True})
+        log.info("study %s: trial %d drew the config of trial %d, still in flight: not run, told that trial's "
+                 "outcome once it is in", ctx.name, trial.number, twin.number)
+
+    def _tell_repeat(self, ctx: StudyContext, trial_id: int, number: int, twin: FrozenTrial,
+                     config: Mapping[str, Any], baseline: bool = False, held: bool = False) -> None:
+        """Finish a drawn trial that repeats `twin`'s config with `twin`'s outcome, without
         running it: the sampler sees the same point again (as it would from a re-run), and no
         GPU time goes into a configuration already measured (re-measurement is the `remeasure`
-        phase's job)."""
-        kept = {k: v for k, v in twin.user_attrs.items() if k not in REPEAT_DROPPED_ATTRS}
-        self.finish(ctx, trial._trial_id, "COMPLETE", list(twin.values), {
-            **kept, "role": "search", "is_baseline": False, "config": kept.get("config", dict(config)),
-            "repeat_of": twin.number})
-        log.info("study %s: trial %d drew the params of trial %d: told that trial's result, not run again",
-                 ctx.name, trial.number, twin.number)
+        phase's job). A measured twin's result is told COMPLETE; a held repeat's twin may also
+        have failed or been pruned, and the repeat then ends the same way (a twin lost for
+        good: Optuna FAIL with its attempt, so the repeat is not retried either). `baseline`:
+        `twin` is a baseline seed (user attr baseline_repeat_of; Optuna is told the worst
+        case, `projected_values`); `held`: the trial was held (`_hold_repeat`)."""
+        from api.outcome import worst_values
+
+        state = twin.state.name
+        dropped = REPEAT_DROPPED_ATTRS + (("baseline_seed",) if baseline else ())
+        kept = {k: v for k, v in twin.user_attrs.items() if k not in dropped}
+        for key in {"FAIL": ("attempt",), "PRUNED": ("prune_reason",)}.get(state, ()):
+            if key in twin.user_attrs:
+                kept[key] = twin.user_attrs[key]
+        attrs = {**kept, "role": "search", "is_baseline": False, "config": kept.get("config", dict(config)),
+                 "repeat_of": twin.number}
+        if baseline:
+            attrs["baseline_repeat_of"] = twin.number
+        if held:
+            attrs[HELD_ATTR] = False
+        values = None
+        if state == "COMPLETE":
+            values = list(twin.values) if twin.values is not None else worst_values(ctx.spec)
+        self.finish(ctx, trial_id, state, values, attrs)
+        what = "the baseline's config" if baseline else "the config"
+        log.info("study %s: trial %d drew %s of trial %d: told that trial's outcome (%s), not run",
+                 ctx.name, number, what, twin.number, state)
+
+    def _held_ids(self, name: str, among: list[int] | None = None) -> list[int]:
+        """Ids of the study's held repeats (`_hold_repeat`), of `among` when given: one light query."""
+        trial, attr = rdb_models.TrialModel, rdb_models.TrialUserAttributeModel
+        query = select(trial.trial_id).join(attr, attr.trial_id == trial.trial_id).where(
+            trial.study_id == self.study_id(name), trial.state == TrialState.RUNNING, attr.key == HELD_ATTR,
+            attr.value_json == json.dumps(True))
+        if among is not None:
+            query = query.where(trial.trial_id.in_(among))
+        with _create_scoped_session(self._rdb.scoped_session) as session:
+            return list(session.scalars(query).all())
+
+    def _settle_repeats(self, ctx: StudyContext, trials: list[FrozenTrial] | None = None) -> None:
+        """Tell each held repeat of the study whose twin has finished for good that twin's
+        outcome (`_tell_repeat`). The twin is followed through its retries: the last attempt
+        stands for it, and one lost with a retry to come, or still running, keeps the repeat
+        held. `trials`: the study's trials, when the caller has just read them. Called under
+        the study's lock: by `finish_once` for every search trial it finishes (one light query
+        when nothing is held), by `ask`, and for the reaper's tell of a held repeat."""
+        from api.results import may_retry
+
+        if trials is None:
+            if not self._held_ids(ctx.name):
+                return
+            trials = self.storage.get_all_trials(self.study_id(ctx.name), deepcopy=False)
+        held = [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get(HELD_ATTR) is True]
+        if not held:
+            return
+        by_number, retried_as = _attempts(trials)
+        for repeat in held:
+            twin = _last_attempt(by_number, retried_as, repeat.user_attrs.get("repeat_of"))
+            if (twin is None or not twin.state.is_finished()
+                    or (twin.state == TrialState.FAIL and may_retry(ctx.spec, _record(twin)))):
+                continue
+            config = repeat.user_attrs.get("config")
+            self._tell_repeat(ctx, repeat._trial_id, repeat.number, twin, config if isinstance(config, dict) else {},
+                              held=True)
 
     def set_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
         """Set user attrs on an unfinished trial (non-finite floats become None: JSON has no NaN),
@@ -608,7 +763,10 @@ class OptunaBridge:
                     attrs: Mapping[str, Any] | None = None) -> tuple[TrialRecord, bool]:
         """`finish`, also saying whether this call told Optuna (False: the trial had finished
         already, e.g. a complete repeated after a crash between the tell and the lease update;
-        nothing was changed)."""
+        nothing was changed). A search trial finished (or found finished) here settles the held
+        repeats of its config (`_settle_repeats`). A held repeat is told only its twin's outcome:
+        any other tell of it (the reaper's "never leased") settles it if its twin is in, and
+        otherwise changes nothing (False)."""
         handle = self._handle(ctx)
         study = handle.study
         if handle.snapshot is not None:  # the caller holds the study's lock: the next ask reads it again
@@ -617,7 +775,12 @@ class OptunaBridge:
         values = [float(v) for v in values] if values is not None and told == TrialState.COMPLETE else None
         frozen = self.storage.get_trial(trial_id)
         if frozen.state.is_finished():
+            if _may_be_twin(frozen.user_attrs):  # a crash may have come between its tell and its repeats'
+                self._settle_repeats(ctx)
             return _record(frozen), False
+        if frozen.user_attrs.get(HELD_ATTR) is True and (attrs or {}).get(HELD_ATTR) is not False:
+            self._settle_repeats(ctx)
+            return _record(self.storage.get_trial(trial_id)), False
         merged = {**frozen.user_attrs, **(attrs or {})}
         if told == TrialState.COMPLETE and merged.get("role", "search") == "search" and not merged.get("failure_kind"):
             base = self._baseline_number(ctx, merged.get("config"))
@@ -657,6 +820,8 @@ class OptunaBridge:
             finished = self.get_trial(trial_id)
             assert finished is not None
             return finished, False
+        if _may_be_twin(merged):
+            self._settle_repeats(ctx)
         user_attrs = dict(frozen.user_attrs)
         user_attrs.update({k: json_safe(v) for k, v in (attrs or {}).items()})
         return TrialRecord(trial_id=trial_id, number=frozen.number, state=told.name, params=dict(frozen.params),
@@ -709,14 +874,32 @@ class OptunaBridge:
 
     def running_started_before(self, name: str, cutoff: datetime) -> list[int]:
         """Ids of the study's RUNNING trials started before `cutoff` (naive local time, as Optuna
-        stores it): one light query, no trial loading (the reaper runs it every few seconds)."""
+        stores it): one light query, no trial loading (the reaper runs it every few seconds).
+        A held repeat (`_hold_repeat`: never leased by design) is left out while its twin is in
+        flight (running, or lost with a retry to come, as far as this can tell without the
+        study's spec: a lost twin whose retries are used up is settled when it is told lost);
+        once the twin has finished it is listed, and the reaper's tell of it settles it
+        (`finish_once`): a repeat whose twin's outcome was not told to it (a crash in between)
+        is so told after the lease grace."""
+        from api.results import is_lost
         model = rdb_models.TrialModel
         cutoff_utc = cutoff.astimezone(timezone.utc).replace(tzinfo=None)  # the column holds naive UTC
         with _create_scoped_session(self._rdb.scoped_session) as session:
-            ids = session.scalars(select(model.trial_id).where(
+            ids = list(session.scalars(select(model.trial_id).where(
                 model.study_id == self.study_id(name), model.state == TrialState.RUNNING,
-                model._datetime_start_utc < cutoff_utc).order_by(model.trial_id)).all()
-        return list(ids)
+                model._datetime_start_utc < cutoff_utc).order_by(model.trial_id)).all())
+        held = set(self._held_ids(name, ids)) if ids else set()
+        if held:
+            trials = self.storage.get_all_trials(self.study_id(name), deepcopy=False)
+            by_number, retried_as = _attempts(trials)
+            waiting = set()
+            for t in trials:
+                if t._trial_id in held:
+                    twin = _last_attempt(by_number, retried_as, t.user_attrs.get("repeat_of"))
+                    if twin is None or not twin.state.is_finished() or is_lost(_record(twin)):
+                        waiting.add(t._trial_id)
+            ids = [i for i in ids if i not in waiting]
+        return ids
 
     def failed_trial_ids(self, name: str) -> list[int]:
         """Ids of the study's Optuna FAIL trials (the service fails only lost trials so: failed
@@ -740,6 +923,41 @@ class OptunaBridge:
         study_id = self.storage.get_study_id_from_name(name)
         return [_record(t) for t in self.storage.get_all_trials(study_id, deepcopy=False)]
 
+
+
+def _may_be_twin(attrs: Mapping[str, Any]) -> bool:
+    """A search trial that is not a repeat: one a held repeat may wait for (`_settle_repeats`)."""
+    return attrs.get("role", "search") == "search" and "repeat_of" not in attrs
+
+
+def _config_key(config: Mapping[str, Any], preset: Mapping[str, Any]) -> str:
+    """What makes two configs one (`OptunaBridge._twins`): every knob normalised
+    (`autotune.config.normalised`: a knob left out is at its default, 25 and 25.0 are one
+    value), and a knob left to the workload's preset (batch_size, accum_steps, lr: None) at the
+    preset's value where `preset` knows it."""
+    knobs = normalised(config)
+    for name, value in preset.items():
+        if knobs.get(name) is None:
+            knobs[name] = value
+    return json.dumps(json_safe(knobs), sort_keys=True, default=str)
+
+
+def _attempts(trials: list[FrozenTrial]) -> tuple[dict[int, FrozenTrial], dict[int, int]]:
+    """(trial number → trial; lost trial number → the number of its retry)."""
+    retried_as = {of: t.number for t in trials
+                  if isinstance(of := t.user_attrs.get("retry_of"), int) and not isinstance(of, bool)}
+    return {t.number: t for t in trials}, retried_as
+
+
+def _last_attempt(by_number: Mapping[int, FrozenTrial], retried_as: Mapping[int, int], number: Any
+                  ) -> FrozenTrial | None:
+    """The trial that stands for trial `number`: itself, or its last retry."""
+    trial = by_number.get(number) if isinstance(number, int) else None
+    seen: set[int] = set()
+    while trial is not None and trial.number in retried_as and trial.number not in seen:
+        seen.add(trial.number)
+        trial = by_number.get(retried_as[trial.number])
+    return trial
 
 
 def json_safe(value: Any) -> Any:

@@ -1,17 +1,21 @@
-"""A drawn config that was measured already is not run again: the sampler's repeat is told the
-earlier trial's result (`repeat_of`), costs no GPU time, and stays out of the front, the
-re-measurements and the recommendation's candidates."""
+"""No duplicate probes: a drawn config (compared normalised) that was measured already, is in
+flight or is the baseline's is never leased: the sampler's repeat is told the earlier trial's
+result (`repeat_of`; a running twin's once it is in), costs no GPU time, and stays out of the
+front, the re-measurements and the recommendation's candidates."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from service_helpers import StudyFactory, complete, lease, make_settings
+from service_helpers import StudyFactory, complete, lease, make_settings, probe_result
 
+from api.db import utcnow
 from api.main import create_app
+from api.service import TuningService
 
 SPACE = {"name": "two", "params": {"batch_size": {"choices": [4, 8]}}}  # two configurations in all
 
@@ -49,14 +53,16 @@ def test_repeated_draws_are_told_not_run(backend: TestClient) -> None:
         assert original["repeat_of"] is None and original["number"] in ran and original["number"] < t["number"]
         assert t["params"] == original["params"] and t["values"] == original["values"]
         assert t["worker_id"] is None
-    # only the last draw may run a measured configuration again (nothing left to hand out otherwise)
+    # no configuration runs twice, not even the last draw's (a repeat then ends the ask: nothing handed out)
     search = [got for got in leased if got["role"] == "search"]
     configs = [got["config"]["batch_size"] for got in search]
-    assert len(set(configs[:-1])) == len(configs[:-1]) and len(search) <= 3
+    assert sorted(configs) == [4, 8]
     front_numbers = {t["number"] for t in client.get("/v1/studies/rep/pareto").json()["data"]}
     assert front_numbers and front_numbers.isdisjoint(t["number"] for t in repeats)
     best = client.get("/v1/studies/rep/best?format=json").json()
-    assert best["config"]["batch_size"] == 8 and trials[best["trial_number"]]["repeat_of"] is None
+    # the fastest candidate: the recommendation, or the uncertified pick when the baseline is kept
+    pick = best if trials[best["trial_number"]]["role"] == "search" else best.get("uncertified")
+    assert pick is not None and pick["config"]["batch_size"] == 8 and trials[pick["trial_number"]]["repeat_of"] is None
 
 
 def test_a_users_own_points_run_as_given(client: TestClient, make_study: StudyFactory) -> None:
@@ -82,3 +88,127 @@ def test_the_trials_table_marks_a_repeat() -> None:
     lines = console.export_text().splitlines()
     assert any(line.startswith("│ 2 ") and "same as 1, not run" in line for line in lines)
     assert any(line.startswith("│ 1 ") and "not run" not in line for line in lines)
+
+
+# --- no duplicate probes: a drawn config measured, in flight or the baseline's is never leased ---------------
+
+
+def _state(client: TestClient, name: str) -> str:
+    state: str = client.get(f"/v1/studies/{name}").json()["state"]
+    return state
+
+
+def _search_configs(leased: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [got["config"] for got in leased if got["role"] == "search"]
+
+
+def _trials(client: TestClient, name: str) -> dict[int, dict[str, Any]]:
+    return {t["number"]: t for t in client.get(f"/v1/studies/{name}/trials").json()["data"]}
+
+
+def test_config_key_normalises() -> None:
+    from api.optuna_bridge import _config_key
+
+    assert _config_key({"batch_size": 8}, {}) == _config_key({"batch_size": 8.0, "num_workers": 0}, {})
+    assert _config_key({}, {}) != _config_key({"batch_size": 8}, {})  # the preset's batch size is unknown
+    assert _config_key({}, {"batch_size": 8}) == _config_key({"batch_size": 8}, {"batch_size": 8})
+    assert _config_key({"batch_size": 4}, {"batch_size": 8}) != _config_key({}, {"batch_size": 8})
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "grid"])
+def test_a_draw_of_the_baselines_config_is_not_leased(client: TestClient, make_study: StudyFactory,
+                                                      sampler: str) -> None:
+    make_study("base", space=SPACE, sampler=sampler, n_trials=1 + 8, seed=0, baseline={"batch_size": 8})
+    leased = _run_study(client, "base")
+    assert _search_configs(leased) == [{"batch_size": 4}]  # 8 is the baseline's: measured by the baseline seed
+    assert _state(client, "base") == "finished"
+    trials = _trials(client, "base")
+    told = [t for t in trials.values() if t["role"] == "search" and t["config"]["batch_size"] == 8]
+    assert told, "the sampler drew the baseline's config"
+    for t in told:
+        assert t["baseline_repeat_of"] == 0 and t["repeat_of"] == 0 and t["worker_id"] is None
+        assert t["state"] == "COMPLETE" and t["throughput_samples_per_s"] == trials[0]["throughput_samples_per_s"]
+    front = {t["number"] for t in client.get("/v1/studies/base/pareto").json()["data"]}
+    assert front.isdisjoint(t["number"] for t in told)
+
+
+def test_configs_that_normalise_alike_are_one_config(client: TestClient, make_study: StudyFactory) -> None:
+    # num_workers 0 is the default: a draw of it is the baseline's config {} (a knob left out)
+    make_study("dflt", space={"params": {"num_workers": {"choices": [0, 1]}}}, sampler="tpe", n_trials=1 + 8, seed=1)
+    leased = _run_study(client, "dflt")
+    assert _search_configs(leased) == [{"num_workers": 1}]
+    assert _state(client, "dflt") == "finished"
+    # the baseline leaves the batch size to the preset, and ran it at 8 (its effective config says so):
+    # a draw of batch_size 8 trains what the baseline trained
+    make_study("preset", space=SPACE, sampler="tpe", n_trials=1 + 8, seed=2)
+    base = lease(client, "w", study="preset")
+    assert base is not None and base["role"] == "baseline" and "batch_size" not in base["config"]
+    r = client.post(f"/v1/trials/{base['trial_id']}/complete", json={"worker_id": "w", "result": probe_result(
+        {**base["config"], "batch_size": 8, "accum_steps": 1, "lr": 0.001})})
+    assert r.status_code == 200, r.text
+    leased = _run_study(client, "preset")
+    assert _search_configs(leased) == [{"batch_size": 4}]
+    assert _state(client, "preset") == "finished"
+
+
+def test_a_draw_of_a_running_trials_config_is_not_leased(backend: TestClient) -> None:
+    client = backend
+    service: TuningService = client.app.state.service  # type: ignore[attr-defined]
+    r = client.post("/v1/studies", json={"name": "run", "space": SPACE, "sampler": "tpe", "n_trials": 1 + 8,
+                                         "seed": 0, "baseline_seeds": 1, "remeasure": {"top_k": 0}})
+    assert r.status_code == 201, r.text
+    base = lease(client, "w0", study="run")
+    assert base is not None and base["role"] == "baseline"
+    complete(client, base, "w0")
+    first, second = lease(client, "w1", study="run"), lease(client, "w2", study="run")
+    assert first is not None and second is not None
+    assert first["config"] != second["config"]  # the second worker never gets the first one's config
+    assert lease(client, "w3", study="run") is None  # both configs in flight: every draw is held
+    trials = _trials(client, "run")
+    held = [t for t in trials.values() if t["repeat_of"] is not None]
+    assert held, "TPE over two configurations drew a running one again"
+    assert all(t["state"] == "RUNNING" and t["worker_id"] is None for t in held)
+    assert {t["repeat_of"] for t in held} <= {first["number"], second["number"]}
+    # the reaper fails the silent workers' trials, never a held repeat (it is not leased, by design)
+    later = utcnow() + timedelta(seconds=service.settings.lease_grace_s + 5)
+    assert sorted(service.reap_stale(later)) == sorted([first["trial_id"], second["trial_id"]])
+    assert all(_trials(client, "run")[t["number"]]["state"] == "RUNNING" for t in held)
+    # the lost trials are re-run (same configs); the held repeats wait for those retries
+    retries = [lease(client, "w4", study="run"), lease(client, "w5", study="run")]
+    assert all(r is not None and r["number"] > max(trials) for r in retries)
+    assert sorted(r["config"]["batch_size"] for r in retries if r is not None) == [4, 8]
+    for r, worker in zip(retries, ["w4", "w5"], strict=True):
+        assert r is not None
+        complete(client, r, worker, throughput=100.0 * r["config"]["batch_size"])
+    trials = _trials(client, "run")
+    by_config = {t["config"]["batch_size"]: t for t in trials.values() if t["retry_of"] is not None}
+    for t in held:
+        told = trials[t["number"]]
+        twin = trials[told["repeat_of"]]
+        assert told["state"] == "COMPLETE" and twin["retry_of"] is not None  # the retry stands for the lost trial
+        assert told["values"] == twin["values"] and twin is by_config[told["config"]["batch_size"]]
+    leased = _run_study(client, "run")  # what budget is left: every draw repeats a measured config
+    assert _search_configs(leased) == []
+    assert _state(client, "run") == "finished"
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_a_tiny_space_finishes_without_a_duplicate_lease(client: TestClient, make_study: StudyFactory,
+                                                         sampler: str) -> None:
+    # 2 configurations, 24 search trials (more than MAX_REPEATS draws in a row are repeats), two workers
+    make_study("tiny", space=SPACE, sampler=sampler, n_trials=1 + 24, seed=3)
+    leased: list[dict[str, Any]] = []
+    for _ in range(20):
+        if _state(client, "tiny") == "finished":
+            break
+        pairs = [(worker, lease(client, worker, study="tiny")) for worker in ("w1", "w2")]
+        for worker, got in pairs:
+            if got is not None:
+                leased.append(got)
+                complete(client, got, worker, throughput=10.0 * got["config"].get("batch_size", 1))
+    assert _state(client, "tiny") == "finished"
+    configs = [c["batch_size"] for c in _search_configs(leased)]
+    assert sorted(configs) == [4, 8]  # each configuration ran once
+    trials = _trials(client, "tiny")
+    assert len(trials) == 25 and all(t["state"] == "COMPLETE" for t in trials.values())
+    assert sum(t["repeat_of"] is not None for t in trials.values()) == 22
