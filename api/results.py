@@ -75,7 +75,7 @@ from autotune.gate import BaselineStats, Estimate, Gate
 from autotune.gate import is_feasible as gate_feasible
 from autotune.protocol import OBJECTIVES, ConfigVerdict, Recommendation, StudySpec, TrialInfo
 from autotune.recommendation import recommendation_yaml, uncertified_yaml  # noqa: F401 (the route imports them here)
-from autotune.verdict import Judgement, Sample, judge, level_at, welch
+from autotune.verdict import Judgement, Sample, judge, level_at, t_ppf, welch
 
 GIB = 2**30
 
@@ -813,8 +813,10 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
     thr = (pick_row.throughput_samples_per_s if pick_row else base_row.throughput_samples_per_s) \
         or metric(chosen, spec, "throughput_samples_per_s") or 0.0
     base_thr = base_row.throughput_samples_per_s
-    windows = [w for r in pick_runs for w in _windows(r)]
-    ci = Estimate.for_rate(windows) if len(windows) >= 2 else None
+    ci = _run_interval(_values(pick_runs, spec, "throughput_samples_per_s"))
+    if ci is None:  # one run: the interval over its windows (which leaves out the run-to-run spread)
+        windows = [w for r in pick_runs for w in _windows(r)]
+        ci = Estimate.for_rate(windows) if len(windows) >= 2 else None
     run = pick_runs[-1] if pick_runs else chosen
     notes = [str(n) for n in run.user_attrs.get("measurement_notes") or []]
     energy = _energy_ratio(pick_runs, base_runs, spec) if pick_row else None
@@ -862,6 +864,16 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         certified=bool(pick_row), outcome=outcome, reason=reason, configs=rows,  # type: ignore[arg-type]
         rounds_run=rm.rounds_done, max_rounds=rm.round_limit, remeasure_probes=rm.probes, uncertified=uncertified,
     )
+
+
+def _run_interval(throughputs: Sequence[float]) -> Estimate | None:
+    """The 95 % interval of a config's throughput from its runs (the unit of replication):
+    Student t on the mean log throughput, around the geometric mean; None with fewer than 2 runs."""
+    if len(throughputs) < 2:
+        return None
+    logs = Sample.of([math.log(v) for v in throughputs])
+    half = t_ppf(0.975, logs.n - 1) * logs.sd / math.sqrt(logs.n)
+    return Estimate(math.exp(logs.mean), math.exp(logs.mean - half), math.exp(logs.mean + half), logs.n)
 
 
 def _energy_of(rm: Remeasurement, row: ConfigVerdict, spec: StudySpec) -> float:

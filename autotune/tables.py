@@ -67,11 +67,6 @@ def studies_table(studies: list[StudyInfo]) -> Table:
     return table
 
 
-def _times(n: int) -> str:
-    """ " once", " twice", " 3 times"; "" for 0 (a recommendation from a service before rounds)."""
-    return {0: "", 1: " once", 2: " twice"}.get(n, f" {n} times")
-
-
 def trials_table(trials: list[TrialInfo], title: str) -> Table:
     table = Table(title=title, caption=KNOBS_LEGEND)
     metric = next((t.quality_metric for t in trials if t.quality_metric), "val_nrmse")
@@ -152,8 +147,8 @@ def recommendation_table(rec: Recommendation) -> Table:
                   + ("" if base_thr is None else f" (baseline {base_thr:,.1f})"))
     if rec.throughput_ci_low is not None and rec.throughput_ci_high is not None:
         table.add_row("95% CI", f"{rec.throughput_ci_low:,.1f} – {rec.throughput_ci_high:,.1f} samples/s "
-                      + (f"(re-measured{_times(rec.remeasure_rounds)} with a longer probe)" if rec.remeasured
-                         else "(over the trial's windows)"))
+                      + (f"(over its {rec.remeasure_rounds} re-measurements: runs are the unit)" if rec.remeasured
+                         and rec.remeasure_rounds >= 2 else "(over the trial's windows)"))
     if len(rec.round_throughputs) >= 2:
         table.add_row("re-measurements", ", ".join(f"{r:,.1f}" for r in rec.round_throughputs)
                       + " samples/s (round by round)")
