@@ -1,0 +1,839 @@
+"""Benchmark: does the verdict's certified speedup hold in an outside script's own loop?
+
+The workload is examples/gpt_script (docs/tutorial.md, part 2): a nanoGPT-style training
+script written without autotune, tuned through its 72-line glue (`gpt-script`, registered by
+the package's entry point). One run, on one host:
+
+1. **The study.** `autotune serve` on a SQLite file (loopback, no tokens), a study of
+   `gpt-script` (preset tiny) on this hardware class, the script's own defaults as the
+   baseline (16 × 1, 3 seeds), a GPU space that holds the fast stack (compile modes, the step
+   graph, bf16, fused AdamW, the compiled optimizer step, micro-batch × accumulation),
+   `starting_points: auto`, then TPE, then the verdict's interleaved re-measure rounds; one
+   `autotune worker --device cuda --allow-workload gpt-script` until the study is finished.
+   `autotune best --format json` (certified, speedup and interval, `configs`: the rule's
+   inputs) and the YAML are kept; without a certified pick, also the fastest uncertified
+   candidate (`best --uncertified`).
+2. **The script's own loop.** `gpt_script.train`'s `main()` (what `python -m gpt_script.train`
+   runs), without and with `--config best.yaml` (and the uncertified candidate), several
+   fresh processes each, interleaved (A B C, C B A, ...). The script is not edited: the child
+   imports it and wraps three of its module-level functions, which `main()` looks up at each
+   call: `get_lr` (called once at the top of every iteration: the clock marks, with a device
+   synchronize, at the end of the warm-up, half-way and at the end), `get_batch` (counts
+   the training samples between the marks) and `estimate_loss` (its evaluations are timed
+   and left out of the training rate; the loop rate with them is reported too). Steady
+   state only: the first fifth of the iterations (at least --warmup-iters) are warm-up
+   (compile, CUDA-graph capture, allocator growth).
+3. **The comparison.** The loop's speedup is the ratio of geometric means over the repeats
+   (as the verdict's), with a Welch 95 % interval from autotune.verdict; it agrees with the
+   verdict when the two speedups are within 10 % of each other.
+
+Everything lands in one JSON (environment, the spec, the trials, the verdict, the loop
+runs, the comparison) and a markdown summary is printed; `plot` draws the PNG.
+
+    python bench/gpt_script_verdict.py run --device cuda --out $OUT/gpt_script_verdict_h100.json \
+        --png $OUT/gpt_script_verdict_h100.png
+    python bench/gpt_script_verdict.py loop --from results/gpt_script_verdict_h100.json --out ...   # loop only
+    python bench/gpt_script_verdict.py plot --json F.json --png F.png
+    python bench/gpt_script_verdict.py run --device cpu --samples 256 --n-trials 4 ...   # CPU smoke test
+
+It installs nothing: `gpt-script` must be registered (``pip install ./examples/gpt_script``);
+if it is not, the run names it by import path (AUTOTUNE_WORKLOADS for the service,
+``--allow-workload gpt-script=gpt_script.workload:ScriptWorkload`` for the worker) with
+examples/gpt_script on PYTHONPATH, and the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "gpt_script"
+CLI = [sys.executable, "-m", "autotune.cli"]
+TARGET = "gpt_script.workload:ScriptWorkload"
+STUDY = "gpt-script-verdict"
+AGREE = 0.10  # the loop's speedup and the verdict's agree when within 10 % of each other
+
+# The GPU space: what the fast stack (autotune/starting.py) needs, for a script that feeds
+# itself (get_batch, no DataLoader: num_workers and pinning would measure a data path the
+# script does not have) and has no checkpointable blocks and no auxiliary loss.
+GPU_SPACE: dict[str, Any] = {
+    "name": "gpt-script-gpu",
+    "params": {
+        "compile": {"choices": ["none", "default", "reduce-overhead"]},
+        "precision": {"choices": ["fp32", "tf32", "bf16"]},
+        "batch_size": {"choices": [8, 16, 32]},
+        "accum_steps": {"choices": [1, 2]},
+        "fused_optimizer": {"choices": [False, True]},
+        "compile_optimizer": {"choices": [False, True]},
+        "step_graph": {"choices": [False, True], "when": {"compile": ["none", "default"]}},
+        "cudnn_benchmark": {"choices": [False, True]},
+    },
+}
+CPU_SPACE: dict[str, Any] = {  # the CPU smoke test's: the example study's space
+    "name": "gpt-script-cpu",
+    "params": {"batch_size": {"choices": [8, 16]}, "accum_steps": {"choices": [1, 2]},
+               "fused_optimizer": {"choices": [False, True]}},
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+# --- the workload's registration ----------------------------------------------------------------
+
+def registration() -> tuple[str, dict[str, str], str]:
+    """(the worker's --allow-workload value, extra environment, how gpt-script is registered)."""
+    env: dict[str, str] = {}
+    if importlib.util.find_spec("gpt_script") is None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH", "")]))
+    from autotune.workloads import registered_workloads
+
+    entry = registered_workloads().get("gpt-script")
+    if entry is not None and entry.source == "entry_point":
+        return "gpt-script", env, "entry point (installed package)"
+    env["AUTOTUNE_WORKLOADS"] = f"gpt-script={TARGET}"
+    return f"gpt-script={TARGET}", env, f"import path ({TARGET}; the package is not installed)"
+
+
+def study_spec(args: argparse.Namespace, hardware: str) -> dict[str, Any]:
+    if args.device == "cpu":
+        space: dict[str, Any] = json.loads(json.dumps(CPU_SPACE))
+    else:
+        space = json.loads(json.dumps(GPU_SPACE))
+        if args.no_compile:
+            space["params"].pop("compile")
+            space["params"]["step_graph"].pop("when")
+    probe: dict[str, Any] = {"samples": args.samples, "windows": args.windows, "timeout_s": args.probe_timeout_s}
+    if args.warmup_steps:
+        probe["warmup_steps"] = args.warmup_steps
+    remeasure: dict[str, Any] = {"top_k": args.top_k, "max_rounds": args.max_rounds}
+    return {"name": args.study, "workload": "gpt-script", "preset": "tiny", "hardware": hardware,
+            "space": space, "baseline": {"batch_size": 16, "accum_steps": 1}, "baseline_seeds": 3,
+            "starting_points": "auto", "sampler": "tpe", "seed": args.seed, "n_trials": args.n_trials,
+            "probe": probe, "remeasure": remeasure, "max_retries": 1}
+
+
+# --- 1. the study ---------------------------------------------------------------------------------
+
+def run_study(args: argparse.Namespace, work: Path, hardware: str, deadline: float) -> dict[str, Any]:
+    import httpx
+    from studylib import free_port, wait_healthy
+
+    allow, extra_env, how = registration()
+    port = free_port()
+    api = f"http://127.0.0.1:{port}"
+    # the benchmark's own loopback service: no tokens; a short grace re-runs a lost trial soon
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "AUTOTUNE_AUTH": "false",
+           "AUTOTUNE_LEASE_GRACE_S": "30", "AUTOTUNE_REAPER_INTERVAL_S": "2",
+           "AUTOTUNE_INDUCTOR_CACHE_DIR": str(work / "inductor-study"), "AUTOTUNE_API": api}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set, it would win over the study's own cache (autotune.worker)
+    spec = study_spec(args, hardware)
+    db = work / "study.db"
+    service = subprocess.Popen([*CLI, "serve", "--db", f"sqlite:///{db}", "--port", str(port)],
+                               stdout=(work / "service.log").open("wb"), stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
+    worker: subprocess.Popen[bytes] | None = None
+    http = httpx.Client(base_url=api, timeout=60)
+    out: dict[str, Any] = {"spec": spec, "registration": how, "allow_workload": allow}
+    try:
+        wait_healthy(http, service)
+        created = http.post("/v1/studies", json=spec)
+        if created.status_code != 201:
+            raise SystemExit(f"study refused ({created.status_code}): {created.text}")
+        start = time.time()
+        cmd = [*CLI, "worker", "--api", api, "--device", args.device, "--study", spec["name"],
+               "--allow-workload", allow, "--idle-exit", "60", "--spool-dir", str(work / "spool")]
+        if args.device == "cpu":
+            cmd += ["--threads", str(args.threads)]
+        worker = subprocess.Popen(cmd, stdout=(work / "worker.log").open("wb"), stderr=subprocess.STDOUT,
+                                  env=env, start_new_session=True)
+        _log(f"study {spec['name']}: worker {worker.pid} on {args.device}; workload registered by {how}")
+        state, seen = "running", -1
+        while time.time() < deadline:
+            try:
+                worker.wait(timeout=3.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            info = http.get(f"/v1/studies/{spec['name']}").json()
+            state = info["state"]
+            done = sum(v for k, v in info["counts"].items() if k not in ("running", "waiting", "pending"))
+            if done != seen:
+                seen = done
+                _log(f"  {state}: {info['counts']}")
+            if state == "finished":
+                break
+        stopped_early = state != "finished"
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)  # ends its probe, reports the trial as interrupted
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+        out["study_s"] = time.time() - start
+        info = http.get(f"/v1/studies/{spec['name']}").json()
+        out["study_info"] = info
+        out["stopped_by_deadline"] = stopped_early
+        trials = http.get(f"/v1/studies/{spec['name']}/trials").json()["data"]
+        out["trials"] = [_trial_summary(t) for t in trials]
+        out["trial_s"] = _phase_seconds(trials)
+        # the verdict, as the CLI prints it: exit 0 certified, 1 no certified pick
+        best_env = {**env, "AUTOTUNE_API": api}
+        js = subprocess.run([*CLI, "best", spec["name"], "--format", "json"], capture_output=True, text=True,
+                            env=best_env, timeout=60)
+        out["best_exit"] = js.returncode
+        out["best_stderr"] = js.stderr[-2000:]
+        try:
+            out["best"] = json.loads(js.stdout)
+        except json.JSONDecodeError:
+            out["best"] = None
+            out["best_stdout"] = js.stdout[-2000:]
+        ym = subprocess.run([*CLI, "best", spec["name"], "--format", "yaml"], capture_output=True, text=True,
+                            env=best_env, timeout=60)
+        out["best_yaml"] = ym.stdout
+        (work / "best.yaml").write_text(ym.stdout)
+        if out["best"] is not None and not out["best"].get("certified"):
+            un = subprocess.run([*CLI, "best", spec["name"], "--uncertified", "--format", "yaml"],
+                                capture_output=True, text=True, env=best_env, timeout=60)
+            out["uncertified_yaml"] = un.stdout
+            if un.stdout.strip() and "no uncertified candidate" not in un.stdout:
+                (work / "uncertified.yaml").write_text(un.stdout)
+        status = subprocess.run([*CLI, "status", spec["name"]], capture_output=True, text=True,
+                                env={**best_env, "COLUMNS": "200"}, timeout=60)
+        out["status_text"] = status.stdout[-6000:]
+        try:
+            out["probe_data_wait"] = probe_data_wait(db)
+        except Exception as e:  # a report, never a reason to lose the run
+            out["probe_data_wait_error"] = repr(e)
+    finally:
+        if worker is not None and worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        service.terminate()
+        try:
+            service.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(service.pid, signal.SIGKILL)
+        out["worker_log_tail"] = _tail(work / "worker.log")
+        out["service_log_tail"] = _tail(work / "service.log", 2000)
+    return out
+
+
+def probe_data_wait(db: Path) -> dict[str, dict[str, float]]:
+    """Per trial (number, as a string): the probe's data wait over its timed windows, as a fraction
+    and in ms per optimizer step (its fetches of the step's micro-batches, the blocking copies'
+    wait for the GPU included), read from the study's SQLite file (Optuna's user attributes)."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT t.number, a.key, a.value_json FROM trials t JOIN trial_user_attributes a "
+                           "ON a.trial_id = t.trial_id WHERE a.key IN ('data_wait_fraction', "
+                           "'throughput_samples_per_s', 'config')").fetchall()
+    finally:
+        con.close()
+    attrs: dict[int, dict[str, Any]] = {}
+    for number, key, value in rows:
+        attrs.setdefault(number, {})[key] = json.loads(value)
+    out: dict[str, dict[str, float]] = {}
+    for number, a in attrs.items():
+        frac, thr, cfg = a.get("data_wait_fraction"), a.get("throughput_samples_per_s"), a.get("config") or {}
+        if isinstance(frac, (int, float)) and isinstance(thr, (int, float)) and thr > 0:
+            per_step = (cfg.get("batch_size") or 16) * (cfg.get("accum_steps") or 1)
+            out[str(number)] = {"fraction": frac, "ms_per_step": 1e3 * frac * per_step / thr,
+                                "step_ms": 1e3 * per_step / thr}
+    return out
+
+
+def _trial_summary(t: dict[str, Any]) -> dict[str, Any]:
+    keys = ("number", "state", "role", "config", "throughput_samples_per_s", "quality", "feasible", "failure",
+            "prune_reason", "starting_point", "repeat_of", "baseline_repeat_of", "remeasure_of", "remeasure_round",
+            "duration_s", "feasibility_note", "attempt", "retry_of")
+    return {k: t.get(k) for k in keys}
+
+
+def _phase_seconds(trials: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds of trial wall time by role (search includes the starting points)."""
+    phases: dict[str, float] = {}
+    for t in trials:
+        d = t.get("duration_s")
+        if isinstance(d, (int, float)):
+            phases[t.get("role") or "search"] = phases.get(t.get("role") or "search", 0.0) + d
+    return phases
+
+
+# --- 2. the script's own loop -----------------------------------------------------------------------
+
+def loop_child(args: argparse.Namespace) -> None:
+    """In a fresh process: the script's main() with timing wrapped around its own functions."""
+    import gpt_script.train as script
+    import torch
+
+    cuda = script.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    st: dict[str, Any] = {"marks": {}, "samples": 0, "eval_s": 0.0, "in": False, "k0": None, "mid": None,
+                          "half_samples": 0, "half_eval_s": 0.0, "iters": None, "batch_host_s": 0.0,
+                          "batch_copy_s": 0.0, "step_s": 0.0}
+    get_lr, get_batch, estimate_loss = script.get_lr, script.get_batch, script.estimate_loss
+    t_start = time.perf_counter()
+
+    def timed_get_lr(it: float, max_iters: int = script.max_iters) -> float:
+        if st["iters"] is None:  # the first call: the iteration count main() settled on (scaled with --config)
+            k0 = min(max(args.warmup_iters, max_iters // 5), max_iters - 2)
+            st.update(iters=max_iters, k0=k0, mid=k0 + (max_iters - k0) // 2)
+        if it in (st["k0"], st["mid"], max_iters):
+            sync()  # every launched step has finished: the host clock then times the GPU's work too
+            st["marks"][int(it)] = time.perf_counter()
+            if it == st["k0"]:
+                st["in"] = True
+            elif it == st["mid"]:
+                st["half_samples"], st["half_eval_s"] = st["samples"], st["eval_s"]
+            else:
+                st["in"] = False
+        return get_lr(it, max_iters)
+
+    def counted_get_batch(split: str, batch_size: int = script.batch_size, device: str = script.device,
+                          generator: torch.Generator | None = None) -> Any:
+        if not (split == "train" and st["in"]):
+            return get_batch(split, batch_size, device, generator)
+        st["samples"] += batch_size
+        # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
+        # where its .to() is a no-op), then the script's own two copies, x.to(device), y.to(device)
+        # (blocking: each waits for the work queued on the GPU before it)
+        t0 = time.perf_counter()
+        x, y = get_batch(split, batch_size, "cpu", generator)
+        t1 = time.perf_counter()
+        moved = x.to(device), y.to(device)
+        t2 = time.perf_counter()
+        st["batch_host_s"] += t1 - t0
+        st["batch_copy_s"] += t2 - t1
+        return moved
+
+    def timed_estimate_loss(*a: Any, **kw: Any) -> float:
+        if not st["in"]:
+            return float(estimate_loss(*a, **kw))
+        sync()
+        t0 = time.perf_counter()
+        value = float(estimate_loss(*a, **kw))  # a Python float: its .item()s synchronized already
+        st["eval_s"] += time.perf_counter() - t0
+        return value
+
+    script.get_lr, script.get_batch, script.estimate_loss = timed_get_lr, counted_get_batch, timed_estimate_loss
+    if args.config:  # the host time of autotune.apply's step (the script as written never imports autotune)
+        from autotune.apply import Prepared
+
+        step = Prepared.step
+
+        def timed_step(self: Any, batch: Any) -> Any:
+            if not st["in"]:
+                return step(self, batch)
+            t0 = time.perf_counter()
+            out = step(self, batch)
+            st["step_s"] += time.perf_counter() - t0
+            return out
+
+        Prepared.step = timed_step  # type: ignore[method-assign]
+    argv = ["--max-iters", str(args.max_iters)] + (["--config", args.config] if args.config else [])
+    val_loss = script.main(argv)
+    total_s = time.perf_counter() - t_start
+    k0, mid, end = st["k0"], st["mid"], st["iters"]
+    m = st["marks"]
+    window = m[end] - m[k0]
+    train_s = window - st["eval_s"]
+    first = (m[mid] - m[k0]) - st["half_eval_s"]
+    second = (m[end] - m[mid]) - (st["eval_s"] - st["half_eval_s"])
+    second_samples = st["samples"] - st["half_samples"]
+    result = {
+        "config": args.config, "max_iters_arg": args.max_iters, "iterations": end, "warmup_iterations": k0,
+        "timed_iterations": end - k0, "samples": st["samples"], "window_s": window, "eval_s": st["eval_s"],
+        "train_s": train_s, "train_samples_per_s": st["samples"] / train_s,
+        "loop_samples_per_s": st["samples"] / window,
+        "halves_samples_per_s": [st["half_samples"] / first, second_samples / second],
+        "main_s": total_s, "warmup_s": m[k0] - t_start, "final_val_loss": val_loss,
+        # host milliseconds per timed iteration: sampling the windows, the two blocking copies (with the
+        # wait for the GPU), autotune.apply's step (with --config), and the rest (the plain path's own
+        # forward/backward/clip/step, the lr writes, the loss logging)
+        "per_iteration_ms": {
+            "get_batch_host": 1e3 * st["batch_host_s"] / (end - k0),
+            "get_batch_copy": 1e3 * st["batch_copy_s"] / (end - k0),
+            "apply_step": 1e3 * st["step_s"] / (end - k0) if args.config else None,
+            "rest": 1e3 * (train_s - st["batch_host_s"] - st["batch_copy_s"] - st["step_s"]) / (end - k0),
+            "total": 1e3 * train_s / (end - k0)},
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    Path(args.result).write_text(json.dumps(result))
+
+
+def run_loops(args: argparse.Namespace, work: Path, configs: dict[str, str | None], deadline: float
+              ) -> list[dict[str, Any]]:
+    """The script's loop per config (name -> best.yaml path or None for the script as written),
+    `repeats` fresh processes each, interleaved, while the deadline allows."""
+    _, extra_env, _ = registration()
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-loop")}
+    if args.device == "cpu":  # as the worker runs its CPU probes (--threads): a busy host's cores oversubscribed
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    names = list(configs)
+    runs: list[dict[str, Any]] = []
+    took: dict[str, float] = {}
+    for r in range(args.repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            expected = took.get(name, args.first_run_s)
+            if time.time() + expected * 1.3 + 10 > deadline:
+                _log(f"  loop {name} repeat {r}: skipped, {deadline - time.time():.0f} s left (needs ~{expected:.0f})")
+                continue
+            result_path = work / f"loop-{name}-{r}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_loop", "--max-iters", str(args.loop_iters),
+                   "--warmup-iters", str(args.warmup_iters), "--result", str(result_path)]
+            if configs[name]:
+                cmd += ["--config", str(configs[name])]
+            t0 = time.time()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(work),
+                                      timeout=max(10.0, deadline - time.time() - 5))
+                code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as e:
+                code, stdout, stderr = -9, str(e.stdout or ""), "timed out"
+            wall = time.time() - t0
+            took[name] = wall
+            run: dict[str, Any] = {"name": name, "repeat": r, "process_wall_s": wall, "exit": code}
+            if code == 0 and result_path.exists():
+                run.update(json.loads(result_path.read_text()))
+                _log(f"  loop {name} repeat {r}: {run['train_samples_per_s']:,.0f} samples/s training "
+                     f"({run['loop_samples_per_s']:,.0f} with its evaluations), {run['iterations']} iterations, "
+                     f"process {wall:.1f} s")
+            else:
+                run["failure"] = (stderr or "")[-3000:]
+                _log(f"  loop {name} repeat {r}: FAILED (exit {code}): {(stderr or '')[-400:]}")
+            run["stdout_tail"] = stdout[-600:]
+            runs.append(run)
+    return runs
+
+
+# --- 3. the comparison ------------------------------------------------------------------------------
+
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
+
+
+def loop_ratio(pick: list[float], base: list[float]) -> dict[str, Any]:
+    """The ratio of geometric means with a Welch 95 % interval (autotune.verdict, α = 0.025 a side)."""
+    from autotune.verdict import Sample, welch
+
+    out: dict[str, Any] = {"speedup": None, "ci_low": None, "ci_high": None, "n_pick": len(pick), "n_base": len(base)}
+    gp, gb = _geomean(pick), _geomean(base)
+    if gp is None or gb is None:
+        return out
+    out["speedup"] = gp / gb
+    if len(pick) >= 2 and len(base) >= 2:
+        d = welch(Sample.of([math.log(v) for v in pick]), Sample.of([math.log(v) for v in base]))
+        low, high = d.bounds(0.025)
+        out["ci_low"], out["ci_high"] = math.exp(low), math.exp(high)
+    return out
+
+
+def compare(data: dict[str, Any]) -> dict[str, Any]:
+    """The verdict's speedup beside the loop's, per compared config."""
+    best = (data.get("study") or {}).get("best") or {}
+    rows = {r["trial_number"]: r for r in best.get("configs") or []}
+    base_row = next((r for r in rows.values() if r["role"] == "baseline"), None)
+    runs = [r for r in data.get("loops") or [] if "train_samples_per_s" in r]
+
+    def rates(name: str, key: str = "train_samples_per_s") -> list[float]:
+        return [r[key] for r in runs if r["name"] == name]
+
+    base_rates = rates("baseline")
+    study = data.get("study") or {}
+    waits = study.get("probe_data_wait") or {}
+    trials = study.get("trials") or []
+
+    def probe_wait(target: int | None) -> dict[str, float | None]:
+        """The probe's data wait and step time (ms per optimizer step), median over the verdict's
+        runs of `target`: its re-measurements (the baseline: its seeds too)."""
+        if target is None:
+            return {"data_wait_ms": None, "step_ms": None}
+        numbers = [t["number"] for t in trials if t.get("remeasure_of") == target
+                   or (base_row is not None and target == base_row["trial_number"] and t.get("role") == "baseline")]
+        got = [waits[str(n)] for n in numbers if str(n) in waits]
+        if not got:
+            return {"data_wait_ms": None, "step_ms": None}
+        return {"data_wait_ms": statistics.median(g["ms_per_step"] for g in got),
+                "step_ms": statistics.median(g["step_ms"] for g in got)}
+
+    def per_iteration(name: str) -> dict[str, float | None]:
+        parts = [r["per_iteration_ms"] for r in runs if r["name"] == name and r.get("per_iteration_ms")]
+        keys = ("get_batch_host", "get_batch_copy", "apply_step", "rest", "total")
+        return {k: (statistics.median(vals) if (vals := [p[k] for p in parts if p.get(k) is not None]) else None)
+                for k in keys}
+    out: dict[str, Any] = {"agree_within": AGREE, "baseline": {
+        "probe_samples_per_s": base_row["throughput_samples_per_s"] if base_row else None,
+        "probe_runs": base_row["n"] if base_row else None,
+        "loop_train_samples_per_s": _geomean(base_rates), "loop_runs": len(base_rates),
+        "loop_with_eval_samples_per_s": _geomean(rates("baseline", "loop_samples_per_s")),
+        "loop_val_loss": _mean([r.get("final_val_loss") for r in runs if r["name"] == "baseline"]),
+        "loop_ms_per_iteration": per_iteration("baseline"),
+        "probe_ms_per_step": probe_wait(base_row["trial_number"] if base_row else None),
+        "samples_per_iteration": next((r["samples"] // r["timed_iterations"] for r in runs
+                                       if r["name"] == "baseline"), None)}}
+    picks: list[tuple[str, dict[str, Any] | None]] = []
+    if best.get("certified"):
+        picks.append(("pick", rows.get(best.get("trial_number"))))
+    else:
+        picks.append(("best_yaml", None))  # the baseline's own config through apply
+        un = best.get("uncertified")
+        if un:
+            picks.append(("uncertified", rows.get(un["trial_number"], un)))
+    for name in dict.fromkeys(r["name"] for r in runs):
+        if name.startswith("trial") and name[5:].isdigit():
+            picks.append((name, rows.get(int(name[5:]))))
+    for name, row in picks:
+        mine = rates(name)
+        lr = loop_ratio(mine, base_rates)
+        lw = loop_ratio(rates(name, "loop_samples_per_s"), rates("baseline", "loop_samples_per_s"))
+        verdict_speedup = row.get("speedup") if row else None
+        entry: dict[str, Any] = {
+            "trial_number": row.get("trial_number") if row else None, "status": row.get("status") if row else None,
+            "config": row.get("config") if row else None,
+            "probe_samples_per_s": row.get("throughput_samples_per_s") if row else None,
+            "probe_runs": row.get("n") if row else None,
+            "verdict_speedup": verdict_speedup, "verdict_ci_low": row.get("speedup_ci_low") if row else None,
+            "verdict_ci_high": row.get("speedup_ci_high") if row else None,
+            "probe_quality": row.get("quality_mean") if row else None,
+            "loop_train_samples_per_s": _geomean(mine), "loop_runs": len(mine),
+            "loop_speedup": lr["speedup"], "loop_ci_low": lr["ci_low"], "loop_ci_high": lr["ci_high"],
+            "loop_with_eval_speedup": lw["speedup"],
+            "loop_val_loss": _mean([r.get("final_val_loss") for r in runs if r["name"] == name]),
+            "loop_ms_per_iteration": per_iteration(name),
+            "probe_ms_per_step": probe_wait(row.get("trial_number") if row else None),
+            "samples_per_iteration": next((r["samples"] // r["timed_iterations"] for r in runs if r["name"] == name),
+                                          None),
+            "loop_over_verdict": None, "agree": None}
+        if verdict_speedup and lr["speedup"]:
+            entry["loop_over_verdict"] = lr["speedup"] / verdict_speedup
+            entry["agree"] = abs(entry["loop_over_verdict"] - 1.0) <= AGREE
+        out[name] = entry
+    return out
+
+
+def _mean(values: list[Any]) -> float | None:
+    vals = [v for v in values if isinstance(v, (int, float))]
+    return statistics.fmean(vals) if vals else None
+
+
+def _fmt(v: Any, spec: str = ",.0f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    env = data.get("environment", {})
+    study = data.get("study") or {}
+    best = study.get("best") or {}
+    cmp_ = data.get("comparison") or {}
+    lines = [f"### gpt-script: the verdict against the script's own loop ({env.get('gpu')}, torch {env.get('torch')}, "
+             f"{env.get('date')})", ""]
+    loop_env = data.get("loop_environment")
+    if loop_env:
+        lines += [f"(The loop timings ran later, on {loop_env.get('gpu')} host {loop_env.get('host')}, "
+                  f"{loop_env.get('date')}.)", ""]
+    if best:
+        lines.append(f"Verdict: **{best.get('outcome')}**"
+                     f"{' (certified)' if best.get('certified') else ' (not certified)'}; {best.get('verdict')}")
+        lines.append(f"Rounds {best.get('rounds_run')} of at most {best.get('max_rounds')}, "
+                     f"{best.get('remeasure_probes')} re-measurements; study {study.get('study_s', 0):.0f} s "
+                     f"({len(study.get('trials') or [])} trials).")
+    else:
+        lines.append(f"No verdict (best exit {study.get('best_exit')}): {study.get('best_stderr', '')[-300:]}")
+    lines += ["", "| config | probe samples/s (runs) | loop samples/s, training (runs) | verdict speedup [interval] "
+                  "| loop speedup [95 % interval] | loop / verdict | agree ≤ 10 % |",
+              "|---|---:|---:|---:|---:|---:|---|"]
+    b = cmp_.get("baseline") or {}
+    space = ((study.get("spec") or {}).get("space") or {}).get("params") or {}
+    shown = set(space) | {"batch_size", "accum_steps"}
+    lines.append(f"| baseline (script as written, 16 × 1) | {_fmt(b.get('probe_samples_per_s'))} "
+                 f"({b.get('probe_runs')}) | {_fmt(b.get('loop_train_samples_per_s'))} ({b.get('loop_runs')}) "
+                 "| 1 | 1 | | |")
+    for name in [n for n in cmp_ if n not in ("agree_within", "baseline")]:
+        e = cmp_[name]
+        label = {"pick": "certified pick", "best_yaml": "best.yaml (the baseline's config, through apply)",
+                 "uncertified": "fastest uncertified"}.get(name, "another candidate")
+        if e.get("trial_number") is not None:
+            label += f" (trial {e['trial_number']}, {e.get('status')})"
+        vs = (f"{e['verdict_speedup']:.2f}× [{_fmt(e.get('verdict_ci_low'), '.2f')}–"
+              f"{_fmt(e.get('verdict_ci_high'), '.2f')}]" if e.get("verdict_speedup") else "n/a")
+        ls = (f"{e['loop_speedup']:.2f}× [{_fmt(e.get('loop_ci_low'), '.2f')}–{_fmt(e.get('loop_ci_high'), '.2f')}]"
+              if e.get("loop_speedup") else "n/a")
+        agree = "n/a" if e.get("agree") is None else ("yes" if e["agree"] else "**no**")
+        lines.append(f"| {label} | {_fmt(e.get('probe_samples_per_s'))} ({e.get('probe_runs')}) | "
+                     f"{_fmt(e.get('loop_train_samples_per_s'))} ({e.get('loop_runs')}) | {vs} | {ls} | "
+                     f"{_fmt(e.get('loop_over_verdict'), '.3f')} | {agree} |")
+        if e.get("config"):
+            knobs = {k: v for k, v in e["config"].items() if k in shown}
+            lines.append(f"|  its config | `{json.dumps(knobs)}` | | | | | |")
+    lines += ["", "Where an iteration's host time goes in the script's loop (ms, median over the runs; the copies "
+                  "block until the GPU's queued work is done):", "",
+              "| config | samples / iteration | get_batch: sampling | get_batch: 2 copies (+ GPU wait) "
+              "| autotune.apply step | rest | total | probe: data wait (DataLoader fetch + copies) | probe: step |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in [n for n in cmp_ if n != "agree_within"]:
+        e = cmp_[name]
+        ms = e.get("loop_ms_per_iteration") or {}
+        spi = e.get("samples_per_iteration")
+        probe = e.get("probe_samples_per_s")
+        pw = e.get("probe_ms_per_step") or {}
+        probe_ms = pw.get("step_ms") or (1e3 * spi / probe if spi and probe else None)
+        lines.append(f"| {name} | {spi} | {_fmt(ms.get('get_batch_host'), '.3f')} | "
+                     f"{_fmt(ms.get('get_batch_copy'), '.3f')} | {_fmt(ms.get('apply_step'), '.3f')} | "
+                     f"{_fmt(ms.get('rest'), '.3f')} | {_fmt(ms.get('total'), '.3f')} | "
+                     f"{_fmt(pw.get('data_wait_ms'), '.3f')} | {_fmt(probe_ms, '.3f')} |")
+    return "\n".join(lines)
+
+
+# --- the commands ------------------------------------------------------------------------------------
+
+def loop_configs(study: dict[str, Any], work: Path, candidates: bool) -> dict[str, str | None]:
+    """What the loop times: name -> a config file for --config (None: the script as written).
+    The certified pick's best.yaml; without one, best.yaml (the baseline's own config, through
+    apply) and the fastest uncertified candidate; with `candidates`, every other re-measured
+    candidate too (its config as the verdict's row holds it)."""
+    import yaml
+
+    from autotune.config import KNOBS
+
+    best = study.get("best") or {}
+    configs: dict[str, str | None] = {"baseline": None}
+    if not best:
+        return configs
+    (work / "best.yaml").write_text(study.get("best_yaml") or "{}\n")
+    if best.get("certified"):
+        configs["pick"] = str(work / "best.yaml")
+        shown = {best.get("trial_number")}
+    else:
+        configs["best_yaml"] = str(work / "best.yaml")
+        un = study.get("uncertified_yaml") or ""
+        shown = set()
+        if best.get("uncertified") and "no uncertified candidate" not in un:
+            (work / "uncertified.yaml").write_text(un)
+            configs["uncertified"] = str(work / "uncertified.yaml")
+            shown = {best["uncertified"]["trial_number"]}
+    if candidates:
+        for row in best.get("configs") or []:
+            if row["role"] == "candidate" and row["n"] > 0 and row["trial_number"] not in shown:
+                path = work / f"trial{row['trial_number']}.yaml"
+                path.write_text(yaml.safe_dump({k: v for k, v in row["config"].items() if k in KNOBS},
+                                               sort_keys=False))
+                configs[f"trial{row['trial_number']}"] = str(path)
+    return configs
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    t_begin = time.time()
+    deadline = t_begin + args.deadline_s
+    from studylib import environment, hardware_class
+
+    out_path = Path(args.out)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="gpt-script-verdict-"))
+    work.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"benchmark": "gpt_script_verdict", "argv": sys.argv[1:],
+                            "environment": environment(args.device)}
+    hardware = hardware_class(args.device)
+    _log(f"{hardware}; work dir {work}; deadline in {args.deadline_s:.0f} s")
+    study_deadline = min(deadline - args.loop_reserve_s, t_begin + args.study_budget_s)
+    data["study"] = run_study(args, work, hardware, study_deadline)
+    _write_json(out_path, data)
+    if args.copy_db:
+        shutil.copy(work / "study.db", Path(args.copy_db))
+    best = data["study"].get("best")
+    _log(f"verdict: {None if best is None else best.get('verdict')}")
+    configs = loop_configs(data["study"], work, args.candidates)
+    if args.repeats > 0:
+        data["loops"] = run_loops(args, work, configs, deadline - 15)
+    data["comparison"] = compare(data)
+    data["elapsed_s"] = time.time() - t_begin
+    _write_json(out_path, data)
+    if args.png:
+        plot(data, Path(args.png))
+    print(markdown(data))
+
+
+def cmd_loop(args: argparse.Namespace) -> None:
+    """The loop timings alone, from an earlier run's JSON (its best.yaml / uncertified YAML)."""
+    t_begin = time.time()
+    from studylib import environment
+
+    data = json.loads(Path(getattr(args, "from")).read_text())
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="gpt-script-loop-"))
+    work.mkdir(parents=True, exist_ok=True)
+    study = data.get("study") or {}
+    configs = loop_configs(study, work, args.candidates)
+    data["loop_environment"] = environment(args.device)
+    data["loops"] = run_loops(args, work, configs, t_begin + args.deadline_s - 15)
+    data["comparison"] = compare(data)
+    _write_json(Path(args.out), data)
+    if args.png:
+        plot(data, Path(args.png))
+    print(markdown(data))
+
+
+def plot(data: dict[str, Any], png: Path) -> None:
+    """Left: the verdict's inputs (each run's probe throughput per config, its geometric mean, the
+    status and interval). Right: the script's own loop per config (each process), the probe's
+    geometric mean beside it."""
+    from studylib import pyplot
+
+    plt = pyplot()
+    best = (data.get("study") or {}).get("best") or {}
+    rows = best.get("configs") or []
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.5))
+    colours = {"baseline": "tab:gray", "certified": "tab:green", "rejected": "tab:red", "undecided": "tab:orange",
+               "failed": "black", "stopped": "tab:purple"}
+    labels = []
+    for i, r in enumerate(rows):
+        ys = r.get("throughputs") or []
+        xs = [i + (j - (len(ys) - 1) / 2) * 0.06 for j in range(len(ys))]
+        c = colours.get(r["status"], "tab:blue")
+        a.scatter(xs, ys, color=c, s=22, zorder=3)
+        if r.get("throughput_samples_per_s"):
+            a.hlines(r["throughput_samples_per_s"], i - 0.3, i + 0.3, color=c, lw=2)
+        label = f"{r['role']} (trial {r['trial_number']})\n{r['status']}, {r['n']} runs"
+        if r.get("speedup"):
+            label += f"\n{r['speedup']:.2f}× [{r.get('speedup_ci_low') or 0:.2f}–{r.get('speedup_ci_high') or 0:.2f}]"
+        labels.append(label)
+    a.set_xticks(range(len(rows)), labels, fontsize=8)
+    a.set_xlim(-0.6, max(len(rows), 1) - 0.4)
+    a.set_ylabel("probe samples/s (each run; bar: geometric mean)")
+    a.set_ylim(bottom=0)
+    a.set_title(f"the verdict's inputs: {best.get('outcome', 'no verdict')}", fontsize=10)
+    runs = [r for r in data.get("loops") or [] if "train_samples_per_s" in r]
+    names = list(dict.fromkeys(r["name"] for r in runs))
+    cmp_ = data.get("comparison") or {}
+    labels = []
+    for i, name in enumerate(names):
+        ys = [r["train_samples_per_s"] for r in runs if r["name"] == name]
+        ws = [r["loop_samples_per_s"] for r in runs if r["name"] == name]
+        b.scatter([i - 0.08] * len(ys), ys, color="tab:blue", s=22, zorder=3,
+                  label="loop, training only" if i == 0 else None)
+        b.scatter([i + 0.08] * len(ws), ws, color="tab:cyan", s=22, marker="x", zorder=3,
+                  label="loop, with its evaluations" if i == 0 else None)
+        e = cmp_.get(name) or {}
+        probe = e.get("probe_samples_per_s")
+        if probe:
+            b.hlines(probe, i - 0.3, i + 0.3, color="tab:green", lw=2, label="probe (the verdict's geometric mean)"
+                     if i == 0 else None)
+        text = {"pick": "certified pick", "best_yaml": "best.yaml\n(the baseline's)",
+                "uncertified": "uncertified"}.get(name, name)
+        if e.get("loop_speedup"):
+            text += f"\nloop {e['loop_speedup']:.2f}×"
+        if e.get("verdict_speedup"):
+            text += f"\nverdict {e['verdict_speedup']:.2f}×"
+        labels.append(text)
+    b.set_xticks(range(len(names)), labels, fontsize=8)
+    b.set_xlim(-0.6, max(len(names), 1) - 0.4)
+    b.set_ylim(bottom=0)
+    b.set_ylabel("samples/s in the script's own loop (each process)")
+    b.set_title("python -m gpt_script.train [--config], steady state", fontsize=10)
+    if names:
+        b.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.07), ncol=3, frameon=False)
+    env = data.get("environment", {})
+    fig.suptitle(f"gpt-script on {env.get('gpu')} (torch {env.get('torch')}, {env.get('date')})", fontsize=11)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    data = json.loads(Path(args.json).read_text())
+    if args.db:  # the probes' data wait, from the study's SQLite file (runs that did not record it)
+        data["study"]["probe_data_wait"] = probe_data_wait(Path(args.db))
+        data["comparison"] = compare(data)
+        if args.update:
+            _write_json(Path(args.json), data)
+    plot(data, Path(args.png))
+    print(markdown(data))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    def loop_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", default="cuda")
+        p.add_argument("--threads", type=int, default=1, help="CPU only: torch threads per probe and loop run")
+        p.add_argument("--repeats", type=int, default=3, help="fresh processes per config, interleaved")
+        p.add_argument("--loop-iters", type=int, default=3000, help="the script's --max-iters (at its 16 x 1)")
+        p.add_argument("--warmup-iters", type=int, default=100, help="iterations left out at least (else a fifth)")
+        p.add_argument("--first-run-s", type=float, default=60.0, help="a config's first loop run's expected wall")
+        p.add_argument("--deadline-s", type=float, default=560.0, help="stop starting work after this; JSON written")
+        p.add_argument("--workdir", default=None)
+        p.add_argument("--out", required=True)
+        p.add_argument("--png", default=None)
+        p.add_argument("--candidates", action="store_true", help="time every re-measured candidate's loop too")
+
+    r = sub.add_parser("run", help="the study, then the loop timings")
+    loop_options(r)
+    r.add_argument("--study", default=STUDY)
+    r.add_argument("--samples", type=int, default=16384, help="training samples per probe")
+    r.add_argument("--windows", type=int, default=8)
+    r.add_argument("--warmup-steps", type=int, default=None)
+    r.add_argument("--probe-timeout-s", type=float, default=240.0)
+    r.add_argument("--n-trials", type=int, default=12, help="baseline seeds + search trials")
+    r.add_argument("--top-k", type=int, default=2)
+    r.add_argument("--max-rounds", type=int, default=4)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-compile", action="store_true", help="keep compile modes out of the space")
+    r.add_argument("--study-budget-s", type=float, default=420.0, help="the study's most wall time")
+    r.add_argument("--loop-reserve-s", type=float, default=90.0, help="kept for the loop timings at least")
+    r.add_argument("--copy-db", default=None, help="copy the study's SQLite file here")
+    r.set_defaults(func=cmd_run)
+
+    lp = sub.add_parser("loop", help="the loop timings alone, from an earlier run's JSON")
+    loop_options(lp)
+    lp.add_argument("--from", required=True)
+    lp.set_defaults(func=cmd_loop)
+
+    p = sub.add_parser("plot")
+    p.add_argument("--json", required=True)
+    p.add_argument("--png", required=True)
+    p.add_argument("--db", default=None, help="the study's SQLite file: add the probes' data wait")
+    p.add_argument("--update", action="store_true", help="with --db: write the completed JSON back")
+    p.set_defaults(func=cmd_plot)
+
+    c = sub.add_parser("_loop", help=argparse.SUPPRESS)  # the child: one timed run of the script's main()
+    c.add_argument("--max-iters", type=int, required=True)
+    c.add_argument("--warmup-iters", type=int, default=100)
+    c.add_argument("--config", default=None)
+    c.add_argument("--result", required=True)
+    c.set_defaults(func=loop_child)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
