@@ -12,7 +12,8 @@ A candidate is *certified* when both halves hold at the same sample budget:
   spread measured at this budget (at least MIN_BASELINE_RUNS runs): the one-sided upper
   bound of (mean quality of the candidate − the baseline's), signed so that > 0 is worse,
   lies below Δ. All the candidate's runs at this budget count; never one run against a
-  threshold.
+  threshold. Unlike throughput, quality's seed spread is shared by the configs of one
+  training at one budget, so the two sides' variances are pooled (`shared_spread`).
 
 A candidate is *rejected* when either half is shown the other way (the speedup's interval
 lies below 1, or the quality difference's lower bound exceeds Δ), and *undecided* otherwise:
@@ -139,6 +140,20 @@ def welch(a: Sample, b: Sample) -> Difference:
     return Difference(a.mean - b.mean, math.sqrt(se2), max(1.0, dof))
 
 
+def shared_spread(a: Sample, b: Sample) -> Difference:
+    """mean(a) − mean(b) for quality, whose seed-to-seed spread is a property of the model and the
+    budget that configs of one training share: the two samples' variances are pooled (Student's
+    t, n_a + n_b − 2 degrees of freedom), so a candidate's two or three runs borrow the
+    baseline's estimate of it; where the candidate's own runs spread more than the pooled
+    estimate (a numerically noisier config), its own variance is used for its side."""
+    dof = a.n + b.n - 2
+    if dof < 1:
+        return welch(a, b)
+    pooled = ((a.n - 1) * a.sd ** 2 + (b.n - 1) * b.sd ** 2) / dof
+    se2 = max(pooled, a.sd ** 2) / a.n + pooled / b.n
+    return Difference(a.mean - b.mean, math.sqrt(se2), float(dof))
+
+
 def look_alpha(alpha: float, look: int, looks: int) -> float:
     """The share of `alpha` spent at look `look` (1-based) of at most `looks`: α (2j − 1) / L²."""
     if looks < 1 or not 1 <= look <= looks:
@@ -195,8 +210,8 @@ def judge(cand_metric: Sequence[float], base_metric: Sequence[float], cand_quali
                        f"budget (has {len(base_quality)} and {len(cand_quality)})")
     else:
         sign = 1.0 if quality_direction == "minimize" else -1.0
-        base = Sample.of(list(base_quality))
-        diff = welch(Sample.of([sign * q for q in cand_quality]), Sample.of([sign * q for q in base_quality]))
+        base = Sample.of([sign * q for q in base_quality])
+        diff = shared_spread(Sample.of([sign * q for q in cand_quality]), base)
         margin = max(abs_tol, k * base.sd)
         q_low, q_high = diff.bounds(alpha)
         out.update(quality_diff=diff.value, quality_low=q_low, quality_high=q_high, margin=margin)
