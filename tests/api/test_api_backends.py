@@ -71,26 +71,44 @@ def test_one_worker_asking_many_times_at_once_gets_one_trial(db_url: str) -> Non
 
 
 def test_a_study_end_to_end(db_url: str) -> None:
+    """Baseline, search, then the verdict: the fastest feasible config and the baseline
+    re-measured in two rounds (the second only once the first is in), and the config certified."""
     app = create_app(make_settings(db_url))
     with serve(app) as base_url, httpx.Client(base_url=base_url, timeout=60) as http:
         assert http.get("/v1/health").json()["db"] == db_url.split(":")[0].split("+")[0]
         assert http.post("/v1/studies", json={"name": "e2e", "n_trials": 4, "seed": 1, "baseline_seeds": 1,
-                                                      "remeasure": {"top_k": 0}}).status_code == 201
+                                                      "remeasure": {"top_k": 1}}).status_code == 201
         assert http.post("/v1/studies", json={"name": "e2e"}).status_code == 409
-        measured: list[tuple[float, float]] = [(100.0, 0.1), (180.0, 0.105), (250.0, 0.3), (90.0, 0.1)]
-        for i, (throughput, nrmse) in enumerate(measured):
+
+        def run(expected_number: int | None, throughput: float, nrmse: float) -> dict[str, Any]:
             got: dict[str, Any] = http.post("/v1/trials/lease", json={"worker_id": "w", "hardware": "cpu"}).json()
             tid = got["trial_id"]
             assert http.post(f"/v1/trials/{tid}/heartbeat", json={"worker_id": "w"}).json()["action"] == "continue"
             reply = http.post(f"/v1/trials/{tid}/report", json={"worker_id": "w", "step": 5, "metrics": {"loss": 1.0}})
             assert reply.json()["prune"] is False
             result = probe_result(got["config"], throughput=throughput, nrmse=nrmse)
-            info = http.post(f"/v1/trials/{tid}/complete", json={"worker_id": "w", "result": result}).json()
-            assert info["number"] == i and info["state"] == "COMPLETE"
+            info: dict[str, Any] = http.post(f"/v1/trials/{tid}/complete",
+                                             json={"worker_id": "w", "result": result}).json()
+            assert info["state"] == "COMPLETE" and (expected_number is None or info["number"] == expected_number)
+            return info
+
+        measured: list[tuple[float, float]] = [(100.0, 0.1), (180.0, 0.105), (250.0, 0.3), (90.0, 0.1)]
+        for i, (throughput, nrmse) in enumerate(measured):
+            run(i, throughput, nrmse)
+        assert http.get("/v1/studies/e2e").json()["state"] == "running"  # the verdict is to come
+        assert http.get("/v1/studies/e2e/best").status_code == 404
+        # round 0: trial 1 (the fastest feasible) then the baseline; round 1 reversed
+        remeasured = [(1, 178.0, 0.1), (0, 99.0, 0.1), (0, 101.5, 0.1), (1, 183.0, 0.101)]
+        for number, throughput, nrmse in remeasured:
+            info = run(None, throughput, nrmse)
+            assert (info["role"], info["remeasure_of"]) == ("remeasure", number)
         assert http.post("/v1/trials/lease", json={"worker_id": "w", "hardware": "cpu"}).status_code == 204
         study = http.get("/v1/studies/e2e").json()
-        assert study["state"] == "finished" and study["counts"] == {"COMPLETE": 4}
+        assert study["state"] == "finished" and study["counts"] == {"COMPLETE": 8}
         best = http.get("/v1/studies/e2e/best").json()
-        assert best["trial_number"] == 1 and abs(best["speedup"] - 1.8) < 1e-9
-        # the front: candidates only (not the baseline 0, not the infeasible 2)
-        assert {t["number"] for t in http.get("/v1/studies/e2e/pareto").json()["data"]} == {1, 3}
+        assert best["certified"] is True and best["trial_number"] == 1 and best["rounds_run"] == 2
+        speedup = (178.0 * 183.0) ** 0.5 / (100.0 * 99.0 * 101.5) ** (1 / 3)  # geometric means of their runs
+        assert abs(best["speedup"] - speedup) < 1e-9 and best["speedup_ci_low"] > 1.0
+        # the front: candidates only (not the baseline 0, not the infeasible 2), 1 at its re-measured values
+        front = {t["number"]: t for t in http.get("/v1/studies/e2e/pareto").json()["data"]}
+        assert set(front) == {1, 3} and abs(front[1]["throughput_samples_per_s"] - (178.0 * 183.0) ** 0.5) < 1e-9

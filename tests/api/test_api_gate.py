@@ -5,6 +5,8 @@ re-measurement of the top configs."""
 from __future__ import annotations
 
 import io
+import itertools
+import math
 import statistics
 from typing import Any
 
@@ -55,10 +57,15 @@ def test_gate_from_three_baseline_seeds(app: FastAPI, client: TestClient, make_s
     bad = _run(client, "w2", throughput=400.0, nrmse=0.17)
     assert ok["feasible"] is True and bad["feasible"] is False
     best = client.get("/v1/studies/s/best").json()
-    assert best["gate_nrmse"] == pytest.approx(gate)
-    assert best["trial_number"] == ok["number"] and best["speedup"] == pytest.approx(3.0)  # over the seeds' mean
+    assert best["gate_nrmse"] == pytest.approx(gate) and best["search_gate_quality"] == pytest.approx(gate)
+    # not re-measured (top_k 0): not judged; the baseline is kept and the feasible candidate (not the faster
+    # trial that fails the gate) is the uncertified one
+    assert best["outcome"] == "not_judged" and best["trial_number"] == 0 and best["speedup"] == 1.0
+    assert best["uncertified"]["trial_number"] == ok["number"]
+    assert best["baseline_throughput_samples_per_s"] == pytest.approx(statistics.geometric_mean([90.0, 100.0, 110.0]))
     assert best["baseline_val_nrmse"] == pytest.approx(0.12) and best["baseline_val_nrmse_std"] == pytest.approx(0.02)
     assert best["baseline_seeds"] == 3 and best["remeasured"] is False
+    assert best["configs"] == []  # nothing judged: no rule inputs
     # the sampler learns the gate as a constraint (≤ 0 feasible)
     trials = {t.number: t for t in _service(app).bridge.trials("s")}
     assert trials[ok["number"]].user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.155 - gate)
@@ -109,8 +116,12 @@ def _complete_with_windows(client: TestClient, got: dict[str, Any], worker: str,
 
 def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: TestClient,
                                                                      make_study: StudyFactory) -> None:
+    """The top 2 configs and the baseline are re-measured with a longer probe (2.5 × the samples:
+    the baseline's seeds are not at that budget, so only its re-measurements count, and quality
+    needs three of them: three rounds), all at the round's seed; the recommendation is judged on
+    the re-measurements alone (the winner's curse: the fastest search trial re-measures slower)."""
     make_study("s", n_trials=5, seed=0, probe={"samples": 100, "seed": 7},
-               remeasure={"top_k": 2, "samples_factor": 2.5, "windows": 12, "seed_offset": 1000})
+               remeasure={"top_k": 2, "samples_factor": 2.5, "windows": 12, "seed_offset": 1000, "max_rounds": 4})
     _run_baselines(client, [0.1])
     measured = {}
     for i, thr in enumerate([300.0, 250.0, 200.0, 400.0]):  # the last one fails the gate
@@ -120,12 +131,13 @@ def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: Tes
                                       nrmse=0.5 if thr == 400.0 else 0.1)
         measured[thr] = info["number"]
     assert client.get("/v1/studies/s").json()["state"] == "running"  # the re-measurements are to come
+    assert client.get("/v1/studies/s/best").status_code == 404  # no verdict while they run
     first, second, third = lease(client, "r1"), lease(client, "r2"), lease(client, "r3")
-    assert lease(client, "r4") is None  # top_k = 2, and the baseline
+    assert lease(client, "r4") is None  # top_k = 2, and the baseline; round 1 waits for round 0
     assert first is not None and second is not None and third is not None
     assert {first["role"], second["role"], third["role"]} == {"remeasure"}
     assert first["probe"]["samples"] == 250 and first["probe"]["windows"] == 12 and first["probe"]["seed"] == 1007
-    assert third["probe"] == first["probe"]  # the baseline at the same budget and seed
+    assert third["probe"] == second["probe"] == first["probe"]  # the baseline at the same budget and seed
     trials = {t["trial_id"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
     assert [trials[x["trial_id"]]["remeasure_of"] for x in (first, second, third)] == [
         measured[300.0], measured[250.0], 0]  # fastest first, then the baseline
@@ -133,75 +145,106 @@ def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: Tes
     assert trials[third["trial_id"]]["params"] == base_params  # the baseline's: its knobs the space could draw
     assert trials[first["trial_id"]]["params"] == trials[next(
         i for i, t in trials.items() if t["number"] == measured[300.0])]["params"]  # a re-measurement's: its target's
-    by_target = {trials[x["trial_id"]]["remeasure_of"]: (x, w) for x, w in ((first, "r1"), (second, "r2"),
-                                                                             (third, "r3"))}
-    got, worker = by_target[0]
-    _complete_with_windows(client, got, worker, 100.0, [99.0, 100.0, 101.0, 100.0])
-    # winner's curse: the 300 config re-measures at 240, the 250 one holds at 260
-    got, worker = by_target[measured[300.0]]
     original = next(t for t in trials.values() if t["number"] == measured[300.0])
-    assert got["config"] == {k: v for k, v in original["config"].items() if k != "effective_batch"}  # knobs only
-    _complete_with_windows(client, got, worker, 240.0, [235.0, 240.0, 245.0, 240.0])
-    assert client.get("/v1/studies/s").json()["state"] == "running"
-    got, worker = by_target[measured[250.0]]
-    _complete_with_windows(client, got, worker, 260.0, [255.0, 260.0, 265.0, 260.0])
+    assert first["config"] == {k: v for k, v in original["config"].items() if k != "effective_batch"}  # knobs only
+    # winner's curse: the 300 config re-measures at 240, the 250 one holds at 260; each run its own noise
+    truth = {0: 100.0, measured[300.0]: 240.0, measured[250.0]: 260.0}
+    noise = itertools.cycle([1.0, 0.995, 1.004, 0.998, 1.002])
+    sent: dict[int, list[float]] = {n: [] for n in truth}
+    pending = [(first, "r1"), (second, "r2"), (third, "r3")]
+    seeds: dict[int, int] = {}
+    while pending:
+        for got, worker in pending:
+            trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"]
+                         if t["trial_id"] == got["trial_id"])
+            seeds[trial["remeasure_round"]] = got["probe"]["seed"]
+            thr = truth[trial["remeasure_of"]] * next(noise)
+            sent[trial["remeasure_of"]].append(thr)
+            _complete_with_windows(client, got, worker, thr, [thr * 0.99, thr, thr * 1.01, thr])
+        pending = [(got, f"r{k}") for k in range(3) if (got := lease(client, f"r{k}")) is not None]
     study = client.get("/v1/studies/s").json()
-    assert study["state"] == "finished" and study["counts"] == {"COMPLETE": 8}
+    assert study["state"] == "finished"
+    rounds = len(sent[0])
+    assert rounds == 3  # two rounds give the baseline 2 runs at this budget: quality needs 3
+    assert seeds == {r: 1007 + r for r in range(rounds)}  # each round its own seed
+    assert study["counts"] == {"COMPLETE": 5 + 3 * rounds}
     best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] == measured[250.0] and best["throughput_samples_per_s"] == 260.0
-    assert best["remeasured"] is True and best["baseline_remeasured"] is True
-    assert best["throughput_ci_low"] < 260.0 < best["throughput_ci_high"]
-    assert best["speedup"] == pytest.approx(2.6)
+    assert best["certified"] is True and best["rounds_run"] == rounds and best["remeasure_probes"] == 3 * rounds
+    assert best["trial_number"] == measured[250.0]
+    assert best["throughput_samples_per_s"] == pytest.approx(statistics.geometric_mean(sent[measured[250.0]]))
+    assert best["remeasured"] is True and best["baseline_remeasured"] is True and best["quality_budget"] == "remeasure"
+    assert best["round_throughputs"] == pytest.approx(sent[measured[250.0]])
+    assert best["throughput_ci_low"] < best["throughput_samples_per_s"] < best["throughput_ci_high"]
+    assert best["baseline_seeds"] == rounds  # the baseline's runs at the judged budget: its re-measurements only
+    assert best["speedup"] == pytest.approx(statistics.geometric_mean(sent[measured[250.0]])
+                                            / statistics.geometric_mean(sent[0]))
     assert best["beats_baseline"] is True and best["speedup_ci_low"] > 1.0
+    # the 300 config is judged at its re-measured speed, not its search trial's
+    row = next(r for r in best["configs"] if r["trial_number"] == measured[300.0])
+    assert row["throughput_samples_per_s"] == pytest.approx(statistics.geometric_mean(sent[measured[300.0]]))
+    assert row["n"] == rounds and row["status"] == "certified"
 
 
 def test_remeasure_rounds_interleave_and_the_recommendation_pools_them(client: TestClient,
                                                                        make_study: StudyFactory) -> None:
-    """Two rounds over the top 2: every config once, then every config again in reverse order,
-    and each config's throughput pools its rounds' windows. Here the host slows down steadily
-    while they run (5 % per re-measurement: a drift of minutes, as on the H100 hosts in
-    bench/README.md) and B is truly 1 % faster than A. In plain rotation (A B A B) A would run
-    first in both rounds and look 4.5 % faster; in A B B A the drift reaches both alike."""
+    """Two rounds over the top 2: every config once, then, once that round is in, every config
+    again in reverse order, and each config is judged on its rounds together (the geometric
+    mean). Here the host slows down steadily while they run (5 % per re-measurement: a drift of
+    minutes, as on the H100 hosts in bench/README.md) and B is truly 1 % faster than A. In plain
+    rotation (A B A B) A would run first in both rounds and look 4.5 % faster; in A B B A the
+    drift reaches both alike, and B is the pick."""
     make_study("s", n_trials=3, seed=0, probe={"samples": 100},
                remeasure={"top_k": 2, "windows": 5, "rounds": 2})
     _run_baselines(client, [0.1])
     numbers = [_complete_with_windows(client, got, "w", thr, [thr] * 3)["number"]
                for thr in (300.0, 280.0) if (got := lease(client, "w")) is not None]
     a, b = numbers
-    order, leases = [], []
-    for i in range(6):
-        got = lease(client, f"r{i}")
-        assert got is not None and got["role"] == "remeasure"
-        trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"] if t["trial_id"] == got["trial_id"])
-        order.append((trial["remeasure_of"], trial["remeasure_round"]))
-        leases.append(got)
-    assert lease(client, "r6") is None  # 2 configs and the baseline × 2 rounds
-    assert order == [(a, 0), (b, 0), (0, 0), (0, 1), (b, 1), (a, 1)]  # round by round, the second in reverse
     true_speed = {a: 300.0, b: 303.0, 0: 100.0}
     measured: dict[int, list[float]] = {a: [], b: [], 0: []}
-    for i, (got, (number, _)) in enumerate(zip(leases, order, strict=True)):
-        assert client.get("/v1/studies/s").json()["state"] == "running"  # every round counts
-        windows = [true_speed[number] * (1 - 0.05 * i)] * 5  # the host slows by 5 % per re-measurement
-        measured[number] += windows
-        _complete_with_windows(client, got, f"r{i}", windows[0], windows)
+    order = []
+    i = 0
+    for round_ in range(2):
+        leases = [lease(client, f"r{round_}{k}") for k in range(3)]
+        assert lease(client, "r-next") is None  # the next round waits for this one
+        for k, got in enumerate(leases):
+            assert got is not None and got["role"] == "remeasure"
+            assert client.get("/v1/studies/s").json()["state"] == "running"  # every round counts
+            trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"]
+                         if t["trial_id"] == got["trial_id"])
+            order.append((trial["remeasure_of"], trial["remeasure_round"]))
+            windows = [true_speed[trial["remeasure_of"]] * (1 - 0.05 * i)] * 5  # the host slows by 5 % per run
+            measured[trial["remeasure_of"]].append(windows[0])
+            _complete_with_windows(client, got, f"r{round_}{k}", windows[0], windows)
+            i += 1
+    assert lease(client, "r6") is None  # 2 configs and the baseline × 2 rounds
+    assert order == [(a, 0), (b, 0), (0, 0), (0, 1), (b, 1), (a, 1)]  # round by round, the second in reverse
     study = client.get("/v1/studies/s").json()
     assert study["state"] == "finished"
     best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] == b and best["remeasured"] is True and best["remeasure_rounds"] == 2
-    assert best["throughput_samples_per_s"] == pytest.approx(statistics.harmonic_mean(measured[b]))
+    assert best["certified"] is True and best["trial_number"] == b
+    assert best["remeasured"] is True and best["remeasure_rounds"] == 2
+    assert best["throughput_samples_per_s"] == pytest.approx(statistics.geometric_mean(measured[b]))
     assert best["throughput_ci_low"] < best["throughput_samples_per_s"] < best["throughput_ci_high"]
-    # each round's own rate, round by round; they differ by more than the windows' interval: a note says so
+    # each round's own rate, round by round; the CI is over the runs (the unit), not their windows: the drift
+    # between the two runs widens it beyond both (Student t with 1 degree of freedom: 12.706)
     assert best["round_throughputs"] == pytest.approx([303.0 * 0.95, 303.0 * 0.80])
-    assert best["throughput_ci_high"] < 303.0 * 0.95 and best["throughput_ci_low"] > 303.0 * 0.80
-    (note,) = [n for n in best["measurement_notes"] if "re-measurements ran at" in n]
-    assert "288, 242 samples/s, 17 % apart" in note and "remeasure.rounds" in note
-    rotation = {n: statistics.harmonic_mean([true_speed[n] * (1 - 0.05 * i)
-                                             for i in ((0, 3) if n == a else (1, 4))]) for n in (a, b)}
+    logs = [math.log(v) for v in measured[b]]
+    half = 12.7062 * statistics.stdev(logs) / math.sqrt(2)
+    assert best["throughput_ci_low"] == pytest.approx(math.exp(statistics.fmean(logs) - half), rel=1e-4)
+    assert best["throughput_ci_high"] == pytest.approx(math.exp(statistics.fmean(logs) + half), rel=1e-4)
+    assert best["throughput_ci_low"] < 303.0 * 0.80 and best["throughput_ci_high"] > 303.0 * 0.95
+    rows = {r["trial_number"]: r for r in best["configs"]}
+    assert rows[a]["throughput_samples_per_s"] == pytest.approx(statistics.geometric_mean(measured[a]))
+    assert rows[a]["throughput_samples_per_s"] < rows[b]["throughput_samples_per_s"]  # A B B A: B ahead, as true
+    assert rows[a]["status"] == "stopped"  # not yet decided, and slower than the certified B: no longer measured
+    assert rows[0]["n"] == 3  # the baseline: its seed (the same budget) and its two rounds
+    rotation = {n: statistics.geometric_mean([true_speed[n] * (1 - 0.05 * i)
+                                              for i in ((0, 3) if n == a else (1, 4))]) for n in (a, b)}
     assert rotation[a] > 1.04 * rotation[b]  # what plain rotation (A B base A B base) would have recommended: A
     console = Console(width=300, record=True, file=io.StringIO())
     console.print(recommendation_table(Recommendation.model_validate(best)))  # what `autotune best`/the demo show
     shown = console.export_text()
-    assert "(re-measured twice with a longer probe)" in shown
+    assert "(over its 2 re-measurements: runs are the unit)" in shown
     assert "re-measurements" in shown and "287.8, 242.4 samples/s (round by round)" in shown, shown
 
 
@@ -211,27 +254,44 @@ def test_a_config_whose_remeasure_round_fails_is_not_recommended(client: TestCli
     _run_baselines(client, [0.1])
     numbers = [_complete_with_windows(client, got, "w", thr, [thr] * 3)["number"]
                for thr in (300.0, 280.0) if (got := lease(client, "w")) is not None]
+    noise = itertools.cycle([1.0, 1.01, 0.99])
+    sent: dict[int, list[float]] = {}
     for i in range(6):
         got = lease(client, f"r{i}")
         assert got is not None
         trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"] if t["trial_id"] == got["trial_id"])
-        if (trial["remeasure_of"], trial["remeasure_round"]) == (numbers[0], 1):  # the faster config OOMs once
+        target = trial["remeasure_of"]
+        if (target, trial["remeasure_round"]) == (numbers[0], 1):  # the faster config OOMs once
             complete(client, got, f"r{i}", throughput=None, nrmse=None,
                      failure={"kind": "oom", "message": "CUDA out of memory"})
         else:
-            _complete_with_windows(client, got, f"r{i}", 300.0, [300.0] * 5)
+            thr = (100.0 if target == 0 else 300.0) * next(noise)
+            sent.setdefault(target, []).append(thr)
+            _complete_with_windows(client, got, f"r{i}", thr, [thr] * 5)
+    assert lease(client, "r6") is None and client.get("/v1/studies/s").json()["state"] == "finished"
     best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] == numbers[1] and best["remeasure_rounds"] == 2
-    assert best["round_throughputs"] == [300.0, 300.0]  # rounds that agree: no note about them
-    assert not [n for n in best["measurement_notes"] if "re-measurements ran at" in n]
+    assert best["certified"] is True and best["trial_number"] == numbers[1] and best["remeasure_rounds"] == 2
+    assert best["round_throughputs"] == pytest.approx(sent[numbers[1]])
+    failed = next(r for r in best["configs"] if r["trial_number"] == numbers[0])
+    assert failed["status"] == "failed" and "failed (oom)" in failed["reason"]
 
 
-def test_without_remeasurement_the_ci_comes_from_the_trial(client: TestClient, make_study: StudyFactory) -> None:
+def test_without_remeasurement_nothing_is_judged_and_the_ci_comes_from_the_kept_baseline(
+        client: TestClient, make_study: StudyFactory) -> None:
+    """remeasure.top_k 0: no config is judged, so none is certified: the baseline's config is
+    kept, its throughput's CI from its own run's windows, and the search's fastest candidate is
+    named beside it, unjudged."""
     make_study("s", n_trials=2)
-    _run_baselines(client, [0.1])
+    base = lease(client, "w0")
+    assert base is not None
+    _complete_with_windows(client, base, "w0", 100.0, [95.0, 100.0, 105.0])
     got = lease(client, "w1")
     assert got is not None
     _complete_with_windows(client, got, "w1", 200.0, [190.0, 200.0, 210.0])
-    best = client.get("/v1/studies/s/best").json()
-    assert best["remeasured"] is False and best["throughput_ci_low"] < 200.0 < best["throughput_ci_high"]
     assert client.get("/v1/studies/s").json()["state"] == "finished"
+    best = client.get("/v1/studies/s/best").json()
+    assert best["outcome"] == "not_judged" and best["certified"] is False and best["remeasured"] is False
+    assert best["trial_number"] == base["number"]
+    assert best["throughput_ci_low"] < 100.0 < best["throughput_ci_high"] < 190.0
+    assert best["uncertified"]["trial_number"] == got["number"]
+    assert best["uncertified"]["throughput_samples_per_s"] == pytest.approx(200.0)

@@ -282,12 +282,16 @@ def test_grid_sampler_walks_the_deduplicated_grid(client: TestClient, make_study
     make_study("g", sampler="grid", space=space, n_trials=10)
     got = [lease(client, "w0")]
     complete(client, got[0], "w0")  # type: ignore[arg-type]
-    got += [lease(client, f"w{i}") for i in range(1, 5)]
-    assert got[4] is None  # baseline + 3 grid points: {0}, {1, 2}, {1, 4}
-    configs = [x["config"] for x in got[1:4]]  # type: ignore[index]
+    got += [lease(client, f"w{i}") for i in range(1, 4)]
+    # baseline + 3 grid points: {0}, {1, 2}, {1, 4}; {0} is the baseline's own config (num_workers 0 is the
+    # default), told the baseline's result and not leased
+    assert got[3] is None
+    configs = [x["config"] for x in got[1:3]]  # type: ignore[index]
     assert sorted(map(json.dumps, configs)) == sorted(map(json.dumps, [
-        {"num_workers": 0}, {"num_workers": 1, "prefetch_factor": 2}, {"num_workers": 1, "prefetch_factor": 4}]))
-    for i, x in enumerate(got[1:4], start=1):
+        {"num_workers": 1, "prefetch_factor": 2}, {"num_workers": 1, "prefetch_factor": 4}]))
+    (told,) = [t for t in client.get("/v1/studies/g/trials").json()["data"] if t["baseline_repeat_of"] is not None]
+    assert told["params"] == {"num_workers": 0} and told["worker_id"] is None
+    for i, x in enumerate(got[1:3], start=1):
         complete(client, x, f"w{i}")  # type: ignore[arg-type]
     assert client.get("/v1/studies/g").json()["state"] == "finished"
 

@@ -2,12 +2,15 @@
 [throughput, quality, energy] or [energy, quality] gets three (or two) Optuna values per trial,
 directions and metric names the dashboard reads, a front over every objective, pruning that
 keeps a slow but thrifty trial, and a recommendation that reports the pick's and the
-baseline's energy per sample with their ratio and its interval: the fastest candidate when
-throughput is an objective, the lowest energy per sample with [energy, quality]. A CPU study
+baseline's energy per sample with their ratio and its interval: the fastest certified candidate
+when throughput is an objective, the lowest energy per sample with [energy, quality] (judged
+like the speed: below the baseline's beyond the noise, else the baseline is kept). A CPU study
 cannot ask for energy, and a result without energy fails a study that minimizes it."""
 
 from __future__ import annotations
 
+import itertools
+import statistics
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -63,13 +66,31 @@ def _trials(client: TestClient) -> dict[int, dict[str, Any]]:
     return {t["number"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
 
 
-def _remeasure_all(client: TestClient, measured: dict[int, tuple[float, float, float]]) -> None:
-    """Lease and complete every re-measurement: target number -> (throughput, quality, energy)."""
+NOISE = (1.0, 1.01, 0.99, 1.004, 0.996, 1.007, 0.993)  # each run its own throughput and energy
+
+
+def _remeasure_all(client: TestClient, measured: dict[int, tuple[float, float, float]], noisy: bool = False
+                   ) -> dict[int, list[tuple[float, float, float]]]:
+    """Lease and complete every re-measurement until the study has finished: target number ->
+    (throughput, quality, energy), each run's throughput and energy scaled by the next NOISE
+    factor when `noisy`. Returns what each target's runs sent, in order."""
+    noise = itertools.cycle(NOISE if noisy else (1.0,))
+    sent: dict[int, list[tuple[float, float, float]]] = {}
     while (got := lease(client, "r", hardware=GPU)) is not None:
         assert got["role"] == "remeasure"
         target = next(t for t in client.get("/v1/studies/s/trials").json()["data"]
                       if t["trial_id"] == got["trial_id"])["remeasure_of"]
-        _finish(client, got, "r", *measured[target])
+        throughput, quality, energy = measured[target]
+        f = next(noise)
+        run = (throughput * f, quality, energy / f)
+        sent.setdefault(target, []).append(run)
+        _finish(client, got, "r", *run)
+    assert client.get("/v1/studies/s").json()["state"] == "finished"
+    return sent
+
+
+def _geomean(values: list[float]) -> float:
+    return statistics.geometric_mean(values)
 
 
 def test_a_cpu_study_asking_for_energy_is_refused_with_the_fix(client: TestClient) -> None:
@@ -103,8 +124,8 @@ def test_three_objectives_reach_optuna_the_front_and_the_recommendation(
         app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
     numbers = _three_objective_study(client, make_study, objectives=["throughput", "quality", "energy"],
                                      remeasure={"top_k": 2, "windows": 5})
-    _remeasure_all(client, {numbers[8]: (290.0, 0.105, 0.52), numbers[16]: (245.0, 0.104, 0.31),
-                            numbers[4]: (101.0, 0.10, 1.02)})
+    sent = _remeasure_all(client, {numbers[8]: (290.0, 0.105, 0.52), numbers[16]: (245.0, 0.104, 0.31),
+                                   numbers[4]: (101.0, 0.10, 1.02)}, noisy=True)
     study = _service(app).bridge._rdb  # uncached, as the dashboard reads it
     study_id = study.get_study_id_from_name("s")
     assert study.get_study_directions(study_id) == [StudyDirection.MAXIMIZE, StudyDirection.MINIMIZE,
@@ -114,80 +135,112 @@ def test_three_objectives_reach_optuna_the_front_and_the_recommendation(
     trials = _trials(client)
     assert trials[numbers[16]]["energy_j_per_sample"] == pytest.approx(0.3)
     assert trials[numbers[16]]["values"] == [250.0, pytest.approx(0.104), pytest.approx(0.3)]
-    # the slower, thriftier config is on the front of three objectives (with two it would be dominated)
+    # the slower, thriftier config is on the front of three objectives (with two it would be dominated), each
+    # at its re-measured values: the geometric mean throughput, the mean quality and energy per sample
+    expected = {n: [pytest.approx(_geomean([r[0] for r in sent[n]])), pytest.approx(q),
+                    pytest.approx(statistics.fmean(r[2] for r in sent[n]))]
+                for n, q in ((numbers[8], 0.105), (numbers[16], 0.104))}
     front = {t["number"]: t["values"] for t in client.get("/v1/studies/s/pareto").json()["data"]}
-    assert front == {numbers[8]: [290.0, pytest.approx(0.105), pytest.approx(0.52)],
-                     numbers[16]: [245.0, pytest.approx(0.104), pytest.approx(0.31)]}
+    assert front == expected
     stored = study.get_all_trials(study_id, deepcopy=False)
     dashboard = get_pareto_front_trials(stored, study.get_study_directions(study_id))
     assert {t.number: list(t.values) for t in dashboard} == front  # the dashboard's front is the service's
     worst = next(t for t in stored if t.number == numbers[4])
     assert list(worst.values) == [0.0, 10.0, 1.0e4]  # the baseline seed: the worst case, off the front
     best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is True
     assert best["chosen_by"] == "throughput" and best["trial_number"] == numbers[8]  # the fastest
-    assert best["energy_j_per_sample"] == pytest.approx(0.52)
-    assert best["baseline_energy_j_per_sample"] == pytest.approx(1.02)  # re-measured with the pick
-    assert best["energy_ratio"] == pytest.approx(0.52 / 1.02)
+    pick_energy = [r[2] for r in sent[numbers[8]]]
+    base_energy = [1.0, *(r[2] for r in sent[numbers[4]])]  # its seed is at the same budget: samples_factor 1
+    assert best["energy_j_per_sample"] == pytest.approx(statistics.fmean(pick_energy))
+    assert best["baseline_energy_j_per_sample"] == pytest.approx(statistics.fmean(base_energy))
+    assert best["energy_ratio"] == pytest.approx(_geomean(pick_energy) / _geomean(base_energy))
     assert best["energy_ratio_ci_low"] < best["energy_ratio"] < best["energy_ratio_ci_high"] < 1.0
     assert best["saves_energy"] is True and "less energy beyond the noise" in best["energy_verdict"]
     assert best["energy_method"] == "nvml_total_energy"
     yaml_text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
-    assert "# energy: 0.52 J/sample (nvml_total_energy)" in yaml_text
-    assert "# baseline energy: 1.02 J/sample at the same budget (pick / baseline 0.51x, 95% CI" in yaml_text
+    assert f"# energy: {best['energy_j_per_sample']:.4g} J/sample (nvml_total_energy)" in yaml_text
+    assert (f"# baseline energy: {best['baseline_energy_j_per_sample']:.4g} J/sample at the same budget "
+            f"(pick / baseline {best['energy_ratio']:.2f}x, 95% CI") in yaml_text
     console = Console(file=StringIO(), width=200)
     console.print(recommendation_table(Recommendation.model_validate(best)))
     console.print(trials_table([TrialInfo.model_validate(t) for t in trials.values()], "trials"))
     console.print(studies_table([StudyInfo.model_validate(client.get("/v1/studies/s").json())]))
     printed = console.file.getvalue()  # type: ignore[attr-defined]
-    assert "0.52 J/sample (baseline 1.02) · nvml_total_energy" in printed and "J/sample" in printed
-    assert "2.87×" in printed  # the studies table: the speedup (throughput picked)
+    assert (f"{best['energy_j_per_sample']:.4g} J/sample (baseline {best['baseline_energy_j_per_sample']:.4g}) "
+            "· nvml_total_energy") in printed and "J/sample" in printed
+    assert best["speedup"] == pytest.approx(_geomean([r[0] for r in sent[numbers[8]]])
+                                            / _geomean([100.0, *(r[0] for r in sent[numbers[4]])]))
+    assert f"{best['speedup']:.2f}×" in printed  # the studies table: the speedup (throughput picked)
 
 
 def test_energy_and_quality_recommends_the_lowest_energy_per_sample(
         client: TestClient, make_study: StudyFactory) -> None:
-    """[energy, quality]: the thriftiest candidate is re-measured (top_k 1: not the fastest) and
-    recommended, with its energy ratio and interval; its speedup is still given."""
+    """[energy, quality]: the thriftiest candidate is re-measured (top_k 1: not the fastest) and,
+    its energy per sample judged lower than the baseline's beyond the noise, certified and
+    recommended, with its energy ratio and interval; its speed is still given."""
     numbers = _three_objective_study(client, make_study, objectives=["energy", "quality"],
                                      remeasure={"top_k": 1, "windows": 5})
     assert client.get("/v1/studies/s/best").status_code == 404  # being re-measured
     assert "lowest energy so far is trial" in client.get("/v1/studies/s/best").json()["detail"]
     targets = []
+    noise = iter(NOISE)
+    energies: dict[int, list[float]] = {numbers[16]: [], numbers[4]: [1.0]}  # the baseline's seed counts
     while (got := lease(client, "r", hardware=GPU)) is not None:
         target = next(t for t in client.get("/v1/studies/s/trials").json()["data"]
                       if t["trial_id"] == got["trial_id"])["remeasure_of"]
         targets.append(target)
-        _finish(client, got, "r", *{numbers[16]: (245.0, 0.104, 0.31), numbers[4]: (101.0, 0.10, 1.0)}[target])
-    assert targets == [numbers[16], numbers[4]]  # the lowest energy, then the baseline
+        throughput, quality, energy = {numbers[16]: (245.0, 0.104, 0.31), numbers[4]: (101.0, 0.10, 1.0)}[target]
+        energy *= next(noise)
+        energies[target].append(energy)
+        _finish(client, got, "r", throughput, quality, energy)
+    # the lowest energy, then the baseline; the second round in reverse
+    assert targets == [numbers[16], numbers[4], numbers[4], numbers[16]]
     best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is True and best["outcome"] == "certified"
     assert best["chosen_by"] == "energy" and best["trial_number"] == numbers[16]
-    assert best["energy_ratio"] == pytest.approx(0.31) and best["saves_energy"] is True
-    assert best["speedup"] == pytest.approx(245.0 / 101.0)
-    assert any("energy ratio" in c for c in best["caveats"])  # how its interval was formed
+    ratio = _geomean(energies[numbers[16]]) / _geomean(energies[numbers[4]])
+    assert best["energy_ratio"] == pytest.approx(ratio) and best["saves_energy"] is True
+    assert best["energy_ratio_ci_low"] < ratio < best["energy_ratio_ci_high"] < 1.0
+    pick = next(r for r in best["configs"] if r["trial_number"] == numbers[16])
+    assert pick["status"] == "certified" and "energy ratio" in pick["reason"]  # judged on energy, not speed
+    assert pick["throughput_samples_per_s"] == pytest.approx(245.0)
     yaml_text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
-    assert f"trial {numbers[16]} (the lowest energy per sample among the candidates)" in yaml_text
+    assert f"CERTIFIED, trial {numbers[16]} (the lowest energy per sample among the certified)" in yaml_text
     front = [t["number"] for t in client.get("/v1/studies/s/pareto").json()["data"]]
     assert front == [numbers[16]]  # batch 8: more energy, worse quality
     console = Console(file=StringIO(), width=200)
     console.print(studies_table([StudyInfo.model_validate(client.get("/v1/studies/s").json())]))
-    assert "0.31× energy" in console.file.getvalue()  # type: ignore[attr-defined]
+    assert f"{ratio:.2f}× energy" in console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def test_no_config_that_saves_energy_beyond_the_noise_says_so(client: TestClient, make_study: StudyFactory) -> None:
-    make_study("s", hardware=GPU, space=KNOB, sampler="grid", n_trials=3, baseline={"batch_size": 4}, seed=0,
+    """[energy, quality] on a noisy baseline: the candidate's energy is not told apart from the
+    baseline's within the rounds allowed, so nothing is certified: the baseline's config is kept
+    and the candidate named uncertified, its energy ratio within the noise."""
+    make_study("s", hardware=GPU, space=KNOB, sampler="grid", n_trials=4, baseline={"batch_size": 4}, seed=0,
                objectives=["energy", "quality"], baseline_seeds=2, remeasure={"top_k": 1, "windows": 5})
     for i, energy in enumerate((1.0, 1.3)):  # a noisy baseline
         _finish(client, _lease(client, f"b{i}"), f"b{i}", 100.0, 0.10, energy)
     numbers = {}
     for _ in range(2):
         got = _lease(client, "w")
+        assert got["role"] == "search"
         numbers[got["config"]["batch_size"]] = _finish(client, got, "w", 100.0, 0.10, 1.1)["number"]
-    first = min(numbers.values())
-    _remeasure_all(client, {first: (100.0, 0.10, 1.1), 0: (100.0, 0.10, 1.15)})
+    first = min(numbers.values())  # both grid points use as much energy: the first is re-measured
+    _remeasure_all(client, {first: (100.0, 0.10, 1.1), 0: (100.0, 0.10, 1.15)}, noisy=True)
     best = client.get("/v1/studies/s/best").json()
-    assert best["saves_energy"] is False
-    assert best["energy_verdict"].startswith("no config used less energy per sample than the baseline beyond")
-    assert "# WARNING: no config used less energy" in client.get("/v1/studies/s/best",
-                                                                 params={"format": "yaml"}).text
+    assert best["certified"] is False and best["outcome"] == "undecided" and best["rounds_run"] == 2
+    assert best["trial_number"] == 0 and best["config"] == {"batch_size": 4}  # the baseline's own
+    assert best["energy_ratio"] is None and best["saves_energy"] is None  # no pick: nothing to compare
+    row = best["uncertified"]
+    assert row["trial_number"] == first and row["status"] == "undecided"
+    assert "energy ratio" in row["reason"] and "not yet beyond the noise" in row["reason"]
+    text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
+    assert "KEEP THE BASELINE (undecided)" in text
+    console = Console(file=StringIO(), width=200)
+    console.print(studies_table([StudyInfo.model_validate(client.get("/v1/studies/s").json())]))
+    assert "keep baseline" in console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def test_a_result_without_energy_fails_a_study_that_minimizes_it(client: TestClient,

@@ -1,10 +1,14 @@
-"""Recommendation integrity (issue 23): the baseline is the reference and never the pick, a
+"""Recommendation integrity (issue 23): the baseline is the reference and never a candidate, a
 search trial that draws the baseline's config is recognised, the speedup carries an interval
-on the ratio and says when it is within the noise, quality is compared at one sample budget,
-and Optuna (what its dashboard shows) holds the same front and best as the service."""
+on the ratio and only a speedup beyond the noise is certified (else the baseline's config is
+kept), quality is compared at one sample budget, and Optuna (what its dashboard shows) holds
+the same front and best as the service."""
 
 from __future__ import annotations
 
+import io
+import itertools
+import statistics
 from typing import Any
 
 import pytest
@@ -12,9 +16,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from optuna.study import StudyDirection
 from optuna_dashboard._pareto_front import get_pareto_front_trials
+from rich.console import Console
 from service_helpers import StudyFactory, complete, lease, probe_result
 
 from api.service import TuningService
+from autotune.protocol import Recommendation
+from autotune.tables import recommendation_table
 
 ONE_KNOB = {"params": {"batch_size": {"choices": [4, 8, 16]}}, "fixed": {}}
 
@@ -38,45 +45,69 @@ def _trial(client: TestClient, trial_id: int) -> dict[str, Any]:
     return next(t for t in client.get("/v1/studies/s/trials").json()["data"] if t["trial_id"] == trial_id)
 
 
-def _remeasure_all(client: TestClient, measured: dict[int, tuple[float, float]]) -> None:
-    """Lease and complete every re-measurement: target number -> (throughput, quality)."""
+NOISE = (1.0, 1.01, 0.99, 1.004, 0.996, 1.007, 0.993, 1.002)  # each run its own throughput
+
+
+def _remeasure_all(client: TestClient, measured: dict[int, tuple[float, float]],
+                   quality_noise: tuple[float, ...] = (0.0,)) -> dict[int, list[tuple[float, float]]]:
+    """Lease and complete every re-measurement until the study has finished: target number ->
+    (throughput, quality), each run's throughput scaled by the next NOISE factor and its quality
+    shifted by the next `quality_noise` term. Returns what each target's runs sent, in order."""
+    noise, shift = itertools.cycle(NOISE), itertools.cycle(quality_noise)
+    sent: dict[int, list[tuple[float, float]]] = {}
     while (got := lease(client, "r")) is not None:
         assert got["role"] == "remeasure"
-        throughput, quality = measured[_trial(client, got["trial_id"])["remeasure_of"]]
-        _finish(client, got, "r", throughput, quality)
+        target = _trial(client, got["trial_id"])["remeasure_of"]
+        throughput, quality = measured[target]
+        run = (throughput * next(noise), quality + next(shift))
+        sent.setdefault(target, []).append(run)
+        _finish(client, got, "r", *run)
+    assert client.get("/v1/studies/s").json()["state"] == "finished"
+    return sent
+
+
+def _geomean(runs: list[tuple[float, float]], *seeds: float) -> float:
+    """The geometric mean of the runs' throughputs (and of `seeds`, the baseline seeds' throughputs)."""
+    return statistics.geometric_mean([*seeds, *(r[0] for r in runs)])
 
 
 def test_a_search_trial_that_draws_the_baseline_config_is_a_repeat_of_the_baseline(
         app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
-    """The grid holds the baseline's own config: the search trial that runs it measures the
-    baseline again. It is marked so, it is never a candidate even when it measures fastest,
-    and Optuna is told the worst case for it (so the dashboard's front leaves it out)."""
+    """The grid holds the baseline's own config: the search trial that draws it measures (or is
+    told) the baseline again. It is marked so, it is never a candidate even when it measures
+    fastest, and Optuna is told the worst case for it (so the dashboard's front leaves it out)."""
     make_study("s", space=ONE_KNOB, sampler="grid", n_trials=4, baseline={"batch_size": 4})
     base = lease(client, "b")
     assert base is not None and base["params"] == {"batch_size": 4}  # a baseline carries its params
     _finish(client, base, "b", 100.0, 0.1)
-    numbers = {}
-    for _ in range(3):
-        got = lease(client, "w")
-        assert got is not None and got["role"] == "search"
+    ran = {}
+    while (got := lease(client, "w")) is not None:
+        assert got["role"] == "search"
         speed = 300.0 if got["config"]["batch_size"] == 4 else 150.0  # the baseline's config "wins" by luck
-        numbers[got["config"]["batch_size"]] = _finish(client, got, "w", speed, 0.1)["number"]
+        ran[_finish(client, got, "w", speed, 0.1)["number"]] = got["config"]["batch_size"]
+    assert {8, 16} <= set(ran.values())  # (a service that leases the baseline's config runs 4 as well)
     trials = {t["number"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
-    assert trials[numbers[4]]["baseline_repeat_of"] == base["number"]
-    assert trials[numbers[8]]["baseline_repeat_of"] is None
-    best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] != numbers[4] and best["config"]["batch_size"] != 4
-    assert numbers[4] not in [t["number"] for t in client.get("/v1/studies/s/pareto").json()["data"]]
+    (repeat,) = [t for t in trials.values() if t["role"] == "search" and t["config"]["batch_size"] == 4]
+    assert repeat["baseline_repeat_of"] == base["number"]
+    assert all(trials[n]["baseline_repeat_of"] is None for n, size in ran.items() if size != 4)
+    best = client.get("/v1/studies/s/best").json()  # not judged (top_k 0): the baseline is kept
+    assert best["trial_number"] == base["number"] and best["outcome"] == "not_judged"
+    assert best["uncertified"]["trial_number"] != repeat["number"]  # the fastest *candidate*: 150, not 300
+    assert best["uncertified"]["config"]["batch_size"] in (8, 16)
+    assert repeat["number"] not in [t["number"] for t in client.get("/v1/studies/s/pareto").json()["data"]]
     stored = {t.number: t for t in _service(app).bridge.trials("s")}
-    assert stored[numbers[4]].values == [0.0, 10.0]  # the worst case: never on the dashboard's front
-    assert stored[numbers[4]].user_attrs["throughput_samples_per_s"] == 300.0  # the measurement is kept
+    assert stored[repeat["number"]].values == [0.0, 10.0]  # the worst case: never on the dashboard's front
+    # the measurement is kept: its own when a worker ran it, else the baseline's it was told
+    measured = 300.0 if repeat["number"] in ran else 100.0
+    assert stored[repeat["number"]].user_attrs["throughput_samples_per_s"] == measured
 
 
 def test_a_baseline_seed_that_measures_fastest_is_not_recommended_after_remeasurement(
         client: TestClient, make_study: StudyFactory) -> None:
     """Three baseline seeds on a noisy host, one of them the fastest run of the study; the
-    re-measured search configs measure about the baseline's speed. The service recommends a
-    search config, and says it did not beat the baseline beyond the noise."""
+    re-measured search config measures about the baseline's speed. Nothing is certified: the
+    baseline's config is kept (its first seed stands for it, not the seed that ran fastest), the
+    search config is named uncertified, and the verdict says the speedup is within the noise."""
     make_study("s", baseline_seeds=3, n_trials=5, seed=0, remeasure={"top_k": 1, "rounds": 2, "windows": 5})
     seeds = [lease(client, f"b{i}") for i in range(3)]
     for i, (got, speed) in enumerate(zip(seeds, (100.0, 130.0, 90.0), strict=True)):
@@ -87,18 +118,22 @@ def test_a_baseline_seed_that_measures_fastest_is_not_recommended_after_remeasur
         got = lease(client, "w")
         assert got is not None and got["role"] == "search"
         search.append(_finish(client, got, "w", speed, 0.1)["number"])
-    assert client.get("/v1/studies/s/best").status_code == 404  # being re-measured: no pick yet
+    assert client.get("/v1/studies/s/best").status_code == 404  # being re-measured: no verdict yet
     r = client.get("/v1/studies/s/best")
     assert "re-measured" in r.json()["detail"] and f"trial {search[0]}" in r.json()["detail"]
-    _remeasure_all(client, {search[0]: (104.0, 0.1), 0: (100.0, 0.1)})
+    sent = _remeasure_all(client, {search[0]: (104.0, 0.1), 0: (100.0, 0.1)})
     best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] == search[0] and best["remeasured"] and best["baseline_remeasured"]
-    assert best["speedup"] == pytest.approx(1.04)
-    assert best["speedup_ci_low"] < 1.0 < best["speedup_ci_high"]  # the seeds spread ±20 %: within the noise
-    assert best["beats_baseline"] is False and "no config beat the baseline beyond the noise" in best["verdict"]
-    assert "remeasure.rounds" in best["verdict"] and "quieter host" in best["verdict"]
+    assert best["certified"] is False and best["outcome"] == "undecided" and best["rounds_run"] == 2
+    assert best["trial_number"] == 0 and best["speedup"] == 1.0 and best["beats_baseline"] is False
+    assert [r["trial_number"] for r in best["configs"] if r["role"] == "candidate"] == [search[0]]
+    assert best["configs"][0]["n"] == 5  # the three seeds and two re-measurements: the same budget
+    row = best["uncertified"]
+    assert row["trial_number"] == search[0] and row["n"] == 2
+    assert row["speedup"] == pytest.approx(_geomean(sent[search[0]]) / _geomean(sent[0], 100.0, 130.0, 90.0))
+    assert row["speedup_ci_low"] < 1.0 < row["speedup_ci_high"]  # the seeds spread ±20 %: within the noise
+    assert "remeasure.max_rounds" in best["verdict"] and "quieter host" in best["verdict"]
     yaml_text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
-    assert "# WARNING: no config beat the baseline beyond the noise" in yaml_text
+    assert "KEEP THE BASELINE (undecided)" in yaml_text
 
 
 def test_a_clear_win_has_an_interval_above_one(client: TestClient, make_study: StudyFactory) -> None:
@@ -110,10 +145,12 @@ def test_a_clear_win_has_an_interval_above_one(client: TestClient, make_study: S
     got = lease(client, "w")
     assert got is not None
     pick = _finish(client, got, "w", 300.0, 0.1)["number"]
-    _remeasure_all(client, {pick: (290.0, 0.1), 0: (101.0, 0.1)})
+    sent = _remeasure_all(client, {pick: (290.0, 0.1), 0: (101.0, 0.1)})
     best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is True and best["trial_number"] == pick
     assert best["beats_baseline"] is True and best["speedup_ci_low"] > 2.5
-    assert best["speedup"] == pytest.approx(290.0 / 101.0)
+    # its re-measurements over the baseline's seeds and re-measurements (all at the search's budget)
+    assert best["speedup"] == pytest.approx(_geomean(sent[pick]) / _geomean(sent[0], 100.0, 102.0))
     assert "faster beyond the noise" in best["verdict"]
 
 
@@ -122,8 +159,10 @@ def test_quality_at_the_longer_budget_is_judged_against_the_baseline_at_that_bud
     """At twice the samples every config overfits (its loss rises): the pick's re-measured loss
     would fail the short probe's gate, but the baseline re-measured at the same budget rises as
     much, so the pick keeps its quality. A config whose loss rises much more than the
-    baseline's does not, and is not recommended although faster."""
-    make_study("s", baseline_seeds=1, n_trials=3, seed=0, remeasure={"top_k": 2, "windows": 5})
+    baseline's does not, and is not recommended although faster. (The baseline's seeds are not
+    at that budget: its three re-measurements are what quality is judged against.)"""
+    make_study("s", baseline_seeds=1, n_trials=3, seed=0,
+               remeasure={"top_k": 2, "windows": 5, "samples_factor": 2.0, "max_rounds": 3})
     base = lease(client, "b")
     assert base is not None
     _finish(client, base, "b", 100.0, 0.100)  # the gate at the search budget: 0.110
@@ -132,23 +171,38 @@ def test_quality_at_the_longer_budget_is_judged_against_the_baseline_at_that_bud
         got = lease(client, "w")
         assert got is not None
         out.append(_finish(client, got, "w", speed, 0.105)["number"])
-    _remeasure_all(client, {0: (100.0, 0.200), fast[0]: (200.0, 0.205), faster[0]: (250.0, 0.400)})
+    sent = _remeasure_all(client, {0: (100.0, 0.200), fast[0]: (200.0, 0.205), faster[0]: (250.0, 0.400)},
+                          quality_noise=(0.0, 0.0005, -0.0005, 0.0003))
     best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is True and best["rounds_run"] == 3  # quality needs 3 baseline runs at this budget
     assert best["trial_number"] == fast[0] and best["quality_budget"] == "remeasure"
-    assert best["quality"] == pytest.approx(0.205) and best["search_quality"] == pytest.approx(0.105)
-    assert best["baseline_quality"] == pytest.approx(0.200) and best["gate_quality"] == pytest.approx(0.210)
+    base_quality = statistics.fmean(q for _, q in sent[0])
+    assert best["quality"] == pytest.approx(statistics.fmean(q for _, q in sent[fast[0]]))
+    assert best["search_quality"] == pytest.approx(0.105)
+    assert best["baseline_quality"] == pytest.approx(base_quality)
+    assert best["gate_quality"] == pytest.approx(base_quality + 0.01)  # margin: abs_tol (the spread is smaller)
+    assert best["search_gate_quality"] == pytest.approx(0.110)
+    rows = {r["trial_number"]: r for r in best["configs"]}
+    assert rows[faster[0]]["status"] == "rejected" and "quality worse" in rows[faster[0]]["reason"]
     trials = client.get("/v1/studies/s/trials").json()["data"]
-    remeasures = {t["remeasure_of"]: t for t in trials if t["role"] == "remeasure"}
-    assert remeasures[fast[0]]["feasible"] is True and "re-measure budget" in remeasures[fast[0]]["feasibility_note"]
-    assert remeasures[faster[0]]["feasible"] is False
+    for t in trials:
+        if t["role"] == "remeasure" and t["remeasure_of"] == fast[0]:
+            assert t["feasible"] is True and "no worse than the baseline's at this budget" in t["feasibility_note"]
+        if t["role"] == "remeasure" and t["remeasure_of"] == faster[0]:
+            assert t["feasible"] is False and "worse than the baseline's" in t["feasibility_note"]
     front = [t["number"] for t in client.get("/v1/studies/s/pareto").json()["data"]]
     assert front == [fast[0]]  # the faster config is out at the re-measure budget
-    yaml_text = client.get("/v1/studies/s/best", params={"format": "yaml"}).text
-    assert "against the baseline re-measured at that budget" in yaml_text and "shorter probe: 0.105" in yaml_text
+    console = Console(width=300, record=True, file=io.StringIO())
+    console.print(recommendation_table(Recommendation.model_validate(best)))
+    shown = console.export_text()
+    assert "at the re-measure budget" in shown and "0.1050 in the search's shorter probe" in shown
 
 
 def test_without_a_baseline_remeasurement_quality_is_not_judged_and_every_view_says_so(
         client: TestClient, make_study: StudyFactory) -> None:
+    """Every re-measurement of the baseline fails: the baseline has one run at the judged budget
+    (its seed), too few to judge anything against, so nothing is certified and the re-measured
+    candidate's quality stays undecided in every view."""
     make_study("s", baseline_seeds=1, n_trials=2, seed=0, remeasure={"top_k": 1, "windows": 5})
     base = lease(client, "b")
     assert base is not None
@@ -156,17 +210,24 @@ def test_without_a_baseline_remeasurement_quality_is_not_judged_and_every_view_s
     got = lease(client, "w")
     assert got is not None
     pick = _finish(client, got, "w", 200.0, 0.1)["number"]
+    throughputs = iter(NOISE)
     while (got := lease(client, "r")) is not None:
         if _trial(client, got["trial_id"])["remeasure_of"] == 0:
             complete(client, got, "r", throughput=None, nrmse=None, failure={"kind": "oom", "message": "OOM"})
         else:
-            _finish(client, got, "r", 190.0, 0.3)
+            _finish(client, got, "r", 190.0 * next(throughputs), 0.3)
+    assert client.get("/v1/studies/s").json()["state"] == "finished"
     best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] == pick and best["quality_budget"] == "search"
-    assert any("not judged" in c for c in best["caveats"])
-    view = next(t for t in client.get("/v1/studies/s/trials").json()["data"]
-                if t["role"] == "remeasure" and t["remeasure_of"] == pick)
-    assert view["feasible"] is None and view["feasibility_note"].startswith("not judged")
+    assert best["certified"] is False and best["outcome"] == "undecided" and best["trial_number"] == 0
+    assert best["configs"][0]["n"] == 1  # the baseline: its seed alone
+    row = best["uncertified"]
+    assert row["trial_number"] == pick and row["n"] == 2 and row["quality_diff"] is None
+    assert "needs 2 runs" in row["reason"]
+    views = [t for t in client.get("/v1/studies/s/trials").json()["data"]
+             if t["role"] == "remeasure" and t["remeasure_of"] == pick]
+    assert len(views) == 2
+    for view in views:
+        assert view["feasible"] is None and view["feasibility_note"].startswith("quality not yet decided")
 
 
 def test_optuna_holds_the_same_front_and_best_as_the_service(app: FastAPI, client: TestClient,
@@ -181,24 +242,26 @@ def test_optuna_holds_the_same_front_and_best_as_the_service(app: FastAPI, clien
     _finish(client, base, "b", 100.0, 0.10)
     speeds = {8: (300.0, 0.105), 16: (250.0, 0.104), 4: (120.0, 0.10)}
     numbers = {}
-    for _ in speeds:
-        got = lease(client, "w")
-        assert got is not None and got["role"] == "search"
+    while (got := lease(client, "w")) is not None and got["role"] == "search":
         size = got["config"]["batch_size"]
         numbers[size] = _finish(client, got, "w", *speeds[size])["number"]
+    assert got is not None and got["role"] == "remeasure"  # the search is done: round 0 began
+    assert {8, 16} <= set(numbers)
+    _finish(client, got, "w", 200.0, 0.105)  # round 0 starts with the fastest search config
+    assert _trial(client, got["trial_id"])["remeasure_of"] == numbers[8]
     # the 300 config regresses to 200 when re-measured, the 250 one holds
-    _remeasure_all(client, {numbers[8]: (200.0, 0.105), numbers[16]: (240.0, 0.104), 0: (100.0, 0.10)})
+    sent = _remeasure_all(client, {numbers[8]: (200.0, 0.105), numbers[16]: (240.0, 0.104), 0: (100.0, 0.10)})
     best = client.get("/v1/studies/s/best").json()
-    assert best["trial_number"] == numbers[16]
+    assert best["certified"] is True and best["trial_number"] == numbers[16]
     service_front = {t["number"]: t["values"] for t in client.get("/v1/studies/s/pareto").json()["data"]}
-    assert service_front == {numbers[16]: [240.0, pytest.approx(0.104)]}
+    assert service_front == {numbers[16]: [pytest.approx(_geomean(sent[numbers[16]])), pytest.approx(0.104)]}
     storage = _service(app).bridge._rdb  # uncached, as the dashboard reads it (optuna_dashboard: RDBStorage)
     stored = storage.get_all_trials(storage.get_study_id_from_name("s"), deepcopy=False)
     dashboard_front = get_pareto_front_trials(stored, [StudyDirection.MAXIMIZE, StudyDirection.MINIMIZE])
     assert {t.number for t in dashboard_front} == set(service_front)
-    assert [list(t.values) for t in dashboard_front] == [[240.0, pytest.approx(0.104)]]
+    assert [list(t.values) for t in dashboard_front] == list(service_front.values())
     remeasures = [t for t in stored if t.user_attrs.get("role") == "remeasure"]
-    assert len(remeasures) == 3
+    assert len(remeasures) == 3 * best["rounds_run"] == 6  # 2 configs and the baseline, 2 rounds
     for t in remeasures:
         target = next(x for x in stored if x.number == t.user_attrs["remeasure_of"])
         assert t.params == target.params == {"batch_size": target.user_attrs["config"]["batch_size"]}
