@@ -3,9 +3,7 @@
 Roles (user attr ``role``): the study's first `baseline_seeds` trials are *baseline* runs of
 the user's config (probe seeds seed, seed+1, …), then *search* trials, then, once the search
 is done, *remeasure* trials (user attrs ``remeasure_of``: the trial number re-measured, and
-``remeasure_round``: 0, 1, … up to spec.remeasure.rounds - 1; every target's round r is
-created before any target's round r + 1, so the rounds interleave, and every other round runs
-its targets in reverse: `remeasure_plan`).
+``remeasure_round``: 0, 1, …), the verdict's rounds (`remeasurement`).
 
 Retries: a trial *lost* with its worker (Optuna FAIL, failure_kind "lost": the reaper saw no
 heartbeat) is re-run as a new trial of the same role, config and probe, carrying user attrs
@@ -33,18 +31,16 @@ again measures the baseline, it is not a finding). Baseline seeds are the refere
 candidate. The front is the non-dominated candidates, each at its re-measured value where
 one exists (`front_values`).
 
-Re-measurement (`remeasurement`): once the search is done, the top_k candidates by throughput
-*and the baseline* are re-measured with a longer probe, in interleaved rounds. A re-measured
-config's quality is judged against the baseline re-measured at the same budget (a longer
-probe trains further: its loss is not comparable with a gate set at the short budget); a
-config whose re-measurement failed, or whose re-measured quality fails that gate, is out.
-
-The recommendation (`recommend`) is the fastest re-measured candidate still in; its throughput
-pools its rounds' windows (the timed samples over the timed seconds), and its speedup is over
-the baseline's re-measured throughput, with a 95 % interval on the ratio from the run-to-run
-spread (`speedup_interval`). When that interval reaches 1, `verdict` says that no config beat
-the baseline beyond the noise. There is no recommendation while the re-measurement runs;
-with re-measurement off (remeasure.top_k 0) it is the fastest candidate, with a note.
+The verdict (`remeasurement`, `recommend`; the rule is autotune/verdict.py, the reasoning
+docs/measurement.md "The verdict"): once the search is done, the top_k distinct candidates and
+the baseline are re-measured in sequential, interleaved rounds until each candidate is
+certified (faster beyond the noise and no worse) or rejected, or the round limit is reached.
+A candidate's runs are its re-measurements; the baseline's are its re-measurements and, at
+the search's budget (samples_factor 1), its seeds. The recommendation is the fastest
+certified candidate; without one it is the baseline's own config (certified False) with the
+fastest uncertified candidate beside it. Throughputs are geometric means over runs. There is
+no recommendation while the verdict runs; with re-measurement off (remeasure.top_k 0)
+nothing is judged (outcome not_judged).
 
 Energy (the objective "energy": GPU joules per sample over the probe's timed windows, the
 user attr ``energy_j_per_sample``): the front and the values Optuna holds take it like any
@@ -52,12 +48,14 @@ objective (a re-measured candidate's energy is the mean over its rounds: every r
 the same samples). What picks the recommendation (`chosen_by`): throughput whenever it is an
 objective (``[throughput, quality, energy]`` recommends the fastest, as without energy), the
 lowest energy per sample when energy is and throughput is not (``[energy, quality]``): then
-the top_k candidates by lowest energy are re-measured with the baseline, and the pick is the
-re-measured candidate still in with the lowest pooled energy per sample. Whenever the pick
-and the baseline measured energy, the recommendation carries both, their ratio (pick over
-baseline: below 1 uses less energy per sample) with a 95 % interval formed as the speedup's
-(`ratio_interval`), and a sentence on it (`energy_verdict`); the speedup and its interval are
-given in either case.
+the top_k candidates by lowest energy are re-measured with the baseline, the verdict judges
+energy per sample (lower is better) in place of throughput, and the pick is the certified
+candidate with the lowest energy per sample. Whenever the pick and the baseline measured
+energy, the recommendation carries both, their ratio (pick over baseline: below 1 uses less
+energy per sample) with a Welch 95 % interval over runs (`_energy_ratio`), and a sentence on
+it (`energy_verdict`); an energy-picked recommendation's speedup is the ratio of geometric-mean
+throughputs, without an interval. ConfigVerdict's speedup fields hold the judged metric's
+ratio: the energy ratio in an energy-picked study.
 """
 
 from __future__ import annotations
@@ -838,7 +836,7 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=chosen.number,
         throughput_samples_per_s=thr, val_nrmse=quality if nrmse else None,
         baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=base_quality if nrmse else None,
-        speedup=j.ratio if j and higher else (1.0 if pick_row is None else None),
+        speedup=j.ratio if j and higher else (1.0 if pick_row is None else _ratio_of(thr, base_thr)),
         gate_nrmse=gate_used if nrmse else None,
         quality_metric=qname, quality_direction=spec.quality_direction, quality=quality,
         baseline_quality=base_quality, baseline_quality_std=base_sd, gate_quality=gate_used,
@@ -864,6 +862,11 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         certified=bool(pick_row), outcome=outcome, reason=reason, configs=rows,  # type: ignore[arg-type]
         rounds_run=rm.rounds_done, max_rounds=rm.round_limit, remeasure_probes=rm.probes, uncertified=uncertified,
     )
+
+
+def _ratio_of(pick: float | None, base: float | None) -> float | None:
+    """The pick's throughput over the baseline's (an energy-picked verdict's speedup, no interval)."""
+    return pick / base if pick and base else None
 
 
 def _run_interval(throughputs: Sequence[float]) -> Estimate | None:

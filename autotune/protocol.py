@@ -589,7 +589,8 @@ class ConfigVerdict(BaseModel):
     quality_mean: float | None = None
     quality_sd: float | None = None
     qualities: list[float] = Field(default_factory=list)
-    speedup: float | None = None
+    speedup: float | None = Field(None, description="the judged metric's ratio over the baseline's (throughput; "
+                                  "energy per sample in an energy-picked study) with its interval")
     speedup_ci_low: float | None = None
     speedup_ci_high: float | None = None
     quality_diff: float | None = Field(None, description="mean quality minus the baseline's, signed so that > 0 is "
