@@ -150,8 +150,9 @@ class RemeasureSpec(Strict):
     windows: int | None = Field(None, ge=5, le=100, description="timed windows of a re-measurement (None: the "
                                 "study's probe.windows)")
     seed_offset: int = Field(1000, ge=0, le=2**30, description="round r's probe seed: probe.seed + this + r")
-    rounds: int = Field(2, ge=1, le=20, description="rounds before the first decision (at least 2: a config's "
-                        "own run-to-run spread needs two runs)")
+    rounds: int = Field(3, ge=1, le=20, description="rounds before the first decision (at least 2: a config's "
+                        "own run-to-run spread needs two runs; 3 by default, where Welch's interval keeps its "
+                        "level: with two runs a candidate's spread is often underestimated by chance)")
     max_rounds: int | None = Field(None, ge=2, le=20, description="the most rounds (None: what fits in a third of "
                                    "the study's probes, n_trials / (3 × (top_k + 1)), at least 2 and at most 10)")
     confidence: float = Field(0.95, ge=0.5, le=0.999, description="1 − the chance of certifying a config that is not "

@@ -140,7 +140,7 @@ def test_the_recommendation_carries_the_notes_on_its_measurement(client: TestCli
                                                                   make_study: StudyFactory) -> None:
     """A certified pick whose last re-measurement ran on a throttled GPU says so, in JSON, in the
     YAML header and in `autotune best`."""
-    make_study("s", n_trials=2, seed=0, baseline={"batch_size": 4}, remeasure={"top_k": 1})
+    make_study("s", n_trials=2, seed=0, baseline={"batch_size": 4}, remeasure={"top_k": 1, "rounds": 2})
     _run(client, "w0", BASELINE)
     pick = _run(client, "w1", FAST_OK)["number"]
     note = "the driver held the GPU's clocks down (power or heat) during the timed windows: window 3 30%"
@@ -166,7 +166,7 @@ def test_the_baseline_is_never_recommended_even_when_it_measures_fastest(client:
     """A baseline seed that happens to be fastest is the reference, not a finding: the only
     candidate judged is the search config, and as it did not beat the baseline the verdict keeps
     the baseline's config (its first seed stands for it) and names that candidate uncertified."""
-    make_study("s", baseline_seeds=2, n_trials=3, remeasure={"top_k": 1, "max_rounds": 2})
+    make_study("s", baseline_seeds=2, n_trials=3, remeasure={"top_k": 1, "rounds": 2, "max_rounds": 2})
     for worker in ("w0", "w1"):
         got = lease(client, worker)
         assert got is not None and got["role"] == "baseline"

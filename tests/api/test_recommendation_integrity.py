@@ -203,7 +203,7 @@ def test_without_a_baseline_remeasurement_quality_is_not_judged_and_every_view_s
     """Every re-measurement of the baseline fails: the baseline has one run at the judged budget
     (its seed), too few to judge anything against, so nothing is certified and the re-measured
     candidate's quality stays undecided in every view."""
-    make_study("s", baseline_seeds=1, n_trials=2, seed=0, remeasure={"top_k": 1, "windows": 5})
+    make_study("s", baseline_seeds=1, n_trials=2, seed=0, remeasure={"top_k": 1, "windows": 5, "rounds": 2})
     base = lease(client, "b")
     assert base is not None
     _finish(client, base, "b", 100.0, 0.1)
@@ -236,7 +236,7 @@ def test_optuna_holds_the_same_front_and_best_as_the_service(app: FastAPI, clien
     function) is the service's front, at the re-measured values, with the pick on it; baseline
     and re-measurement trials carry their params."""
     make_study("s", space=ONE_KNOB, sampler="grid", n_trials=4, baseline={"batch_size": 4}, seed=0,
-               remeasure={"top_k": 2, "windows": 5})
+               remeasure={"top_k": 2, "windows": 5, "rounds": 2})
     base = lease(client, "b")
     assert base is not None
     _finish(client, base, "b", 100.0, 0.10)

@@ -89,7 +89,7 @@ def test_a_study_with_no_win_keeps_the_baseline_config_and_names_the_fastest_unc
         client: TestClient, make_study: StudyFactory) -> None:
     make_study("s", n_trials=6, baseline_seeds=3, seed=0, **COMMON,
                remeasure={"top_k": 2, "max_rounds": 3})
-    _drive(client, _noisy(0.15, 1.0, 0.15, lambda got: 0.1))
+    _drive(client, _noisy(0.15, 0.95, 0.15, lambda got: 0.1))  # truly no faster
     best = client.get("/v1/studies/s/best").json()
     assert best["certified"] is False and best["outcome"] in ("undecided", "no_win")
     base = next(t for t in _trials(client) if t["role"] == "baseline")
