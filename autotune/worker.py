@@ -40,6 +40,12 @@ probe     `python -m autotune.probe_child` in its own process group (see probe_c
           and the probe once, in that same environment; a GPU's hardware detection at start
           is forked from it too (a CPU is detected without torch). A server that cannot
           serve leaves the children starting cold.
+          CPU share: a ``--device cpu`` worker without --threads registers among its host's CPU
+          workers (`CpuShare`: flock'ed slot files, released by the kernel when a worker dies)
+          and, before each probe, waits for its share of the cores (m live workers: 1/m each),
+          pins the child to them and runs it with one torch thread per core (at most
+          OMP_NUM_THREADS, if set); the banner says "cpu: N threads, core share k of m".
+          ``--threads N`` keeps N threads and no share.
           A group of N > 1 GPUs runs `python -m autotune.distributed` instead (a launcher
           that imports torch once and forks N ranks, CUDA_VISIBLE_DEVICES = the group's
           GPUs), the job in a job directory: prune = its stop file; a kill ends the
@@ -74,6 +80,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -85,11 +92,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from rich.console import Console
 from rich.markup import escape
@@ -382,6 +389,344 @@ class SkipNotice:
             return True
 
 
+# --- the CPU share: the CPU workers of one host split its cores -----------------------------------
+
+CPU_SHARE_ENV = "AUTOTUNE_CPU_SHARE_DIR"
+CPU_SHARE_POLL_S = 0.1  # a probe waiting for its cores looks again this often
+
+
+def cpu_share_dir() -> Path:
+    """Where the CPU workers of this host register (`CpuShare`): $AUTOTUNE_CPU_SHARE_DIR, else
+    $XDG_RUNTIME_DIR/autotune/cpu-share, else ~/.cache/autotune/cpu-share/HOSTNAME (the host's
+    name keeps apart the registries of hosts that share a home directory)."""
+    env = os.environ.get(CPU_SHARE_ENV)
+    if env:
+        return Path(env).expanduser()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "autotune" / "cpu-share"
+    return Path.home() / ".cache" / "autotune" / "cpu-share" / socket.gethostname()
+
+
+def format_cores(cpus: Collection[int]) -> str:
+    """CPU numbers as ranges: ``0-3,6`` for (0, 1, 2, 3, 6)."""
+    ranges: list[list[int]] = []
+    for core in sorted(set(cpus)):
+        if ranges and ranges[-1][1] == core - 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def cpu_siblings(cpu: int) -> tuple[int, ...]:
+    """The logical CPUs of `cpu`'s physical core (its hyperthreads; sysfs), or just `cpu`."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        siblings: set[int] = set()
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            siblings.update(range(int(low), int(high or low) + 1))
+    except (OSError, ValueError):
+        return (cpu,)
+    return tuple(sorted(siblings | {cpu}))
+
+
+@dataclass(frozen=True)
+class PhysicalCore:
+    """A core: `id` (its lowest logical CPU, whoever may run there: the name of its lock) and the
+    logical CPUs of it that this process may run on."""
+
+    id: int
+    cpus: tuple[int, ...]
+
+
+def physical_cores(cpus: Collection[int]) -> tuple[PhysicalCore, ...]:
+    """`cpus` (logical CPUs) grouped by physical core, in core order: hyperthreads of one core
+    are never split between two workers, and a share's threads are its cores."""
+    groups: dict[int, list[int]] = {}
+    for cpu in sorted(set(cpus)):
+        groups.setdefault(min(cpu_siblings(cpu)), []).append(cpu)
+    return tuple(PhysicalCore(core, tuple(members)) for core, members in sorted(groups.items()))
+
+
+T = TypeVar("T")
+
+
+def split_cores(cores: Sequence[T], rank: int, workers: int) -> tuple[T, ...]:
+    """Share `rank` (0-based) of `workers` equal shares of `cores`: len(cores) // workers cores
+    each, the remainder left idle (every worker's probes run on as many threads, so their
+    throughputs compare); with more workers than cores, core rank mod len(cores), which the
+    probes of the workers that share it take in turns (`CpuShare.acquire`)."""
+    if workers > len(cores):
+        return (cores[rank % len(cores)],)
+    size = len(cores) // workers
+    return tuple(cores[rank * size:(rank + 1) * size])
+
+
+@dataclass(frozen=True)
+class CoreShare:
+    """One CPU worker's share of the host's cores: the `index`-th (from 1) of the `of` live CPU
+    workers, its probes pinned to the logical CPUs of `cores` with one torch thread per core."""
+
+    index: int
+    of: int
+    cores: tuple[PhysicalCore, ...]
+    host_cores: tuple[PhysicalCore, ...]
+
+    @property
+    def threads(self) -> int:
+        return len(self.cores)
+
+    @property
+    def cpus(self) -> tuple[int, ...]:
+        return tuple(sorted(cpu for core in self.cores for cpu in core.cpus))
+
+    def probe_threads(self, world_size: int = 1, cap: int | None = None) -> int:
+        """Torch threads of each of a probe's `world_size` processes: one per core, at most `cap`
+        (`omp_threads_cap`)."""
+        return max(1, min(self.threads // world_size, cap or self.threads))
+
+    def describe(self, cap: int | None = None) -> str:
+        n, cpus = self.probe_threads(cap=cap), self.cpus
+        host = [cpu for core in self.host_cores for cpu in core.cpus]
+        capped = f" (OMP_NUM_THREADS={cap})" if n < self.threads else ""
+        text = (f"{n} thread{'s' if n != 1 else ''}{capped}, core share {self.index} of {self.of} "
+                f"(CPU{'s' if len(cpus) != 1 else ''} {format_cores(cpus)} of {format_cores(host)})")
+        if self.of > len(self.host_cores):
+            return text + ", taken in turns: more CPU workers than cores"
+        idle = len(self.host_cores) - self.threads * self.of
+        return text + (f", {idle} core{'s' if idle != 1 else ''} left idle" if idle else "")
+
+
+def omp_threads_cap(environ: Mapping[str, str] | None = None) -> int | None:
+    """OMP_NUM_THREADS of the worker's environment when it holds a positive number: the
+    operator's (or a test suite's) ceiling on a probe's threads, which a core share keeps."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class CpuShare:
+    """This worker's place among the CPU workers of its host, and the cores its probes run on.
+
+    The registry is a directory of lock files (`cpu_share_dir`), every lock an flock(2): the
+    kernel drops it when its holder exits, kill -9 included, so a dead worker holds nothing and
+    nothing needs cleaning up (a stale file is only an unlocked file).
+
+    registry.lock  held for the instant of a claim, a count or a core acquisition, which so never interleave;
+    slot-N.lock    held by a live CPU worker for its whole life (`claim`: the lowest free N);
+                   the live workers are the slots whose lock is taken; the text says whether
+                   the worker waits for cores, since when and which;
+    core-N.lock    held by a worker while one of its probes runs on physical core N.
+
+    Before each probe (`acquire`) the worker counts the live slots (m), takes its rank k among
+    them (slot order) and so its share (`split_cores`): m equal shares of the host's physical
+    cores (those this process may run on; hyperthreads stay with their core). It then takes
+    the locks of its share's cores, waiting while another worker's probe holds one of them: a
+    worker that started alone has all the cores until its running probe ends; its next probe
+    takes only its new share. Waiters go first come, first served: no worker takes a core an
+    earlier waiter wants. Two probes therefore never run on one core at once, whatever the
+    workers' start and exit order. An idle worker keeps its share: every probe of a study
+    runs on as many cores."""
+
+    def __init__(self, root: Path | None = None, cores: Sequence[PhysicalCore] | None = None) -> None:
+        self.root = root or cpu_share_dir()
+        if cores is None:  # the CPUs this process may run on (a cpuset, taskset), by physical core
+            cores = physical_cores(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                   else range(os.cpu_count() or 1))
+        self.host_cores = tuple(sorted(cores, key=lambda core: core.id))
+        if not self.host_cores:
+            raise ValueError("no cores to share")
+        self.slot: int | None = None
+        self._slot_fd: int | None = None
+        self._core_fds: list[int] = []
+        self.held: CoreShare | None = None  # the share whose core locks this worker holds (a probe runs)
+
+    def __enter__(self) -> CpuShare:
+        return self.claim()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _open(self, name: str) -> int:
+        return os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    @contextlib.contextmanager
+    def _registry(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = self._open("registry.lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # the lock goes with the descriptor
+
+    def claim(self) -> CpuShare:
+        """Register this worker: take the lowest free slot, held until `close` (or exit)."""
+        if self.slot is not None:
+            return self
+        with self._registry():
+            index = 0
+            while True:
+                fd = self._open(f"slot-{index}.lock")
+                if _try_lock(fd):
+                    break
+                os.close(fd)
+                index += 1
+            self.slot, self._slot_fd = index, fd
+            self._write_state({})
+        return self
+
+    def _write_state(self, state: dict[str, Any]) -> None:
+        assert self._slot_fd is not None
+        os.ftruncate(self._slot_fd, 0)
+        os.pwrite(self._slot_fd, json.dumps({"pid": os.getpid(), **state}).encode(), 0)
+
+    def _live(self) -> dict[int, dict[str, Any]]:
+        """Slot → its state, for every live worker's slot (this one's included); under the registry lock."""
+        live: dict[int, dict[str, Any]] = {}
+        for path in self.root.glob("slot-*.lock"):
+            number = path.stem.partition("-")[2]
+            if not number.isdigit():
+                continue
+            index = int(number)
+            if index == self.slot:
+                live[index] = {}
+                continue
+            fd = self._open(path.name)
+            try:
+                if _try_lock(fd):
+                    continue  # nobody holds it: a worker that is gone (the lock goes with the close below)
+                try:
+                    state = json.loads(os.pread(fd, 4096, 0) or b"{}")
+                except ValueError:
+                    state = {}
+                live[index] = state if isinstance(state, dict) else {}
+            finally:
+                os.close(fd)
+        return live
+
+    def _share(self, live: Collection[int]) -> CoreShare:
+        assert self.slot is not None
+        slots = sorted(live)
+        rank = slots.index(self.slot)
+        return CoreShare(rank + 1, len(slots), split_cores(self.host_cores, rank, len(slots)), self.host_cores)
+
+    def current(self) -> CoreShare:
+        """This worker's share as the live workers stand now (`claim` first)."""
+        if self.slot is None:
+            raise RuntimeError("CpuShare.current() before claim()")
+        with self._registry():
+            return self._share(self._live())
+
+    def acquire(self, stop: Callable[[], bool] | None = None,
+                on_wait: Callable[[CoreShare], None] | None = None) -> CoreShare | None:
+        """Take the locks of this worker's current share's cores, waiting (polls of
+        CPU_SHARE_POLL_S) while another worker holds one of them or an earlier waiter wants one;
+        `on_wait` is called once, at the first wait. The share, held until `release`; None when
+        `stop()` said so while it waited."""
+        if self.slot is None:
+            raise RuntimeError("CpuShare.acquire() before claim()")
+        self.release()
+        since: float | None = None
+        try:
+            while True:
+                with self._registry():
+                    live = self._live()
+                    share = self._share(live)
+                    mine = {core.id for core in share.cores}
+                    ahead = [i for i, s in live.items()
+                             if i != self.slot and isinstance(s.get("waiting_since"), (int, float))
+                             and (since is None or (s["waiting_since"], i) < (since, self.slot))
+                             and mine & set(s.get("wants") or ())]
+                    if not ahead and self._lock_cores(share.cores):
+                        if since is not None:
+                            self._write_state({})
+                        self.held = share
+                        return share
+                    first = since is None
+                    if since is None:
+                        since = time.time()  # wall-clock: compared across processes
+                    self._write_state({"waiting_since": since, "wants": sorted(mine)})
+                if first and on_wait is not None:
+                    on_wait(share)
+                if stop is not None and stop():
+                    return None
+                time.sleep(CPU_SHARE_POLL_S)
+        finally:
+            if self.held is None and since is not None and self._slot_fd is not None:
+                with self._registry():
+                    self._write_state({})
+
+    def _lock_cores(self, cores: Sequence[PhysicalCore]) -> bool:
+        fds: list[int] = []
+        for core in cores:
+            fd = self._open(f"core-{core.id}.lock")
+            fds.append(fd)
+            if not _try_lock(fd):
+                for taken in fds:
+                    os.close(taken)
+                return False
+        self._core_fds = fds
+        return True
+
+    def release(self) -> None:
+        """Let go of the cores (the probe ended)."""
+        fds, self._core_fds, self.held = self._core_fds, [], None
+        for fd in fds:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Release the cores and the slot: this worker no longer counts."""
+        self.release()
+        if self._slot_fd is not None:
+            os.close(self._slot_fd)
+        self._slot_fd = self.slot = None
+
+
+def claim_cpu_share(options: WorkerOptions) -> CpuShare | None:
+    """A CPU worker's share of the host's cores (`CpuShare`, claimed), or None: not --device cpu, or
+    --threads given (the operator's number, as before), or the registry cannot be written (said)."""
+    if options.device != "cpu" or options.threads is not None:
+        return None
+    share = CpuShare()
+    try:
+        return share.claim()
+    except OSError as e:
+        log.warning("could not register in the CPU workers' registry %s (%s): probes run at torch's default "
+                    "threads; pass --threads to choose", share.root, e)
+        return None
+
+
+def pin_process(pid: int, cpus: Collection[int]) -> bool:
+    """Pin every thread of process `pid` to `cpus`; the threads and processes it starts later
+    inherit that. False (logged) when the kernel refused it, or the platform cannot."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    pinned = True
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            continue  # the thread (or the child) is gone already
+        except OSError as e:
+            log.warning("could not pin probe %d to CPUs %s: %s", pid, format_cores(sorted(cpus)), e)
+            pinned = False
+    return pinned
+
+
 # --- the probe child -----------------------------------------------------------------------------
 
 
@@ -395,11 +740,14 @@ class ProbeProcess:
     the process group of every rank (each rank leads its own session)."""
 
     def __init__(self, argv: list[str], job: ChildJob, env: Mapping[str, str], job_dir: Path | None = None,
-                 server: ForkServer | None = None, events: queue.Queue[tuple[str, Any]] | None = None) -> None:
+                 server: ForkServer | None = None, events: queue.Queue[tuple[str, Any]] | None = None,
+                 cpus: Collection[int] | None = None) -> None:
         self.events: queue.Queue[tuple[str, Any]] = events if events is not None else queue.Queue()
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
         self.job_dir = job_dir
         self.proc = self._start(argv, env, server)
+        if cpus:  # before the job is written: the child waits for it, and its torch threads come later
+            pin_process(self.proc.pid, cpus)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         if job_dir is None:
             assert self.proc.stdin is not None
@@ -820,8 +1168,11 @@ class Worker:
 
     def __init__(self, options: WorkerOptions, hardware: Hardware, client: Client | None = None,
                  console: Console | None = None, group: DeviceGroup | None = None,
-                 worker_id_suffix: str | None = None, fork_server: ForkServer | None = None) -> None:
+                 worker_id_suffix: str | None = None, fork_server: ForkServer | None = None,
+                 cpu_share: CpuShare | None = None) -> None:
         self.options = options
+        self.cpu_share = cpu_share  # this worker's share of the host's cores (`claim_cpu_share`; None: --threads)
+        self._shown_share: CoreShare | None = None
         self.fork_server = fork_server  # where its probe children are forked from (None: started cold)
         self.hardware = hardware
         self.group = group or DeviceGroup((hardware.device,) * options.gpus_per_trial)
@@ -873,9 +1224,19 @@ class Worker:
         cpu = f" · {escape(hw.cpu_model)}, {hw.cpu_count} cores" if hw.cpu_model else ""  # host-bound configs follow it
         self.console.print(f"  hardware class [bold]{hw.hardware_class}[/] · torch {hw.torch_version} · "
                            f"host {hw.hostname}{cpu}")
-        threads = self.options.threads or "torch default"
+        threads = self.options.threads or ("core share" if self.cpu_share is not None else "torch default")
         self.console.print(f"  service  {self.client.base_url} · study {self.options.study or 'any'} · "
                            f"threads {threads} · heartbeat {self.options.heartbeat_s:g} s")
+        if self.cpu_share is not None:
+            try:
+                self._shown_share = share = self.cpu_share.current()
+            except OSError as e:  # said; each probe tries the registry again
+                self.console.print(f"  [yellow]cpu: the CPU workers' registry {escape(str(self.cpu_share.root))} "
+                                   f"failed ({escape(str(e))})[/]")
+            else:
+                self.console.print(f"  cpu: {share.describe(omp_threads_cap())} · the CPU workers of this host "
+                                   f"split its cores, again before each probe (registry "
+                                   f"{escape(str(self.cpu_share.root))}; --threads N: no share)")
         missing = [name for name in self.allowed if name not in registered_workloads()]
         note = f" [yellow](not installed here: {escape(', '.join(missing))}; their trials are refused)[/]" \
             if missing else ""
@@ -1103,12 +1464,15 @@ class Worker:
             self._complete(run, minimal_result(lease, self.hardware, {"kind": "refused", "message": refused}))
             return run
         world = self.group.world_size
+        share = self._take_cores(run) if self.cpu_share is not None and self.signal_name is None else None
+        threads = share.probe_threads(world, omp_threads_cap()) if share is not None else self.options.threads
         job = ChildJob(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
                        device=self.hardware.device if world == 1 else ("cuda" if self.group.is_cuda else "cpu"),
-                       probe=lease.probe.model_dump(mode="json"), threads=self.options.threads, world_size=world)
+                       probe=lease.probe.model_dump(mode="json"), threads=threads, world_size=world)
         job_dir: Path | None = None
-        if self.signal_name is None:
-            env = child_environment(self.options.threads)
+        if self.signal_name is None and run.dropped is None and run.stop_reason is None:
+            # one probe: the threads go in its job (its environment stays the fork server's)
+            env = child_environment(threads if world > 1 else self.options.threads)
             argv = self.options.child_argv
             if world > 1:
                 job_dir = prepare_job_dir(job.to_json())
@@ -1123,9 +1487,11 @@ class Worker:
                               wake=lambda: events.put(("wake", None)))
             run.courier = courier.start()
             try:
-                child = ProbeProcess(argv, job, env, job_dir=job_dir, server=self.fork_server, events=events)
+                child = ProbeProcess(argv, job, env, job_dir=job_dir, server=self.fork_server, events=events,
+                                     cpus=share.cpus if share is not None else None)
             except BaseException:
                 courier.close()
+                self._release_cores()
                 raise
             self.current = child
             try:
@@ -1136,6 +1502,7 @@ class Worker:
                     self._monitor(run, child, courier, None)
             finally:
                 run.returncode = child.finish()
+                self._release_cores()
                 self.current = None
                 courier.close()
                 if job_dir is not None:
@@ -1145,7 +1512,7 @@ class Worker:
             if courier.dropped:
                 self.console.print(f"  trial {lease.number}: {courier.dropped} report(s) not delivered while the "
                                    "service was away (the result holds every timed window)")
-        else:  # interrupted between lease and start
+        else:  # interrupted between lease and start (or while it waited for its cores), or stopped by the service then
             run.interrupted_by = self.signal_name
             tail = ""
         if run.dropped:
@@ -1163,6 +1530,61 @@ class Worker:
         result = final_result(run, self.hardware, tail)
         self._complete(run, result)
         return run
+
+    def _take_cores(self, run: TrialRun) -> CoreShare | None:
+        """Wait until this worker's share of the host's cores is free (`CpuShare.acquire`) and hold
+        it for the probe; while it waits, heartbeats keep the lease. None when a signal came, or the
+        service said stop or not ours (noted on `run`) meanwhile. The probe's time limit starts
+        once it has its cores."""
+        assert self.cpu_share is not None
+        lease = run.lease
+        courier: Courier | None = None
+
+        def waiting(share: CoreShare) -> None:
+            nonlocal courier
+            self.console.print(f"  trial {lease.number}: waiting for CPU{'s' if len(share.cpus) != 1 else ''} "
+                               f"{format_cores(share.cpus)} (another CPU worker's probe on this host runs there)")
+            courier = Courier(self.client, lease.trial_id, self.worker_id, self.options.heartbeat_s).start()
+
+        def cut_short() -> bool:
+            if self.signal_name is not None:
+                return True
+            if courier is None:
+                return False
+            _, stop, conflict = courier.decisions()
+            return stop is not None or conflict is not None
+
+        try:
+            share = self.cpu_share.acquire(stop=cut_short, on_wait=waiting)
+        except OSError as e:  # the registry cannot be read or written: run this probe unpinned
+            share = None
+            self.console.print(f"  [yellow]trial {lease.number}: the CPU workers' registry "
+                               f"{escape(str(self.cpu_share.root))} failed ({escape(str(e))}): this probe runs "
+                               "on every core, at torch's default threads[/]")
+        finally:
+            if courier is not None:
+                courier.close()
+        if courier is not None:
+            _, stop, conflict = courier.decisions()
+            if conflict is not None:
+                run.dropped = f"the service says the trial is no longer ours ({conflict})"
+            elif stop is not None:
+                run.stop_reason = stop
+                self.console.print(f"  trial {lease.number}: the service said stop ({escape(stop)})")
+        if share is not None and (run.dropped is not None or run.stop_reason is not None):
+            self._release_cores()
+            return None
+        if share is not None:
+            if share != self._shown_share:
+                self._shown_share = share
+                self.console.print(f"  cpu: now {share.describe(omp_threads_cap())} (CPU workers on this host "
+                                   "started or stopped)")
+            run.started = time.monotonic()
+        return share
+
+    def _release_cores(self) -> None:
+        if self.cpu_share is not None:
+            self.cpu_share.release()
 
     def _monitor(self, run: TrialRun, child: ProbeProcess, courier: Courier,
                  show: Callable[[str], None] | None) -> None:
@@ -1383,12 +1805,13 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
     --idle-exit. Exit status: the first non-zero loop status, else 0. Raises ValueError when a
     device cannot be used or the devices do not split into groups."""
     groups = plan_groups(options.device, options.gpus_per_trial)
+    cpu_share = claim_cpu_share(options)  # --device cpu without --threads: this worker's share of the host's cores
     server = start_fork_server(options)  # from the main thread, which lives as long as the worker
     try:
         if len(groups) == 1:
             group = groups[0]
             hardware = detect_hardware(group.devices[0], server)
-            worker = Worker(options, hardware, console=console, group=group, fork_server=server)
+            worker = Worker(options, hardware, console=console, group=group, fork_server=server, cpu_share=cpu_share)
             worker.install_signal_handlers()
             try:
                 return worker.run()
@@ -1407,6 +1830,8 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
     finally:
         if server is not None:
             server.close()
+        if cpu_share is not None:
+            cpu_share.close()
 
 
 def _run_loops(workers: list[Worker]) -> int:

@@ -175,25 +175,32 @@ def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str])
 
 @pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_best_prints_yaml_and_json(live: tuple[LiveService, str]) -> None:
+    """best exits 0 only for a certified pick; without one it prints the baseline's config and exits 1."""
     service, study = live
+    result = invoke("best", study, "--format", "json", "--api", service.url)
+    data = json.loads(result.stdout)
+    assert isinstance(data["certified"], bool) and data["reason"]
+    assert result.exit_code == (0 if data["certified"] else 1), result.output
+    assert data["study"] == study and data["throughput_samples_per_s"] > 0
+
     result = invoke("best", study, "--api", service.url)
-    assert result.exit_code == 0, result.output
-    assert result.stdout.startswith(f"# autotune recommendation for study {study}")
+    assert result.exit_code == (0 if data["certified"] else 1), result.output
+    assert result.stdout.startswith(f"# autotune verdict for study {study}")
+    assert ("CERTIFIED" if data["certified"] else "KEEP THE BASELINE") in result.stdout.split("\n")[0]
     config = yaml.safe_load(result.stdout)
-    assert isinstance(config, dict) and config["accum_steps"] == 1
+    assert isinstance(config, dict) and config == data["config"]
     header = result.stdout.split("\n")
-    assert any(line.startswith("# baseline throughput:") and "(speedup " in line for line in header)
     assert any(line.startswith("# val_nrmse:") and "baseline val_nrmse:" in line for line in header)
     assert any(line.startswith("# peak memory reserved:") for line in header)
-    assert any(line.startswith("# throughput 95% CI:") for line in header)
-
-    result = invoke("best", study, "--format", "json", "--api", service.url)
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
-    assert data["study"] == study and data["throughput_samples_per_s"] > 0 and data["speedup"] > 0
+    if not data["certified"]:
+        assert "no certified pick" in result.stderr
+        result = invoke("best", study, "--uncertified", "--api", service.url)
+        assert result.exit_code == 1 and result.stdout.startswith("# UNCERTIFIED")
 
     result = invoke("best", study, "--format", "toml", "--api", service.url)
     assert result.exit_code == 2 and "allowed: yaml | json" in result.stderr
+    result = invoke("best", "nope", "--api", service.url)
+    assert result.exit_code == 2 and "no study named" in result.stderr
 
 
 @pytest.mark.slow  # the module's live service and finished study take ~25 s to set up

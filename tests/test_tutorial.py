@@ -77,12 +77,12 @@ def test_the_tutorial_commands_run_on_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, output[-6000:] + "\n--- serve.log ---\n" + serve_log[-3000:]
     assert "val_loss" in output and "None" in output  # the probe: quality_metric, its value, no failure
     best = (work / "best.yaml").read_text()
-    assert "# autotune recommendation for study my-first-study" in best
+    assert "# autotune verdict for study my-first-study" in best
     assert "# val_loss: " in best and "nrmse" not in best.lower()
     assert re.search(r"^batch_size: (8|16|32)$", best, flags=re.MULTILINE), best
     assert re.search(r"epoch 1: val_loss \d+\.\d+", output), output[-3000:]
     # part 2: the script's probe trained with its optimizer and schedule; its study and apply path ran
     assert re.search(r"^AdamW \(\d+ tensors in 2 groups\)$", output, flags=re.MULTILINE), output[-3000:]
     assert "ScriptWorkload.lr_multiplier" in output
-    assert "# autotune recommendation for study gpt-script-study" in (work / "gpt-best.yaml").read_text()
+    assert "# autotune verdict for study gpt-script-study" in (work / "gpt-best.yaml").read_text()
     assert len(re.findall(r"parameters, vocab \d+, \d+ iterations of \d+ x \d+ sequences", output)) == 2, output[-3000:]
