@@ -66,6 +66,7 @@ def test_importances_need_enough_trials(study: StudyInfo, trials: list[TrialInfo
 
 def test_write_report_produces_html_and_images(study: StudyInfo, trials: list[TrialInfo], tmp_path: Path) -> None:
     rec = Recommendation(study="s", config={"batch_size": 16}, trial_number=6, throughput_samples_per_s=200.0,
+                         certified=True, outcome="certified",
                          val_nrmse=0.51, baseline_throughput_samples_per_s=100.0, baseline_val_nrmse=0.5,
                          speedup=2.0, gate_nrmse=0.51, speedup_ci_low=1.8, speedup_ci_high=2.2,
                          verdict="2.00× (95 % CI 1.80–2.20×) the baseline's throughput: faster beyond the noise")
@@ -79,7 +80,7 @@ def test_write_report_produces_html_and_images(study: StudyInfo, trials: list[Tr
 
 def test_report_without_recommendation_or_trials(study: StudyInfo, tmp_path: Path) -> None:
     files = write_report(study, [], None, tmp_path)
-    assert "No recommendation yet" in files.html.read_text()
+    assert "No verdict yet" in files.html.read_text()
     assert all(p.stat().st_size > 0 for p in files.figures.values())
 
 
@@ -99,7 +100,18 @@ def test_a_report_names_the_studys_own_metric_and_its_direction(tmp_path: Path) 
     assert [t.number for t in pareto_front(trials)] == [3, 2]  # the same points, minimized: neither dominates
     rec = Recommendation(study="acc", config={"batch_size": 4}, trial_number=2, throughput_samples_per_s=150.0,
                          baseline_throughput_samples_per_s=100.0, speedup=1.5, quality_metric="val_accuracy",
-                         quality_direction="maximize", quality=0.95, baseline_quality=0.90, gate_quality=0.89)
+                         quality_direction="maximize", quality=0.95, baseline_quality=0.90, gate_quality=0.89,
+                         certified=True, outcome="certified")
     page = write_report(study, trials, rec, tmp_path).html.read_text()
     assert "val_accuracy 0.9500 (baseline 0.9000, gate ≥ 0.8900)" in page
     assert "<th>val_accuracy</th>" in page and "NRMSE" not in page
+
+
+def test_a_report_without_a_certified_pick_says_keep_the_baseline(study: StudyInfo, trials: list[TrialInfo],
+                                                                   tmp_path: Path) -> None:
+    rec = Recommendation(study="s", config={}, trial_number=0, throughput_samples_per_s=100.0,
+                         baseline_throughput_samples_per_s=100.0, speedup=1.0, certified=False, outcome="undecided",
+                         reason="no config was certified within the re-measure budget")
+    page = write_report(study, trials, rec, tmp_path / "out").html.read_text()
+    assert "Verdict: keep the baseline" in page and "within the re-measure budget" in page
+    assert "CERTIFIED" not in page
