@@ -33,7 +33,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, autotune_data_dir: Any) -> It
     try:
         service = LiveService(processes, tmp / "autotune.db").start()
         service.submit(small_spec("cli", n_trials=3, gate={"abs_tol": 1.0}, pruning={"enabled": False}))
-        worker = start_worker(processes, service.url, "--study", "cli", "--max-trials", "3")
+        worker = start_worker(processes, service.url, "--study", "cli", "--idle-exit", "2")
         assert worker.wait(timeout=90) == 0, log_text(worker)[-3000:]
         yield service, "cli"
     finally:
