@@ -607,8 +607,7 @@ class OptunaBridge:
         fixed knobs and its params (its stored config is the effective one once it ran); the
         baseline's is the spec's baseline config, or what it ran. Pruned and failed search trials
         are no twins: their configs may run again."""
-        from api.outcome import PRESET_KNOBS
-        from api.results import may_retry  # api.results imports only TrialRecord of this module
+        from api.outcome import PRESET_KNOBS, retriable
 
         trials = sorted(trials, key=lambda t: t.number)
         base = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("role") == "baseline"
@@ -629,7 +628,7 @@ class OptunaBridge:
             if t.state == TrialState.COMPLETE and not attrs.get("failure_kind") and t.values is not None:
                 kind = "measured"
             elif ((t.state == TrialState.RUNNING and isinstance(attrs.get("config"), dict))
-                  or (t.state == TrialState.FAIL and t.number not in retried and may_retry(ctx.spec, _record(t)))):
+                  or (t.state == TrialState.FAIL and t.number not in retried and retriable(ctx.spec, "FAIL", attrs))):
                 kind = "running"
             else:
                 continue
@@ -697,7 +696,7 @@ class OptunaBridge:
         held. `trials`: the study's trials, when the caller has just read them. Called under
         the study's lock: by `finish_once` for every search trial it finishes (one light query
         when nothing is held), by `ask`, and for the reaper's tell of a held repeat."""
-        from api.results import may_retry
+        from api.outcome import retriable
 
         if trials is None:
             if not self._held_ids(ctx.name):
@@ -710,7 +709,7 @@ class OptunaBridge:
         for repeat in held:
             twin = _last_attempt(by_number, retried_as, repeat.user_attrs.get("repeat_of"))
             if (twin is None or not twin.state.is_finished()
-                    or (twin.state == TrialState.FAIL and may_retry(ctx.spec, _record(twin)))):
+                    or (twin.state == TrialState.FAIL and retriable(ctx.spec, twin.state.name, twin.user_attrs))):
                 continue
             config = repeat.user_attrs.get("config")
             self._tell_repeat(ctx, repeat._trial_id, repeat.number, twin, config if isinstance(config, dict) else {},
@@ -881,7 +880,7 @@ class OptunaBridge:
         once the twin has finished it is listed, and the reaper's tell of it settles it
         (`finish_once`): a repeat whose twin's outcome was not told to it (a crash in between)
         is so told after the lease grace."""
-        from api.results import is_lost
+        from api.outcome import lost
         model = rdb_models.TrialModel
         cutoff_utc = cutoff.astimezone(timezone.utc).replace(tzinfo=None)  # the column holds naive UTC
         with _create_scoped_session(self._rdb.scoped_session) as session:
@@ -896,7 +895,7 @@ class OptunaBridge:
             for t in trials:
                 if t._trial_id in held:
                     twin = _last_attempt(by_number, retried_as, t.user_attrs.get("repeat_of"))
-                    if twin is None or not twin.state.is_finished() or is_lost(_record(twin)):
+                    if twin is None or not twin.state.is_finished() or lost(twin.state.name, twin.user_attrs):
                         waiting.add(t._trial_id)
             ids = [i for i in ids if i not in waiting]
         return ids

@@ -72,9 +72,29 @@ RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "pea
 MAX_MESSAGE = 2000
 # Failures that say nothing about the trial's config: the worker refused its workload (not on
 # its allow-list, or not installed there), or was interrupted (SIGTERM/SIGINT: a preemption).
-# Like a lost trial they stay Optuna FAIL and are re-run by another worker (api/results.py
-# may_retry).
+# Like a lost trial they stay Optuna FAIL and are re-run by another worker (`retriable`).
 NOT_ABOUT_THE_CONFIG = ("refused", "interrupted")
+RETRIED_KINDS = ("lost", *NOT_ABOUT_THE_CONFIG)  # the reaper's, and the failures told as Optuna FAIL
+
+
+def lost(state: str, attrs: Mapping[str, Any]) -> bool:
+    """A trial (its Optuna state name and user attrs) that failed not because of its config: its
+    worker went silent (the reaper: "lost"), did not run its workload ("refused") or was stopped
+    by a signal ("interrupted"). Such a trial is re-run by another worker (`retriable`)."""
+    return state == "FAIL" and attrs.get("failure_kind") in RETRIED_KINDS
+
+
+def attempt(attrs: Mapping[str, Any]) -> int:
+    """1 for a first run, k for the (k-1)-th retry of a lost trial."""
+    value = attrs.get("attempt")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+def retriable(spec: StudySpec, state: str, attrs: Mapping[str, Any]) -> bool:
+    """A lost trial whose attempts are not used up (retried at most spec.max_retries times)."""
+    return lost(state, attrs) and attempt(attrs) <= spec.max_retries
+
+
 WORST_NRMSE = 10.0  # the val_nrmse a failed trial is told with (with throughput 0)
 WORST_QUALITY = 1.0e4  # the magnitude for other metrics (a loss can exceed 10)
 WORST_ENERGY = 1.0e4  # J/sample a failed (or not a candidate) trial is told with: far above any GPU's

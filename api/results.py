@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.optuna_bridge import TrialRecord
-from api.outcome import NOT_ABOUT_THE_CONFIG
+from api.outcome import attempt, lost, retriable
 from autotune.config import KNOBS, normalised
 from autotune.gate import BaselineStats, Estimate, Gate
 from autotune.gate import is_feasible as gate_feasible
@@ -106,20 +106,14 @@ def completed(trial: TrialRecord) -> bool:
     return service_state(trial) == "COMPLETE"
 
 
-RETRIED_KINDS = ("lost", *NOT_ABOUT_THE_CONFIG)  # the reaper's, and the failures told as Optuna FAIL
-
-
 def is_lost(trial: TrialRecord) -> bool:
-    """Failed not because of its config: its worker went silent (the reaper: "lost"), did not
-    run its workload ("refused") or was stopped by a signal ("interrupted"). Such a trial is
-    re-run by another worker (`may_retry`)."""
-    return trial.state == "FAIL" and trial.user_attrs.get("failure_kind") in RETRIED_KINDS
+    """Failed not because of its config (api.outcome.lost): re-run by another worker (`may_retry`)."""
+    return lost(trial.state, trial.user_attrs)
 
 
 def attempt_of(trial: TrialRecord) -> int:
     """1 for a first run, k for the (k-1)-th retry of a lost trial."""
-    value = trial.user_attrs.get("attempt")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+    return attempt(trial.user_attrs)
 
 
 def retry_of(trial: TrialRecord) -> int | None:
@@ -130,7 +124,7 @@ def retry_of(trial: TrialRecord) -> int | None:
 
 def may_retry(spec: StudySpec, trial: TrialRecord) -> bool:
     """A lost trial whose attempts are not used up (retried at most spec.max_retries times)."""
-    return is_lost(trial) and attempt_of(trial) <= spec.max_retries
+    return retriable(spec, trial.state, trial.user_attrs)
 
 
 def retried_as(trials: Sequence[TrialRecord]) -> dict[int, int]:

@@ -17,7 +17,8 @@ and probe (`Truth.result`)::
                                                                 / the study's (search) samples
     sd(budget) = 0.002 at the search budget, 0.1 beyond it (samples > the search's)
 
-the noise seeded by (the scenario's seed, the trial number), so a run is reproducible. The
+the noise seeded by (the scenario's seed, the trial number), so a run is reproducible (and a
+seed draws the same noise in every scenario: they differ by their truth alone). The
 studies search a 16-config inline space (fused_optimizer × batch_size × accum_steps ×
 inverse_loss_frequency) with TPE seeded by the seed, 12 trials (3 baseline seeds), probe
 samples 1000, remeasure top_k 2 and the service's defaults otherwise. The planted winner is
@@ -44,11 +45,16 @@ finished) and the wall time.
     python bench/verdict.py                                   # every scenario, 100 seeds
     python bench/verdict.py --seeds 20 --scenarios aa,win2,loss --out /tmp/verdict.json
     python bench/verdict.py --db postgresql          # a fresh database on $AUTOTUNE_TEST_PG_URL's server
+    python bench/verdict.py --seeds 100 --resume     # go on where a killed run of the same settings stopped
+    python bench/verdict.py --report bench/results/verdict.json   # its table and PNG again, nothing run
 
-Writes the raw JSON (every study's recommendation, its trials and each run's planted values)
-to --out (default bench/results/verdict.json), a PNG next to it (the rates with their
-intervals and the targets) and prints a markdown table. Exit status 0 whatever the rates (a
-calibration run reports, it does not judge); 1 when a study did not finish.
+Writes the raw JSON (every study's recommendation, its configs with their planted truth and its
+trials) to --out (default bench/results/verdict.json), a PNG next to it (the rates with their
+intervals and the targets) and prints a markdown table. Each study is also appended to
+<out>.partial.jsonl as it ends (removed once the JSON is written): --resume keeps those of a
+run that was killed, when its settings and the service's code (commit, changed service files)
+are the same. Exit status 0 whatever the rates (a calibration run reports, it does not judge);
+1 when a study did not finish.
 """
 
 from __future__ import annotations
@@ -505,7 +511,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
         level = 90 if expect == "winner certified" else 5
         centre = x[i] + (TARGET_BAR[expect] - 1) * width
         ax.hlines(level, centre - 0.75 * width, centre + 0.75 * width, colors="black", linestyles="dashed",
-                  linewidth=1.2, label="target" if i == 0 else None)
+                  linewidth=1.2, zorder=3, label="target" if i == 0 else None)
     ax.set_xticks(x, [f"{s['scenario']}\n(n={s['studies']})" for s in summaries])
     ax.set_xlim(-0.6, len(summaries) - 0.4)
     ax.set_ylabel("studies (%)")
@@ -548,6 +554,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "or a SQLAlchemy URL used as it is, e.g. postgresql+psycopg://postgres@127.0.0.1:5432/verdict")
     p.add_argument("--study-timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=OUT, help="the JSON; the PNG goes next to it")
+    p.add_argument("--resume", action="store_true", help="keep the studies a killed run of the same settings "
+                   "and service code recorded (<out>.partial.jsonl) and run only the others")
     p.add_argument("--report", type=Path, default=None, help="print the table and redraw the PNG of an earlier "
                    "run's JSON (nothing is run)")
     args = p.parse_args(argv)
@@ -609,32 +617,82 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run(args: argparse.Namespace) -> int:
-    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    jobs = [(sc, seed) for sc in args.scenario_list for seed in seeds]
-    tag = uuid.uuid4().hex[:6]  # study names of their own on a database used before (--db)
-    studies: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
-    code = code_version()  # the service's code as it starts (others may edit the tree during a long run)
+def run_jobs(args: argparse.Namespace, jobs: list[tuple[Scenario, int]], seeds: list[int], tag: str,
+             studies: list[dict[str, Any]], partial: Path) -> str:
+    """Run `jobs` (scenario, seed) on one service, appending each study to `studies` and `partial`;
+    the tail of the service's log."""
     with tempfile.TemporaryDirectory(prefix="autotune-verdict-") as tmp, database(args.db, Path(tmp)) as db_url:
         tokens = create_tokens(db_url)
         server = Server(db_url, "cli", Path(tmp) / "service.log")
         try:
             server.wait_ready()
             print(f"service at {server.url} on {db_url.split('@')[-1]}; {len(jobs)} studies "
-                  f"({len(args.scenario_list)} scenarios × {len(seeds)} seeds), {args.workers} worker(s) each, "
+                  f"({len(args.scenario_list)} scenarios × {len(seeds)} seeds"
+                  f"{f', {len(studies)} from an earlier run' if studies else ''}), {args.workers} worker(s) each, "
                   f"{args.parallel} at once", flush=True)
-            done: Counter[str] = Counter()
-            with ThreadPoolExecutor(args.parallel) as pool:
+            done = Counter(s["scenario"] for s in studies)
+            with ThreadPoolExecutor(args.parallel) as pool, partial.open("a") as log:
                 futures = [pool.submit(run_study, server.url, tokens, sc, seed, args, tag) for sc, seed in jobs]
-                for future in as_completed(futures):
-                    study = future.result()
-                    studies.append(study)
-                    done[study["scenario"]] += 1
-                    print(progress_line(study, done[study["scenario"]], len(seeds)), flush=True)
+                try:
+                    for future in as_completed(futures):
+                        study = future.result()
+                        studies.append(study)
+                        log.write(json.dumps(study, separators=(",", ":")) + "\n")
+                        log.flush()
+                        done[study["scenario"]] += 1
+                        print(progress_line(study, done[study["scenario"]], len(seeds)), flush=True)
+                except BaseException:  # SIGTERM, ^C, a study's error: the studies not started are not run
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
         finally:
             server.stop()
-        log_tail = server.log_tail(60)
+        return server.log_tail(60)
+
+
+RESUME_KEYS = ("workers", "n_trials", "samples", "hardware", "remeasure_windows")  # what makes studies comparable
+
+
+SERVICE_CODE = ("api/", "autotune/protocol.py", "autotune/verdict.py", "autotune/space.py", "autotune/config.py")
+
+
+def service_code(code: dict[str, Any]) -> tuple[Any, list[str]]:
+    """What of `code_version` decides the service's answers: the commit and its changed service files."""
+    return code.get("commit"), sorted(f for f in code.get("changed_files", []) if f.startswith(SERVICE_CODE))
+
+
+def partial_records(path: Path, args: argparse.Namespace, code: dict[str, Any]) -> list[dict[str, Any]]:
+    """The studies an earlier run of the same settings and service code recorded in `path` (--resume)."""
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        return []
+    header, records = lines[0], lines[1:]
+    want = {k: getattr(args, k) for k in RESUME_KEYS}
+    if header.get("settings") != want or service_code(header.get("code") or {}) != service_code(code):
+        raise SystemExit(f"--resume: {path} was written with other settings or service code "
+                         f"({header.get('settings')}, {header.get('code')}; now {want}, {code}): run without --resume")
+    return records
+
+
+def run(args: argparse.Namespace) -> int:
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    tag = uuid.uuid4().hex[:6]  # study names of their own on a database used before (--db)
+    t_start = time.perf_counter()
+    code = code_version()  # the service's code as it starts (others may edit the tree during a long run)
+    # every study is appended here as it ends: a run that is killed keeps them (--resume goes on from there)
+    partial = args.out.with_suffix(".partial.jsonl")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    names = {sc.name for sc in args.scenario_list}
+    studies = [s for s in (partial_records(partial, args, code) if args.resume else [])
+               if s["scenario"] in names and s["seed"] in seeds]
+    if not args.resume or not partial.exists():
+        partial.write_text(json.dumps({"settings": {k: getattr(args, k) for k in RESUME_KEYS}, "code": code}) + "\n")
+    have = {(s["scenario"], s["seed"]) for s in studies}
+    jobs = [(sc, seed) for sc in args.scenario_list for seed in seeds if (sc.name, seed) not in have]
+    log_tail = ""
+    if jobs:
+        log_tail = run_jobs(args, jobs, seeds, tag, studies, partial)
     studies.sort(key=lambda s: (list(SCENARIOS).index(s["scenario"]), s["seed"]))
     summaries = [summarize(sc, [s for s in studies if s["scenario"] == sc.name]) for sc in args.scenario_list]
     png = args.out.with_suffix(".png")
@@ -649,6 +707,7 @@ def run(args: argparse.Namespace) -> int:
     plot(summaries, png)
     print()
     print(markdown_table(summaries))
+    partial.unlink(missing_ok=True)
     print(f"\nwrote {args.out} and {png} ({doc['wall_s']:.0f} s)")
     unfinished = [s["study"] for s in studies if not s["finished"]]
     if unfinished:

@@ -404,9 +404,10 @@ def test_a_two_process_worker_runs_only_studies_of_its_world_size(tmp_path: Path
     processes = Processes(tmp_path)
     try:
         service = LiveService(processes, tmp_path / "autotune.db").start()
+        # bucket_cap_mb: not the baseline's 25 (a drawn twin of the baseline is told its result, not run)
         spec = small_spec("two-ranks", n_trials=2, samples=96, gpus_per_trial=2,
                           space={"params": {"batch_size": {"choices": [2]},
-                                            "bucket_cap_mb": {"choices": [1.0, 25.0]}},
+                                            "bucket_cap_mb": {"choices": [1.0, 5.0]}},
                                  "fixed": {"accum_steps": 2}},
                           baseline={"batch_size": 2, "accum_steps": 2})
         assert service.submit(spec)["spec"]["gpus_per_trial"] == 2

@@ -194,8 +194,8 @@ def test_energy_and_quality_recommends_the_lowest_energy_per_sample(
         energy *= next(noise)
         energies[target].append(energy)
         _finish(client, got, "r", throughput, quality, energy)
-    # the lowest energy, then the baseline; the second round in reverse
-    assert targets == [numbers[16], numbers[4], numbers[4], numbers[16]]
+    # the lowest energy, then the baseline; the second round in reverse; the third as the first
+    assert targets == [numbers[16], numbers[4], numbers[4], numbers[16], numbers[16], numbers[4]]
     best = client.get("/v1/studies/s/best").json()
     assert best["certified"] is True and best["outcome"] == "certified"
     assert best["chosen_by"] == "energy" and best["trial_number"] == numbers[16]
@@ -230,7 +230,7 @@ def test_no_config_that_saves_energy_beyond_the_noise_says_so(client: TestClient
     first = min(numbers.values())  # both grid points use as much energy: the first is re-measured
     _remeasure_all(client, {first: (100.0, 0.10, 1.1), 0: (100.0, 0.10, 1.15)}, noisy=True)
     best = client.get("/v1/studies/s/best").json()
-    assert best["certified"] is False and best["outcome"] == "undecided" and best["rounds_run"] == 2
+    assert best["certified"] is False and best["outcome"] == "undecided" and best["rounds_run"] == 3
     assert best["trial_number"] == 0 and best["config"] == {"batch_size": 4}  # the baseline's own
     assert best["energy_ratio"] is None and best["saves_energy"] is None  # no pick: nothing to compare
     row = best["uncertified"]
