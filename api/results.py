@@ -565,6 +565,20 @@ def _geomean(values: Sequence[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else None
 
 
+def _seed_pairs(spec: StudySpec, settled: dict[tuple[int, int], TrialRecord], cand: int, base: int,
+                rounds: int) -> list[tuple[float, float]]:
+    """(candidate, baseline) quality of the rounds both completed: one probe seed a round."""
+    pairs = []
+    for r in range(rounds):
+        c, b = settled.get((cand, r)), settled.get((base, r))
+        if c is None or b is None or not completed(c) or not completed(b):
+            continue
+        qc, qb = metric(c, spec, "quality"), metric(b, spec, "quality")
+        if qc is not None and qb is not None:
+            pairs.append((qc, qb))
+    return pairs
+
+
 def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> Remeasurement:
     """Replay the study's verdict from its trials (module docstring; autotune.verdict).
 
@@ -576,7 +590,8 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
     candidate is undecided or after `round_limit` rounds. The runs judged: a candidate's
     re-measurements (its search trial was chosen for its speed: the winner's curse), the
     baseline's re-measurements and, when re-measuring at the search's budget
-    (samples_factor 1), its seeds."""
+    (samples_factor 1), its seeds; quality is compared round by round (the rounds both
+    completed: one probe seed each), the baseline's runs setting the margin."""
     targets = remeasure_targets(spec, trials, gate)
     state = retries(spec, trials)
     rs = spec.remeasure
@@ -638,7 +653,9 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
             j = judge(_values(mine, spec, name), _values(base_runs, spec, name), _values(mine, spec, "quality"),
                       _values(base_runs, spec, "quality"), alpha=alpha, abs_tol=spec.gate.abs_tol, k=spec.gate.k,
                       quality_direction=spec.quality_direction, higher_is_better=higher,
-                      metric="speedup" if higher else "energy ratio")
+                      metric="speedup" if higher else "energy ratio",
+                      quality_pairs=None if base_number is None else
+                      _seed_pairs(spec, settled, c.number, base_number, rounds_done))
             judgements[c.number] = j
             status[c.number] = j.status
         sign = 1.0 if higher else -1.0

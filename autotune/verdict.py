@@ -12,8 +12,15 @@ A candidate is *certified* when both halves hold at the same sample budget:
   spread measured at this budget (at least MIN_BASELINE_RUNS runs): the one-sided upper
   bound of (mean quality of the candidate − the baseline's), signed so that > 0 is worse,
   lies below Δ. All the candidate's runs at this budget count; never one run against a
-  threshold. Unlike throughput, quality's seed spread is shared by the configs of one
-  training at one budget, so the two sides' variances are pooled (`shared_spread`).
+  threshold. Re-measurement rounds give every config of a round the same probe seed (the
+  same initial weights and data order), so most of a quality's seed-to-seed spread is common
+  to the candidate and the baseline of one round: the test is then on the seed-matched
+  differences (`paired`: a one-sample t on d_i = q_candidate(seed i) − q_baseline(seed i),
+  n − 1 degrees of freedom), which a config that trains the same model the same way (a
+  fused optimizer, a larger micro-batch at the same effective batch) passes in a few rounds
+  where the unmatched means would need tens. Without seed-matched runs, the two sides'
+  variances are pooled (`shared_spread`): quality's seed spread is a property of the model
+  and the budget that configs of one training share.
 
 A candidate is *rejected* when either half is shown the other way (the speedup's interval
 lies below 1, or the quality difference's lower bound exceeds Δ), and *undecided* otherwise:
@@ -154,6 +161,12 @@ def shared_spread(a: Sample, b: Sample) -> Difference:
     return Difference(a.mean - b.mean, math.sqrt(se2), float(dof))
 
 
+def paired(diffs: Sequence[float]) -> Difference:
+    """The mean of seed-matched differences, with its standard error and n − 1 degrees of freedom."""
+    d = Sample.of(diffs)
+    return Difference(d.mean, d.sd / math.sqrt(d.n), float(max(1, d.n - 1)))
+
+
 def look_alpha(alpha: float, look: int, looks: int) -> float:
     """The share of `alpha` spent at look `look` (1-based) of at most `looks`: α (2j − 1) / L²."""
     if looks < 1 or not 1 <= look <= looks:
@@ -184,13 +197,15 @@ class Judgement:
 
 def judge(cand_metric: Sequence[float], base_metric: Sequence[float], cand_quality: Sequence[float],
           base_quality: Sequence[float], *, alpha: float, abs_tol: float, k: float,
-          quality_direction: str = "minimize", higher_is_better: bool = True, metric: str = "speedup"
-          ) -> Judgement:
+          quality_direction: str = "minimize", higher_is_better: bool = True, metric: str = "speedup",
+          quality_pairs: Sequence[tuple[float, float]] | None = None) -> Judgement:
     """Judge a candidate from its runs and the baseline's at one budget.
 
     `*_metric`: each run's throughput (or energy per sample with higher_is_better False; all
     > 0); `*_quality`: each run's quality metric; `alpha`: each half's one-sided level
-    (`level_at`)."""
+    (`level_at`). `quality_pairs`: (candidate, baseline) quality of runs with the same probe
+    seed; when given, the quality half tests their differences (`paired`) and the baseline's
+    `base_quality` only sets the margin."""
     if any(v <= 0 or not math.isfinite(v) for v in [*cand_metric, *base_metric]):
         raise ValueError("throughputs must be finite and > 0")
     if len(cand_metric) < MIN_RUNS or len(base_metric) < MIN_RUNS:
@@ -204,28 +219,32 @@ def judge(cand_metric: Sequence[float], base_metric: Sequence[float], cand_quali
     out: dict[str, float | None] = {"ratio": ratio, "ratio_low": ratio_low, "ratio_high": ratio_high,
                                     "alpha": alpha}
     interval = f"{ratio:.2f}× (interval {ratio_low:.2f}–{ratio_high:.2f}×)"
-    if len(base_quality) < MIN_BASELINE_RUNS or len(cand_quality) < MIN_RUNS:
+    matched = len(quality_pairs) if quality_pairs is not None else len(cand_quality)
+    if len(base_quality) < MIN_BASELINE_RUNS or matched < MIN_RUNS:
         quality_state: Status = "undecided"
-        quality_why = (f"quality needs {MIN_BASELINE_RUNS} baseline runs and {MIN_RUNS} of the config at this "
-                       f"budget (has {len(base_quality)} and {len(cand_quality)})")
+        runs = "seed-matched runs" if quality_pairs is not None else "runs"
+        quality_why = (f"quality needs {MIN_BASELINE_RUNS} baseline runs and {MIN_RUNS} {runs} of the config at "
+                       f"this budget (has {len(base_quality)} and {matched})")
     else:
         sign = 1.0 if quality_direction == "minimize" else -1.0
         base = Sample.of([sign * q for q in base_quality])
-        diff = shared_spread(Sample.of([sign * q for q in cand_quality]), base)
+        diff = (paired([sign * (c - b) for c, b in quality_pairs]) if quality_pairs is not None
+                else shared_spread(Sample.of([sign * q for q in cand_quality]), base))
+        what_diff = f"seed-matched difference (n={matched})" if quality_pairs is not None else "difference"
         margin = max(abs_tol, k * base.sd)
         q_low, q_high = diff.bounds(alpha)
         out.update(quality_diff=diff.value, quality_low=q_low, quality_high=q_high, margin=margin)
         if q_high < margin:
             quality_state = "certified"
-            quality_why = (f"quality no worse: difference {diff.value:+.4g} (bound {q_high:+.4g}) within the "
+            quality_why = (f"quality no worse: {what_diff} {diff.value:+.4g} (bound {q_high:+.4g}) within the "
                            f"margin {margin:.4g}")
         elif q_low > margin:
             quality_state = "rejected"
-            quality_why = (f"quality worse: difference {diff.value:+.4g} (at least {q_low:+.4g}) beyond the "
+            quality_why = (f"quality worse: {what_diff} {diff.value:+.4g} (at least {q_low:+.4g}) beyond the "
                            f"margin {margin:.4g}")
         else:
             quality_state = "undecided"
-            quality_why = (f"quality not yet shown no worse: difference {diff.value:+.4g} (bound {q_high:+.4g}) "
+            quality_why = (f"quality not yet shown no worse: {what_diff} {diff.value:+.4g} (bound {q_high:+.4g}) "
                            f"against the margin {margin:.4g}")
     what = "faster" if higher_is_better else "less energy per sample"
     if worse:
