@@ -63,14 +63,15 @@ def test_seed_matched_runs_judge_quality_on_their_differences() -> None:
     speed = ([480.0, 475.0, 418.0, 435.0], [188.0, 185.0, 189.0, 198.0, 186.0, 189.0, 189.0])
     unmatched = judge(*speed, pick, base, alpha=0.0094, abs_tol=0.01, k=2.0)
     assert unmatched.status == "undecided" and "not yet shown no worse" in unmatched.reason
-    matched = judge(*speed, pick, base, alpha=0.0094, abs_tol=0.01, k=2.0, quality_pairs=list(zip(pick, base[3:])))
+    pairs = list(zip(pick, base[3:], strict=True))  # round r of each: one probe seed
+    matched = judge(*speed, pick, base, alpha=0.0094, abs_tol=0.01, k=2.0, quality_pairs=pairs)
     assert matched.status == "certified" and "seed-matched difference (n=4)" in matched.reason, matched.reason
-    assert matched.quality_diff == pytest.approx(statistics.fmean(p - b for p, b in zip(pick, base[3:])))
+    assert matched.quality_diff == pytest.approx(statistics.fmean(p - b for p, b in pairs))
     assert matched.margin == unmatched.margin == pytest.approx(2 * statistics.stdev(base))  # all the baseline's runs
     # a config that tracks the baseline but is worse beyond the margin in every round is rejected
     worse = [b + 0.04 for b in base[3:]]
     assert judge(*speed, worse, base, alpha=0.0094, abs_tol=0.01, k=2.0,
-                 quality_pairs=list(zip(worse, base[3:]))).status == "rejected"
+                 quality_pairs=list(zip(worse, base[3:], strict=True))).status == "rejected"
     one = judge(*speed, pick, base, alpha=0.0094, abs_tol=0.01, k=2.0, quality_pairs=[(pick[0], base[3])])
     assert one.status == "undecided" and "2 seed-matched runs" in one.reason  # one pair has no spread
 
@@ -85,7 +86,7 @@ def test_seed_matched_quality_keeps_its_level_at_the_margin() -> None:
         base = [0.4 + s + rng.gauss(0, 0.0005) for s in seeds]
         pick = [0.41 + s + rng.gauss(0, 0.004) for s in seeds]
         j = judge([200.0, 201.0, 199.0, 200.0], [100.0, 101.0, 99.0, 100.0], pick, base, alpha=0.025, abs_tol=0.01,
-                  k=0.0, quality_pairs=list(zip(pick, base)))
+                  k=0.0, quality_pairs=list(zip(pick, base, strict=True)))
         hits += j.status == "certified"
     assert hits / 2000 < 0.035
 
