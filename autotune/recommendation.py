@@ -66,6 +66,9 @@ def _number_lines(rec: Recommendation) -> list[str]:
         sd = "" if row.throughput_sd_log is None else f" sd(log) {row.throughput_sd_log:.3f}"
         q = "" if row.quality_mean is None else f", {name} {row.quality_mean:.6g}" + (
             "" if row.quality_sd is None else f" sd {row.quality_sd:.2g}")
+        if row.quality_diff is not None and row.quality_diff_ci_high is not None and row.quality_margin is not None:
+            q += (f"; {name} difference {row.quality_diff:+.4g} (bound {row.quality_diff_ci_high:+.4g}, margin "
+                  f"{row.quality_margin:.4g})")
         lines.append(f"# {row.role} trial {row.trial_number} [{row.status}]: n {row.n}, {thr} samples/s{sd}{q}")
     lines.append("# peak memory reserved: " + ("n/a (not measured on this device)" if rec.peak_mem_reserved_bytes
                                                 is None else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB"))

@@ -109,6 +109,8 @@ def test_the_walkthrough_commands_run_on_cpu(tmp_path: Path) -> None:
     assert "# autotune verdict for study quickstart: CERTIFIED" in best and "# val_nrmse: " in best, best
     # micro-batch 16 without accumulation: the baseline's steps in half the micro-batches (its NRMSE seed for seed)
     assert re.search(r"^batch_size: 16\naccum_steps: 1$", best, flags=re.MULTILINE), best
+    # the pick's row says the quality test's inputs: its difference from the baseline, the bound and the margin
+    assert re.search(r"\[certified\]: n \d+, .* val_nrmse difference [+-]\S+ \(bound [+-]\S+, margin \S+\)", best), best
     assert (tmp_path / "report" / "report.html").stat().st_size > 0
     assert re.search(r"one epoch with micro-batch (8|16) x [12]: loss \d+\.\d+", output), output[-3000:]
 
