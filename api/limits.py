@@ -1,4 +1,5 @@
-"""Request size limits: a pure ASGI middleware that answers 413 to a body over the limit.
+"""Request limits: a pure ASGI middleware that answers 413 to a body over the size limit and
+422 to JSON nested deeper than the depth limit.
 
 Every request body of the API is a small JSON document (a study spec, a probe result of a
 few KiB), so anything near a MiB is a mistake or an attack. `BodySizeLimit` stops it
@@ -7,24 +8,42 @@ before the app parses anything:
 * a ``Content-Length`` above the limit is answered 413 at once, without reading the body
   (a Content-Length that is not a number: 400);
 * every body, chunked (no Content-Length) or not, is read and counted up to the limit and
-  answered 413 as soon as it passes it; a body within the limit is handed to the app
-  unchanged (at most `max_bytes` are held per request).
+  answered 413 as soon as it passes it;
+* a body whose arrays and objects nest deeper than `max_depth` (default MAX_JSON_DEPTH, 32)
+  is answered 422: the API's documents nest a few levels (an inline search space, a probe
+  result's telemetry: 6 or 7), while a few hundred levels within the size limit break
+  whatever walks the document recursively after the parse (pydantic's serializer stops at
+  255 levels: that was a 500 and a dropped connection, issue 35). Brackets inside strings
+  do not count.
 
-The limit is ``max_bytes`` (default: ``$AUTOTUNE_MAX_BODY_BYTES``, else 1 MiB). The answer
-is ``{"detail": "..."}`` like every other error of the service.
+A body within both limits is handed to the app unchanged (at most `max_bytes` are held per
+request). The size limit is ``max_bytes`` (default: ``$AUTOTUNE_MAX_BODY_BYTES``, else
+1 MiB). The answer is ``{"detail": ...}`` like every other error of the service: a string,
+for 422 a list of ``{loc, msg, type}`` (loc ``["body"]``) as FastAPI's validation errors.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from itertools import accumulate
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 MAX_BODY_ENV = "AUTOTUNE_MAX_BODY_BYTES"
+MAX_JSON_DEPTH = 32
 _TOO_LARGE = object()  # _read_body's answers other than the body
 _GONE = object()
+# A JSON string (escapes included), or an unterminated one up to the end of the body: every
+# character after the opening quote is consumed by one alternative or the other, so the match
+# never fails and backtracks (linear time, whatever the body).
+_STRING = re.compile(rb'"(?:[^"\\]|\\.?)*(?:"|\Z)', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
 
 
 def max_body_bytes_from_env() -> int:
@@ -42,6 +61,15 @@ def max_body_bytes_from_env() -> int:
     return value
 
 
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON document nest (0: a scalar; ``[[1]]``: 2),
+    brackets inside strings not counted. Works on bytes without parsing, exactly for a valid
+    document; a malformed one gets a depth too (the parser refuses it anyway, before it nests
+    deeper than the brackets counted here)."""
+    structure = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    return max(0, max(accumulate(map(_STEP.__getitem__, structure)), default=0))
+
+
 def _human(n: int) -> str:
     return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n} bytes"
 
@@ -53,7 +81,7 @@ def _content_length(scope: Scope) -> str | None:
     return None
 
 
-async def _reply(send: Send, status: int, detail: str) -> None:
+async def _reply(send: Send, status: int, detail: str | list[dict[str, object]]) -> None:
     body = json.dumps({"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -62,13 +90,17 @@ async def _reply(send: Send, status: int, detail: str) -> None:
 
 
 class BodySizeLimit:
-    """ASGI middleware: HTTP request bodies above `max_bytes` get 413 (see the module docstring)."""
+    """ASGI middleware: HTTP request bodies above `max_bytes` get 413, JSON nested deeper than
+    `max_depth` 422 (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> None:
         self.app = app
         self.max_bytes = max_body_bytes_from_env() if max_bytes is None else max_bytes
+        self.max_depth = max_depth
         if self.max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {self.max_bytes}")
+        if self.max_depth <= 0:
+            raise ValueError(f"max_depth must be > 0, got {self.max_depth}")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,6 +126,13 @@ class BodySizeLimit:
         if body is _GONE:
             return  # the client disconnected before its body was complete: nobody to answer
         assert isinstance(body, bytes)
+        # counting the opening brackets is cheap, and no body with fewer can nest deeper
+        if body.count(b"[") + body.count(b"{") > self.max_depth and (depth := json_depth(body)) > self.max_depth:
+            await _reply(send, 422, [{"loc": ["body"], "type": "json_too_deep",
+                                      "msg": f"JSON nested {depth} levels deep is over the limit of {self.max_depth} "
+                                             "levels; the API's documents nest a few levels (a study spec, a probe "
+                                             "result): send flatter data"}])
+            return
         await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(self, receive: Receive) -> bytes | object:

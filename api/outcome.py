@@ -15,12 +15,14 @@ The mapping is explicit (one place, one function):
   either).
 
 A result reaches this module validated (`autotune.protocol.TrialResult`, `CompleteRequest`):
-a wrong type, a non-finite or negative measurement, an unknown failure kind or a missing
-throughput or quality is refused with 422 before anything changes, and so is a config other
-than the leased one (`config_differences`, checked by `TuningService.complete`). What is
-left to fail here is a result that is well-formed but not a usable measurement: a
-throughput of 0, or a quality metric other than the study's. The checks below stay
-tolerant all the same: this function must never raise on a stored or older result.
+a wrong type, a non-finite or negative measurement, a throughput outside its physical
+bounds, an unknown failure kind or a missing throughput or quality is refused with 422
+before anything changes, and so is a config other than the leased one (`config_key_problems`,
+`config_differences`, checked by `TuningService.complete`, which stores `config_to_store`).
+What is left to fail here is a result that is well-formed but not a usable measurement: a
+quality metric other than the study's. The checks below stay tolerant all the same (a
+throughput of 0 still fails the trial): this function must never raise on a stored or older
+result.
 
 The quality value is ``result["quality"]`` (the workload's metric, named by
 ``result["quality_metric"]``), or ``result["val_nrmse"]`` from a worker older than the
@@ -180,8 +182,43 @@ def _failure(failure: Any) -> tuple[str, str]:
 
 
 # The knobs a probe fills in from the workload preset when the config leaves them null
-# (`autotune.config.TrainConfig.resolve`): a result may report any value for these then.
+# (`autotune.config.TrainConfig.resolve`): a result reports the preset's values for these then.
 PRESET_KNOBS = ("batch_size", "accum_steps", "lr")
+# Their values in the built-in workloads' presets (TrainingDefaults in autotune/workloads/ups and
+# gpt), written down here because the service never imports a workload (torch);
+# tests/api/test_hostile_config.py holds them to the workloads' own. A reported config is checked
+# against them: a result cannot slip another learning rate into a config that later leases
+# (the baseline's re-measurement, the starting points) and best.yaml are built from.
+PRESET_VALUES: dict[tuple[str, str], dict[str, Any]] = {
+    ("ups", "tiny"): {"batch_size": 4, "accum_steps": 2, "lr": 3e-3},
+    ("ups", "tiny-muon"): {"batch_size": 4, "accum_steps": 2, "lr": 3e-3},
+    ("ups", "full"): {"batch_size": 12, "accum_steps": 4, "lr": 5e-4},
+    ("ups", "full-muon"): {"batch_size": 12, "accum_steps": 4, "lr": 5e-4},
+    ("gpt", "tiny"): {"batch_size": 8, "accum_steps": 2, "lr": 3e-3},
+    ("gpt", "full"): {"batch_size": 16, "accum_steps": 2, "lr": 6e-4},
+}
+# What a reported config may hold besides the knobs: the probe's derived fields.
+DERIVED_CONFIG_KEYS = ("effective_batch",)
+
+
+def preset_values(workload: str, preset: str) -> dict[str, Any] | None:
+    """PRESET_KNOBS' values in a built-in workload's preset; None where the service cannot know
+    them (a plugin workload: only its own module, which the service never imports, says)."""
+    values = PRESET_VALUES.get((workload, preset))
+    return dict(values) if values is not None else None
+
+
+def config_key_problems(reported: Mapping[str, Any]) -> list[str]:
+    """What a reported config holds that no config holds, one line each (empty: nothing): keys
+    that are neither knobs (`autotune.config.KNOBS`) nor derived fields, and an effective_batch
+    that is not a positive integer. Such a key would be stored with the trial's config."""
+    unknown = sorted(str(k) for k in reported if k not in KNOBS and k not in DERIVED_CONFIG_KEYS)
+    out = [f"unknown keys {', '.join(repr(k[:100]) for k in unknown[:10])}"
+           + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")] if unknown else []
+    batch = reported.get("effective_batch", 1)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        out.append(f"effective_batch {batch!r} is not a positive integer")
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -190,16 +227,17 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b) and type(a) is type(b)
 
 
-def config_differences(leased: Mapping[str, Any], reported: Mapping[str, Any]) -> list[str]:
+def config_differences(leased: Mapping[str, Any], reported: Mapping[str, Any],
+                       preset: Mapping[str, Any] | None = None) -> list[str]:
     """Where a result's `reported` config departs from the `leased` one, one line per knob
     (empty: the same config).
 
     Both are normalised through the knob table first (`autotune.config`): a knob left out is
     at its default, values are coerced to the knob's type (25 and 25.0 are one bucket size).
     The probe reports its effective config, so a knob the lease left null for the preset
-    (PRESET_KNOBS) may come back with any valid value. Keys that are not knobs of this
-    service are not compared: effective_batch is derived, and a newer worker's probe reports
-    the knobs this service does not know, at their defaults."""
+    (PRESET_KNOBS) comes back with the preset's value: it must be `preset`'s (`preset_values`),
+    and may be any valid value where the preset's are not known (None). Keys that are not
+    knobs are not compared (`config_key_problems` refuses them)."""
     def value(source: Mapping[str, Any], name: str) -> tuple[Any, str | None]:
         knob = KNOBS[name]
         if name not in source:
@@ -215,11 +253,23 @@ def config_differences(leased: Mapping[str, Any], reported: Mapping[str, Any]) -
         got, problem = value(reported, name)
         if problem is not None:
             out.append(f"{name} (leased {want!r}, reported {got!r}: {problem})")
-        elif want is None and name in PRESET_KNOBS:
-            continue
+        elif want is None and name in PRESET_KNOBS:  # null (or left out) in a report too: the preset's
+            if preset is not None and got is not None and not _same(KNOBS[name].check(preset[name]), got):
+                out.append(f"{name} (leased null: the preset's {preset[name]!r}, reported {got!r})")
         elif not _same(want, got):
             out.append(f"{name} (leased {want!r}, reported {got!r})")
     return out
+
+
+def config_to_store(leased: Mapping[str, Any], reported: Mapping[str, Any],
+                    preset: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config a trial keeps from a report that passed `config_key_problems` and
+    `config_differences`: the reported one (the effective config the probe ran), less the
+    preset knobs the lease left null where the preset's values are unknown (`preset` None):
+    those were not checked, and the trial's config feeds later leases and best.yaml. Left out,
+    they stay the preset's: every later probe fills them in again."""
+    return {k: v for k, v in reported.items()
+            if preset is not None or k not in PRESET_KNOBS or leased.get(k) is not None}
 
 
 def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, gate: float | None = None,

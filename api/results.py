@@ -60,6 +60,7 @@ ratio: the energy ratio in an energy-picked study.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -76,6 +77,11 @@ from autotune.recommendation import recommendation_yaml, uncertified_yaml  # noq
 from autotune.verdict import Judgement, Sample, judge, level_at, t_ppf, welch
 
 GIB = 2**30
+# The range within which a throughput or an energy per sample takes part in the verdict. The
+# service refuses a measured throughput outside [MIN_THROUGHPUT, MAX_THROUGHPUT) (autotune.protocol),
+# but a trial stored before may hold anything, and an energy per sample has no floor there: out of
+# this range the ratio of two values overflows (1e-300 against 1.7e308 read "inf×", issue 35).
+RATIO_RANGE = (1e-12, 1e12)
 
 
 class NoRecommendation(Exception):
@@ -508,11 +514,12 @@ def baseline_failed_message(study_name: str, spec: StudySpec, trials: Sequence[T
 
 
 def _windows(trial: TrialRecord, key: str = "window_throughputs") -> list[float]:
-    """The trial's finite per-window values of `key` (window_throughputs, window_energy_j_per_sample)."""
+    """The trial's finite per-window values of `key` (window_throughputs, window_energy_j_per_sample),
+    none above RATIO_RANGE (a trial stored before the service bounded them)."""
     windows = trial.user_attrs.get(key)
     if not isinstance(windows, list):
         return []
-    return [float(v) for v in windows if isinstance(v, (int, float)) and math.isfinite(v)]
+    return [float(v) for v in windows if isinstance(v, (int, float)) and math.isfinite(v) and v <= RATIO_RANGE[1]]
 
 
 @dataclass(frozen=True)
@@ -558,7 +565,25 @@ def _by(spec: StudySpec) -> tuple[str, bool]:
 
 
 def _values(runs: Sequence[TrialRecord], spec: StudySpec, name: str) -> list[float]:
-    return [v for r in runs if (v := metric(r, spec, name)) is not None and (name == "quality" or v > 0)]
+    """The runs' `name`; a throughput or energy only within RATIO_RANGE (0 is no measurement)."""
+    low, high = RATIO_RANGE
+    return [v for r in runs if (v := metric(r, spec, name)) is not None and (name == "quality" or low <= v <= high)]
+
+
+def _judge(cand_metric: Sequence[float], base_metric: Sequence[float], cand_quality: Sequence[float],
+           base_quality: Sequence[float], *, alpha: float, metric: str, **kw: Any) -> Judgement:
+    """`judge`, with every ratio finite: where the runs spread so widely that the interval of the
+    ratio overflows a float (a few runs at wildly different speeds), the candidate is undecided,
+    and no number that is not finite stands in the verdict."""
+    try:
+        j = judge(cand_metric, base_metric, cand_quality, base_quality, alpha=alpha, metric=metric, **kw)
+    except OverflowError:
+        return Judgement("undecided", f"{metric}: the runs spread too widely for a finite interval; more rounds "
+                                      "(or steadier hosts) are needed", alpha=alpha)
+    if any(v is not None and not math.isfinite(v) for v in (j.ratio, j.ratio_low, j.ratio_high)):
+        return dataclasses.replace(j, ratio=_finite(j.ratio), ratio_low=_finite(j.ratio_low),
+                                   ratio_high=_finite(j.ratio_high))
+    return j
 
 
 def _geomean(values: Sequence[float]) -> float | None:
@@ -650,7 +675,7 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
                 judgements[c.number] = Judgement("rejected", f"a re-measurement's peak memory exceeds max_memory_gb "
                                                              f"({spec.max_memory_gb} GiB)")
                 continue
-            j = judge(_values(mine, spec, name), _values(base_runs, spec, name), _values(mine, spec, "quality"),
+            j = _judge(_values(mine, spec, name), _values(base_runs, spec, name), _values(mine, spec, "quality"),
                       _values(base_runs, spec, "quality"), alpha=alpha, abs_tol=spec.gate.abs_tol, k=spec.gate.k,
                       quality_direction=spec.quality_direction, higher_is_better=higher,
                       metric="speedup" if higher else "energy ratio",
@@ -905,7 +930,10 @@ def _energy_ratio(pick: Sequence[TrialRecord], base: Sequence[TrialRecord], spec
         return ratio, None, None
     d = welch(Sample.of([math.log(v) for v in p]), Sample.of([math.log(v) for v in b]))
     low, high = d.bounds(0.025)
-    return ratio, math.exp(low), math.exp(high)
+    try:
+        return ratio, math.exp(low), math.exp(high)
+    except OverflowError:  # the runs spread too widely for a finite interval: the ratio alone
+        return ratio, None, None
 
 
 def _energy_sentence(energy: tuple[float, float | None, float | None], saves: bool | None) -> str:

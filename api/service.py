@@ -55,7 +55,7 @@ from api import crud
 from api.db import Database, as_naive_utc, utcnow
 from api.errors import Conflict, Invalid, NotFound, ServiceError
 from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, TrialRecord, check_sampler_fits
-from api.outcome import config_differences, probe_outcome
+from api.outcome import config_differences, config_key_problems, config_to_store, preset_values, probe_outcome
 from api.pruning import StudySummary, TrialReports, curve_of, decide
 from api.results import (
     NoRecommendation,
@@ -655,23 +655,37 @@ class TuningService:
                             decision.reason)
         return ReportReply(prune=decision.prune, reason=decision.reason)
 
-    def _check_config(self, trial_id: int, reported: Any) -> None:
-        """Invalid (422, nothing changed) when a result's config is not the one the trial was
-        leased with (`api.outcome.config_differences`): its numbers would be filed under a config
-        that was not measured. No config (or an empty one) keeps the leased config, as before."""
+    def _check_config(self, ctx: StudyContext, trial_id: int, reported: Any) -> dict[str, Any] | None:
+        """The config to keep for a result's `reported` config (None: keep the leased one), or
+        Invalid (422, nothing changed) when it is not the config the trial was leased with: its
+        numbers would be filed under a config that was not measured, and a trial's config feeds
+        later leases (re-measurements, starting points) and best.yaml.
+
+        Refused: keys that are neither knobs nor derived fields (`config_key_problems`), a knob
+        other than the leased one, and a knob the lease left to the preset at another value than
+        the preset's (`config_differences`; the preset's values: `preset_values`, for the
+        built-in workloads). What is kept: `config_to_store`. No config (or an empty one) keeps
+        the leased config, as before."""
         if not isinstance(reported, dict) or not reported:
-            return
+            return None
+        problems = config_key_problems(reported)
+        if problems:
+            raise Invalid("result.config", f"result.config: {'; '.join(problems)}. A config holds the knobs "
+                          f"(autotune.config: {', '.join(KNOBS)}) and the derived effective_batch: send the "
+                          "probe's config as it reported it, or leave config out")
         leased = self._leased_configs.get(trial_id)
         if leased is None:
             trial = self.bridge.get_trial(trial_id)
             config = trial.user_attrs.get("config") if trial is not None else None
             leased = config if isinstance(config, dict) else {}
-        differences = config_differences(leased, reported)
+        preset = preset_values(ctx.spec.workload, ctx.spec.preset)
+        differences = config_differences(leased, reported, preset)
         if differences:
             raise Invalid("result.config", f"result.config: not the config trial {trial_id} was leased with: it "
                           f"differs in {'; '.join(differences)}. Send the result of the leased config "
                           "(TrialLease.config; knobs it leaves out are at their defaults, batch_size, accum_steps "
-                          "and lr at the preset's), or leave config out")
+                          f"and lr at the preset's: {ctx.spec.workload}/{ctx.spec.preset}), or leave config out")
+        return config_to_store(leased, reported, preset)
 
     def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
         """Finish the trial with the worker's ProbeResult (see api/outcome.py for the mapping).
@@ -707,7 +721,9 @@ class TuningService:
                 if refusal is not None:
                     raise refusal
                 pruned_because = crud.prune_reason(session, trial_id) if request.result.stopped_early else None
-            self._check_config(trial_id, result.get("config"))
+            config = self._check_config(ctx, trial_id, result.get("config"))
+            if config is not None:
+                result["config"] = config
             # a trial finished already (a crash between tell and the lease update) is left as it is: repair
             trial_role = self._role_of(trial_id)
             gate = self._gate(ctx)

@@ -26,10 +26,13 @@ TrialInfo again, 200, and nothing changes. A heartbeat says "stop" (200) only to
 that holds the trial: its study was stopped, or the trial finished meanwhile.
 
 complete's result is validated (`TrialResult`): a wrong type or range (throughput
-"fast", a NaN quality, a failure kind no worker sends), a measurement without throughput
-or quality, or a config other than the leased one is a 422 naming the field; nothing
-changes and the trial stays leased to its worker, so a corrected complete goes through.
-Keys the model does not know are accepted and ignored (a newer worker may send more).
+"fast", a NaN quality, a failure kind no worker sends, a throughput outside the physical
+bounds MIN_THROUGHPUT to MAX_THROUGHPUT), a measurement without throughput or quality, or
+a config other than the leased one (a key that is no knob, a knob the lease left to the
+preset at another value than the preset's) is a 422 naming the field; nothing changes and
+the trial stays leased to its worker, so a corrected complete goes through. Result keys
+the model does not know are accepted and ignored (a newer worker may send more). No number
+of any request is a boolean or a string (``"n_trials": true`` is refused, not taken as 1).
 
 A study runs `baseline_seeds` baseline trials (role "baseline"; the search waits for them:
 they set the quality gate), then search trials (role "search") up to n_trials in all, then
@@ -48,6 +51,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     FieldSerializationInfo,
@@ -79,6 +83,22 @@ def _no_control_characters(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_no_control_characters), Field(json_schema_extra={"pattern": TEXT_PATTERN})]
+
+
+def _not_coerced(value: Any) -> Any:
+    """Refuse what pydantic's lax mode would turn into a number: a boolean (``true`` is 1) or
+    text (``"1"``). Anything else is left to the field's type, so an int stays a valid float
+    (``samples_factor: 2`` in a YAML study file) and 20.0 a valid int."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got the boolean {str(value).lower()}: write the number itself")
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"expected a number, got the string {value!r}: write the number without quotes")
+    return value
+
+
+# Numbers of the requests (a study spec, a lease, a report): no boolean or string taken for one.
+Int = Annotated[int, BeforeValidator(_not_coerced)]
+Number = Annotated[float, BeforeValidator(_not_coerced)]
 SAMPLERS = ("tpe", "nsga2", "random", "grid", "gp")
 # objective → (the measurement it reads, its direction). "quality" is the workload's quality
 # metric (val_nrmse for ups, val_loss for gpt); its direction is the study's
@@ -108,11 +128,11 @@ class Strict(BaseModel):
 class ProbeSpec(Strict):
     """How every trial of a study is measured (identical for all its trials)."""
 
-    samples: int | None = Field(None, ge=1, le=10_000_000, description="training samples per probe (None: preset's)")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="weights and sample-order seed")
-    windows: int = Field(8, ge=5, le=100, description="timed windows")
-    warmup_steps: int = Field(5, ge=1, le=10_000, description="optimizer steps excluded from timing")
-    timeout_s: float = Field(900.0, gt=0, le=86_400, description="hard limit per probe, compile included")
+    samples: Int | None = Field(None, ge=1, le=10_000_000, description="training samples per probe (None: preset's)")
+    seed: Int = Field(0, ge=0, le=2**31 - 1, description="weights and sample-order seed")
+    windows: Int = Field(8, ge=5, le=100, description="timed windows")
+    warmup_steps: Int = Field(5, ge=1, le=10_000, description="optimizer steps excluded from timing")
+    timeout_s: Number = Field(900.0, gt=0, le=86_400, description="hard limit per probe, compile included")
 
 
 class GateSpec(Strict):
@@ -121,18 +141,18 @@ class GateSpec(Strict):
     maximize), with μ, σ the mean and sample standard deviation of the baseline's q over its
     seeds."""
 
-    abs_tol: float = Field(0.01, ge=0, le=10)
-    k: float = Field(2.0, ge=0, le=100, description="widen the gate to k × the baseline's seed spread")
+    abs_tol: Number = Field(0.01, ge=0, le=10)
+    k: Number = Field(2.0, ge=0, le=100, description="widen the gate to k × the baseline's seed spread")
 
 
 class PruningSpec(Strict):
     """Early stopping of running trials (autotune.pruning.PruneRules)."""
 
-    enabled: bool = True
-    rho: float = Field(0.5, gt=0, le=1, description="prune when slower than rho × the best feasible (and not better)")
-    loss_margin: float = Field(0.5, ge=0, le=100, description="prune when the loss exceeds the baseline's by this "
+    enabled: StrictBool = True
+    rho: Number = Field(0.5, gt=0, le=1, description="prune when slower than rho × the best feasible (and not better)")
+    loss_margin: Number = Field(0.5, ge=0, le=100, description="prune when the loss exceeds the baseline's by this "
                                                                 "fraction (predicts a gate failure)")
-    min_fraction: float = Field(0.3, ge=0, le=1, description="… only after this fraction of the sample budget")
+    min_fraction: Number = Field(0.3, ge=0, le=1, description="… only after this fraction of the sample budget")
 
 
 class RemeasureSpec(Strict):
@@ -143,19 +163,19 @@ class RemeasureSpec(Strict):
     its quality is non-inferior to the baseline's at the same budget, *rejected* when either is
     shown worse, and measured again otherwise, up to max_rounds."""
 
-    top_k: int = Field(2, ge=0, le=100, description="distinct configs re-measured (0 disables the verdict)")
-    samples_factor: float = Field(1.0, ge=1, le=100, description="probe samples × this factor; 1 (the default) "
+    top_k: Int = Field(2, ge=0, le=100, description="distinct configs re-measured (0 disables the verdict)")
+    samples_factor: Number = Field(1.0, ge=1, le=100, description="probe samples × this factor; 1 (the default) "
                                   "re-measures at the search's budget, so the baseline seeds count as runs of "
                                   "the baseline and quality is judged where the gate was set")
-    windows: int | None = Field(None, ge=5, le=100, description="timed windows of a re-measurement (None: the "
+    windows: Int | None = Field(None, ge=5, le=100, description="timed windows of a re-measurement (None: the "
                                 "study's probe.windows)")
-    seed_offset: int = Field(1000, ge=0, le=2**30, description="round r's probe seed: probe.seed + this + r")
-    rounds: int = Field(3, ge=1, le=20, description="rounds before the first decision (at least 2: a config's "
+    seed_offset: Int = Field(1000, ge=0, le=2**30, description="round r's probe seed: probe.seed + this + r")
+    rounds: Int = Field(3, ge=1, le=20, description="rounds before the first decision (at least 2: a config's "
                         "own run-to-run spread needs two runs; 3 by default, where Welch's interval keeps its "
                         "level: with two runs a candidate's spread is often underestimated by chance)")
-    max_rounds: int | None = Field(None, ge=2, le=20, description="the most rounds (None: what fits in a third of "
+    max_rounds: Int | None = Field(None, ge=2, le=20, description="the most rounds (None: what fits in a third of "
                                    "the study's probes, n_trials / (3 × (top_k + 1)), at least 2 and at most 10)")
-    confidence: float = Field(0.95, ge=0.5, le=0.999, description="1 − the chance of certifying a config that is not "
+    confidence: Number = Field(0.95, ge=0.5, le=0.999, description="1 − the chance of certifying a config that is not "
                               "faster or not as good, over every config and round: split evenly between the "
                               "speed and the quality test")
 
@@ -199,7 +219,7 @@ class StudySpec(Strict):
     quality: QualitySpec | None = Field(None, description="the quality metric and its direction (default: the "
                                                           "workload's; see QualitySpec)")
     probe: ProbeSpec = Field(default_factory=lambda: ProbeSpec())
-    n_trials: int = Field(20, ge=1, le=100_000, description="baseline seeds + search trials (at least the "
+    n_trials: Int = Field(20, ge=1, le=100_000, description="baseline seeds + search trials (at least the "
                                                               "baseline seeds run); re-measurements come on top")
     sampler: Literal["tpe", "nsga2", "random", "grid", "gp"] = "tpe"
     hardware: Text = Field("cpu", min_length=1, max_length=200,
@@ -207,23 +227,23 @@ class StudySpec(Strict):
     baseline: dict[str, Any] | None = Field(None, description="the user's current config; enqueued first, "
                                                               "run with baseline_seeds seeds (default: the "
                                                               "research's starting point, see baseline_config)")
-    baseline_seeds: int = Field(3, ge=1, le=10, description="baseline runs (probe seeds seed, seed+1, …); the "
+    baseline_seeds: Int = Field(3, ge=1, le=10, description="baseline runs (probe seeds seed, seed+1, …); the "
                                                             "search starts once they are done")
     starting_points: Literal["auto", "none"] | list[dict[str, Any]] = Field(
         "auto", description="the first search trials (autotune.starting): 'auto' (GPU studies with tpe, nsga2 or "
                             "gp: the fast stack derived from the baseline: CUDA graphs, bf16, fused AdamW, "
                             "accumulation folded into the micro-batch, …), 'none', or a list of partial "
                             "configs of the space's parameters (the sampler draws the rest)")
-    max_memory_gb: float | None = Field(None, gt=0, description="peak reserved memory limit (GiB): "
+    max_memory_gb: Number | None = Field(None, gt=0, description="peak reserved memory limit (GiB): "
                                                                  "a trial above it is infeasible")
     gate: GateSpec = Field(default_factory=lambda: GateSpec())
     pruning: PruningSpec = Field(default_factory=lambda: PruningSpec())
     remeasure: RemeasureSpec = Field(default_factory=lambda: RemeasureSpec())
-    max_retries: int = Field(2, ge=0, le=10, description="a trial lost with its worker (no heartbeat within the "
+    max_retries: Int = Field(2, ge=0, le=10, description="a trial lost with its worker (no heartbeat within the "
                                                           "grace period) is re-run as a new trial, same config and "
                                                           "probe, up to this many times; then it stays failed")
-    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="sampler seed (0 to 2^32 - 1)")
-    gpus_per_trial: int = Field(1, ge=1, le=64, description="GPUs (world size) of every probe of the study, "
+    seed: Int | None = Field(None, ge=0, le=2**32 - 1, description="sampler seed (0 to 2^32 - 1)")
+    gpus_per_trial: Int = Field(1, ge=1, le=64, description="GPUs (world size) of every probe of the study, "
                                                             "baselines included: > 1 runs DDP/FSDP2 over N ranks "
                                                             "on one host; only workers started with the same "
                                                             "--gpus-per-trial get its trials (cpu: gloo processes)")
@@ -364,7 +384,7 @@ class LeaseRequest(Strict):
     workloads: list[Annotated[str, Field(pattern=NAME_PATTERN)]] | None = Field(
         None, max_length=100, description="the workloads this worker runs (its --allow-workload list): studies of "
                                           "other workloads are not offered to it (None: any)")
-    gpus_per_trial: int = Field(1, ge=1, le=64, description="the GPUs this worker runs each trial on (its "
+    gpus_per_trial: Int = Field(1, ge=1, le=64, description="the GPUs this worker runs each trial on (its "
                                                             "--gpus-per-trial): only studies of that gpus_per_trial "
                                                             "are offered to it")
 
@@ -393,8 +413,8 @@ class HeartbeatReply(BaseModel):
 
 class ReportRequest(Strict):
     worker_id: Text = Field(..., min_length=1, max_length=200)
-    step: int = Field(..., ge=0, le=2**31 - 1, description="optimizer steps so far (a 32-bit database integer)")
-    metrics: dict[str, float]
+    step: Int = Field(..., ge=0, le=2**31 - 1, description="optimizer steps so far (a 32-bit database integer)")
+    metrics: dict[str, float]  # lax: a client that cannot write NaN in JSON sends "nan" (a loss gone bad)
 
 
 class ReportReply(BaseModel):
@@ -418,6 +438,16 @@ Count = Annotated[int, Field(strict=True, ge=0)]
 # a telemetry reading (GPU clock, page faults, ...): any number, NaN included (an odd counter is
 # still a reading); kept for the analysis, never judged
 Reading = Annotated[float, Field(strict=True)]
+# The physical bounds of a measured throughput (samples/s): a probe times at least one sample
+# within its timeout (at most 86,400 s: over 1e-5 samples/s), and no training loop runs a
+# billion samples a second. A number outside is no measurement, and the verdict's ratios of two
+# such numbers overflow (1e-300 against 1.7e308 read "inf×", issue 35). Energy per sample gets
+# the same ceiling (a GJ per sample).
+MIN_THROUGHPUT = 1e-6
+MAX_THROUGHPUT = 1e9
+MAX_ENERGY_J_PER_SAMPLE = 1e9
+Throughput = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, lt=MAX_THROUGHPUT)]
+Energy = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, lt=MAX_ENERGY_J_PER_SAMPLE)]
 
 
 class ProbeFailure(BaseModel):
@@ -452,13 +482,15 @@ class TrialResult(BaseModel):
     preset: str | None = None
     config: dict[str, Any] | None = Field(None, description="the effective config the probe ran (the leased one "
                                                             "with the preset's defaults filled in, and the derived "
-                                                            "effective_batch); must be the leased config")
+                                                            "effective_batch); must be the leased config: "
+                                                            "knobs and effective_batch only")
     device: str | None = None
     torch_version: str | None = None
-    throughput_samples_per_s: NonNegative | None = Field(None, description="timed samples per second")
+    throughput_samples_per_s: Throughput | None = Field(None, description="timed samples per second (a "
+                                                        f"measurement's: {MIN_THROUGHPUT:g} to {MAX_THROUGHPUT:g})")
     throughput_spread: NonNegative | None = Field(None, description="(max - min) / throughput over the windows")
-    window_throughputs: list[NonNegative] | None = None
-    raw_window_throughputs: list[NonNegative] | None = None
+    window_throughputs: list[Throughput] | None = None
+    raw_window_throughputs: list[Throughput] | None = None
     val_nrmse: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0)] | None = Field(
         None, description="older workers' quality field (NRMSE workloads)")
     quality_metric: Text | None = Field(None, max_length=200, description="the quality metric's name, e.g. val_nrmse")
@@ -474,10 +506,10 @@ class TrialResult(BaseModel):
     data_wait_fraction: NonNegative | None = None
     window_data_wait_s: list[NonNegative] | None = None
     window_gpu: list[dict[str, Reading | None]] | None = None
-    energy_j_per_sample: NonNegative | None = Field(None, description="GPU joules per sample over the timed "
+    energy_j_per_sample: Energy | None = Field(None, description="GPU joules per sample over the timed "
                                                     "windows, every GPU of the trial (None on a CPU)")
-    window_energy_j_per_sample: list[NonNegative] | None = None
-    gpu_energy_j_per_sample: list[NonNegative] | None = Field(None, description="each GPU's share, rank order")
+    window_energy_j_per_sample: list[Energy] | None = None
+    gpu_energy_j_per_sample: list[Energy] | None = Field(None, description="each GPU's share, rank order")
     energy_method: Literal["nvml_total_energy", "power_integral"] | None = None
     window_host: list[dict[str, Reading | None]] | None = None
     epoch_micro_batches: Count | None = None
@@ -518,6 +550,11 @@ class CompleteRequest(Strict):
                 raise ValueError("result.throughput_samples_per_s: missing; a result without a failure that was not "
                                  "stopped early must carry its throughput (a probe that could not measure reports "
                                  "failure: {kind, message})")
+            if result.throughput_samples_per_s < MIN_THROUGHPUT:
+                raise ValueError(f"result.throughput_samples_per_s: {result.throughput_samples_per_s!r} samples/s is "
+                                 f"below the physical bound of {MIN_THROUGHPUT:g} (a probe times at least one sample "
+                                 "within its timeout); report what the probe timed, or failure: {kind, message} "
+                                 "when it timed nothing")
             if result.quality is None and result.val_nrmse is None:
                 raise ValueError("result.quality: missing; a result without a failure that was not stopped early "
                                  "must carry its quality metric (quality, or val_nrmse from older workers; a probe "

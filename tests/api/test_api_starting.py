@@ -30,7 +30,7 @@ def _attrs(app: FastAPI, name: str) -> dict[int, dict[str, Any]]:
 
 
 def test_gpu_study_starts_from_the_fast_stack(app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
-    make_study("gpu", hardware=GPU, space="h100", n_trials=6, seed=0)
+    make_study("gpu", hardware=GPU, space="h100", preset="full", n_trials=6, seed=0)
     base = lease(client, "w", hardware=GPU)
     assert base is not None and base["role"] == "baseline"
     _complete_as(client, base, "w", UPS_FULL_EFFECTIVE)  # what a real probe of the full preset reports
@@ -55,7 +55,7 @@ def test_gpu_study_starts_from_the_fast_stack(app: FastAPI, client: TestClient, 
 
 def test_random_search_has_no_automatic_starting_points(app: FastAPI, client: TestClient,
                                                         make_study: StudyFactory) -> None:
-    make_study("rnd", hardware=GPU, space="h100", sampler="random", n_trials=3, seed=3)
+    make_study("rnd", hardware=GPU, space="h100", preset="full", sampler="random", n_trials=3, seed=3)
     base = lease(client, "w", hardware=GPU)
     assert base is not None
     _complete_as(client, base, "w", UPS_FULL_EFFECTIVE)

@@ -178,7 +178,7 @@ def test_stopped_early_is_pruned(client: TestClient, make_study: StudyFactory) -
 
 
 @pytest.mark.parametrize("result", [
-    {"throughput_samples_per_s": 0.0, "val_nrmse": 0.1},  # well-formed, but no measurement
+    # (a throughput of 0 is refused with 422 now, below the physical bound: tests/api/test_hostile_limits.py)
     {"throughput_samples_per_s": 10.0, "quality": 0.1, "quality_metric": "val_loss"},  # another metric
 ])
 def test_unusable_results_fail_as_error_not_500(client: TestClient, make_study: StudyFactory,
