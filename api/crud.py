@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.db import LeaseRow, ReportRow, StudyRow, WorkerRow
+from api.db import LeaseRow, ReportRow, ServiceRow, StudyRow, WorkerRow
 
 
 @dataclass(frozen=True)
@@ -207,3 +207,9 @@ def see_worker(session: Session, worker_id: str, now: datetime, hardware: str | 
     row.last_seen = now
     if hardware is not None:
         row.hardware = hardware
+
+
+def service_id(session: Session) -> str | None:
+    """The service's identity (the UUID of ``autotune_service``, made with the tables); None when
+    the row is missing (tables made by hand): workers then match spooled results by URL only."""
+    return session.scalar(select(ServiceRow.service_id).where(ServiceRow.id == 1))

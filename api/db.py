@@ -19,6 +19,9 @@ Tables:
 * ``autotune_workers``: every worker seen, with its hardware and when it was last heard from.
 * ``autotune_tokens``: the API's bearer tokens: name, role (worker | admin) and the SHA-256
   of the secret (the secret itself is never stored); revoked tokens keep their row.
+* ``autotune_service``: one row, the service's identity: a UUID made with the tables (migration
+  0003), shown by GET /v1/health. Trial ids restart at 1 in every database; a worker delivers a
+  spooled result only to the service id it leased the trial from (autotune/spool.py).
 
 Schema changes: `upgrade_schema` brings a database to the newest migration (the service does
 it at start, `autotune db upgrade` on demand). It holds a lock while it checks and migrates
@@ -28,12 +31,15 @@ together migrate once. A database whose tables were made before migrations exist
 then upgraded.
 
 Engines: SQLite files run in WAL mode with a busy timeout (readers never block the single
-writer; a writer waits instead of failing with "database is locked").
+writer; a writer waits instead of failing with "database is locked"). A SQLite file the
+service makes is created 0600 before SQLite opens it (`create_sqlite_file`): it holds the
+token hashes and every study, and SQLite gives its -wal and -shm files the same mode.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -56,6 +62,7 @@ from sqlalchemy import (
     create_engine,
     event,
     inspect,
+    make_url,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -163,8 +170,37 @@ class TokenRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
 
 
+class ServiceRow(Base):
+    __tablename__ = "autotune_service"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # always 1: one row
+    service_id: Mapped[str] = mapped_column(String(36), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
+
+
 def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
+
+
+def create_sqlite_file(url: str) -> None:
+    """Create the database file of a SQLite `url` with mode 0600 if it does not exist yet.
+
+    SQLite would create it with 0644 (less the umask): readable by every user of the host,
+    while it holds the token hashes and every study. SQLite creates the -wal and -shm files
+    with the mode of the database file, so they are 0600 too. An existing file is left as it
+    is (its owner chose its mode); in-memory and URI databases are not files made here."""
+    if not is_sqlite(url):
+        return
+    parsed = make_url(url)
+    path = parsed.database
+    if not path or path == ":memory:" or path.startswith("file:") or parsed.query.get("uri"):
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as e:  # a missing folder, no permission: SQLite's own open says so with the URL
+        log.debug("could not create %s: %s", path, e)
 
 
 def sqlite_engine_kwargs(busy_timeout_s: float) -> dict[str, Any]:
@@ -218,6 +254,7 @@ def install_sqlite_pragmas(engine: Engine, busy_timeout_s: float) -> None:
 def make_engine(url: str, busy_timeout_s: float = 30.0) -> Engine:
     """An engine for `url`; SQLite gets WAL mode and a busy timeout, other databases a pool."""
     if is_sqlite(url):
+        create_sqlite_file(url)
         engine = create_engine(url, **sqlite_engine_kwargs(busy_timeout_s))
         install_sqlite_pragmas(engine, busy_timeout_s)
         return engine
@@ -325,6 +362,7 @@ def _migration_engine(url: str, busy_timeout_s: float) -> Engine:
     read) and DDL runs inside the transaction; foreign keys stay off, as batch migrations need."""
     if not is_sqlite(url):
         return create_engine(url, poolclass=NullPool)
+    create_sqlite_file(url)
     engine = create_engine(url, poolclass=NullPool, **sqlite_engine_kwargs(busy_timeout_s))
 
     @event.listens_for(engine, "connect")
@@ -418,6 +456,7 @@ def downgrade_schema(url: str, revision: str, busy_timeout_s: float = 30.0) -> t
 
 def current_schema_revision(url: str, busy_timeout_s: float = 30.0) -> str | None:
     """The revision the service tables of `url` are at (None: not migrated yet)."""
+    create_sqlite_file(url)  # SQLite makes a missing file: as one of ours (0600)
     engine = create_engine(url, poolclass=NullPool, **(sqlite_engine_kwargs(busy_timeout_s) if is_sqlite(url) else {}))
     try:
         with engine.connect() as connection:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -214,17 +215,37 @@ TokenOption = Annotated[str | None, typer.Option("--token", envvar="AUTOTUNE_TOK
                                                       "variable AUTOTUNE_TOKEN or --token-file: a --token value "
                                                       "shows in `ps` to every user of the host.")]
 TokenFileOption = Annotated[Path | None, typer.Option("--token-file", help="Read the bearer token from this file "
-                                                                          "(its first line), e.g. one only you can "
-                                                                          "read (chmod 600).")]
+                                                                          "(its first line); one only you can read "
+                                                                          "(chmod 600): a file of yours that group "
+                                                                          "or others may access is refused.")]
+
+
+def check_token_file_mode(token_file: Path) -> None:
+    """Refuse a token file of this user that its group or others may access (a usage error
+    naming the fix): anyone on the host could read the token and act as a worker or admin.
+
+    Only a file this user owns is judged: one owned by another account (a Kubernetes Secret
+    mounted 0440 for the pod's group, a Docker secret bind-mounted from the host) is readable
+    only through that sharing, and chmod 600 would lock this user out of it."""
+    try:
+        info = token_file.stat()
+    except OSError:
+        return  # reading it says why
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_mode & 0o077:
+        raise usage_error(f"--token-file {token_file}: its group or others may access it (mode "
+                          f"{stat.S_IMODE(info.st_mode):04o}), so anyone on this host could read the token; make it "
+                          f"yours alone: chmod 600 {token_file}")
 
 
 def resolve_token(token: str | None, token_file: Path | None) -> str | None:
     """The token of a command: --token-file's first line, else --token / AUTOTUNE_TOKEN.
-    Both a file and --token: a usage error (which one was meant is not clear)."""
+    Both a file and --token: a usage error (which one was meant is not clear); so is a file
+    others may read (`check_token_file_mode`)."""
     if token_file is None:
         return token
     if token is not None and "AUTOTUNE_TOKEN" not in os.environ:
         raise usage_error("give the token one way: --token-file or --token (or AUTOTUNE_TOKEN), not both")
+    check_token_file_mode(token_file)
     try:
         text = token_file.read_text()
     except OSError as e:

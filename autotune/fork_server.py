@@ -25,7 +25,9 @@ children do not inherit it).
 Same environment. The server is started with the children's environment
 (`autotune.worker.child_environment`: the same for every trial of a worker), so what torch
 and the preloaded modules read at import (thread counts, the TorchInductor cache directory,
-the workload paths) is what a cold child would have read. A request carries no environment;
+the workload paths) is what a cold child would have read. Never the worker's secrets
+(`SECRET_ENV`, `without_secrets`): a probe runs workload code, and the worker's token is
+the worker's alone. A request carries no environment;
 a child that needs another one is started cold (the worker's distributed launcher, whose
 ranks see only their group's GPUs).
 
@@ -88,6 +90,14 @@ NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 PARENT_POLL_S = 0.5
 MAX_MESSAGE = 1 << 16  # a request holds an argv: a -c script at most
 SPAWN_TIMEOUT_S = 300.0  # the first request waits for the preload (a few seconds; minutes on a slow disk)
+# The worker's secrets, which no process it starts inherits: a probe runs workload code (possibly
+# a plugin's), which has no business with the service's bearer token.
+SECRET_ENV = ("AUTOTUNE_TOKEN",)
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less the worker's secrets (`SECRET_ENV`): the environment of any child of a worker."""
+    return {name: value for name, value in env.items() if name not in SECRET_ENV}
 
 
 class ForkServerError(RuntimeError):
@@ -372,7 +382,7 @@ class ForkServer:
     a worker share one). Close it when the worker ends (its children should have ended)."""
 
     def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
-        self.env = dict(env)
+        self.env = without_secrets(env)
         self.python = python
         self.proc: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None

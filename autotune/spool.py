@@ -10,25 +10,45 @@ is on disk: a worker started on the same spool delivers it when the service answ
 Layout (default `default_spool_dir`; ``autotune worker --spool-dir DIR`` or
 $AUTOTUNE_SPOOL_DIR sets another)::
 
-    DIR/trial-<id>-<hash>.json             waiting for the service (hash: service URL + worker id)
+    DIR/trial-<id>-<hash>.json             waiting for the service (hash: service URL and id, worker
+                                           id, study, trial number)
     DIR/rejected/trial-<id>-<hash>.json    the service will not take it; kept, with its reason
+    DIR/settled/trial-<id>-<hash>.json     empty: this trial's result was delivered (or refused for
+                                           good) lately; a lease of it handed out before is not run
 
-Each file is a `SpoolEntry`: the service URL, trial id, study, trial number, the worker id
+Each file is a `SpoolEntry`: the service URL, the service id (GET /v1/health's ``service_id``,
+a UUID made with the service's tables), the trial id, study and trial number, the worker id
 that held the lease (a delivery completes as that worker: the service accepts a result only
 from the lease holder, and a restarted worker has a new default id), the result, and when it
-was spooled. A worker delivers only the entries of the service it talks to (`--api`): a
-spool shared by workers of several services sorts itself out.
+was spooled.
+
+Where a result goes: trial ids restart at 1 in every database, so (URL, trial id, worker id)
+does not name a trial: a service restarted on another database (a backup, a new file; with
+the same tokens, or --no-auth) holds another trial under the same id, and a worker that
+leases there may even hold it. So a worker delivers an entry only to the service it was
+leased from, and only into its study (`misplaced`): the service's id must be the entry's
+(checked before every delivery), and for a spooled result the service's listing of the study
+must hold the trial id as that trial number (a restored copy of the same database has the
+same id). Otherwise the entry stays in the spool, said with where it belongs (service id,
+study, trial), and is offered again later. An entry without a service id (spooled by an
+older worker), or a service without one (an older service), is matched by URL and study.
 
 Delivery (`deliver`) is idempotent, because the service keeps the first result it is given:
 
     200                                 delivered: the file is removed
     409 "already completed" (this       the service has it already (an earlier delivery whose
         worker's)                       reply was lost): the file is removed
-    409 another worker's / reaped /     the service re-ran the trial, or will: a measurement is
-        ended lease; 422                moved to rejected/ with the reason (never deleted); a
-                                        failure record (it measured nothing) is dropped; after
-                                        a 422 the trial is completed as failed (kind error,
-                                        naming the refusal): its lease ends, it is not re-run
+    409 another worker's / reaped /     the trial is not this worker's any more (the service's
+        ended lease                     words say why: another worker holds it or completed it;
+                                        a reaped trial is failed as lost and re-run as a new
+                                        trial while its study's max_retries allow): a measurement
+                                        is moved to rejected/ with that reason (never deleted); a
+                                        failure record (it measured nothing) is dropped
+    422                                 the service refuses the result (malformed, another config):
+                                        moved to rejected/, and the trial is completed as failed
+                                        (kind error, naming the refusal): its lease ends and the
+                                        service does not re-run it (the reason says so, or says
+                                        that the failure record could not be sent either)
     409 "not leased by this service",   the service does not know the trial: most likely one
         404                             started on another database; kept, offered again later
     401/403                             the token is not accepted (a service started on another
@@ -36,12 +56,20 @@ Delivery (`deliver`) is idempotent, because the service keeps the first result i
     unreachable, 5xx                    kept; offered again when the service answers
 
 The lease and the spool: the service's reaper fails a lease whose heartbeats stop for its
-grace period (AUTOTUNE_LEASE_GRACE_S, 60 s by default) and re-runs the trial. A restarted
+grace period (AUTOTUNE_LEASE_GRACE_S, 60 s by default) as lost, and re-runs the trial as a
+new one while its study's max_retries allow. A restarted
 service gives every lease one grace period from its start, and a worker delivers its spool
 within seconds of the service answering, so a service outage or restart costs nothing. A
 worker cut off from a *running* service for longer than the grace (a network partition; a
 worker killed and restarted late) finds its lease reaped: its result goes to rejected/ with
 the service's reason, and the re-run's result is the one the study keeps.
+
+Settled: a lease the service handed out before the delivery of the trial's spooled result
+(a worker whose lease call was answered by a restarted service, which still holds the lease,
+and which then delivers its spool) names a trial that is finished by then: the worker must
+not run it again. `deliver` notes each trial it finished in settled/ (kept SETTLED_KEEP_S),
+which every worker on the spool reads before it runs a lease (`Spool.settled`): also the
+one whose result another worker on the spool delivered.
 
 Concurrency: workers on one host may share a spool. A delivery holds an exclusive flock on
 the entry's file (`Spool.claim`), so two workers do not hand in the same file at once; and
@@ -58,6 +86,7 @@ import logging
 import os
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -80,6 +109,8 @@ log = logging.getLogger(__name__)
 
 SPOOL_ENV = "AUTOTUNE_SPOOL_DIR"
 REJECTED = "rejected"
+SETTLED = "settled"
+SETTLED_KEEP_S = 3600.0  # how long a settled trial's note is kept (a lease handed out before it comes back at once)
 FORMAT = 1
 COMPLETE_REFUSED_RETRY_S = 10.0  # how long the failure record that ends a refused result's lease is retried
 _ALREADY = re.compile(r"already completed(?: \(by worker (?P<who>'[^']*'|\"[^\"]*\")\))?")
@@ -109,6 +140,7 @@ class SpoolEntry:
     study: str
     number: int
     result: dict[str, Any]
+    service_id: str | None = None  # the leasing service's identity (None: unknown, spooled by an older worker)
     spooled_at: str = field(default_factory=utc_now)
     rejected_at: str | None = None
     reason: str | None = None  # rejected: why the service would not take it
@@ -116,12 +148,26 @@ class SpoolEntry:
 
     @property
     def filename(self) -> str:
-        digest = hashlib.sha256(f"{self.api}\n{self.worker_id}".encode()).hexdigest()[:12]
-        return f"trial-{self.trial_id}-{digest}.json"
+        """One file per trial of one service, study and worker: two services (databases) that
+        both have a trial 1 never share a file."""
+        key = f"{self.api}\n{self.worker_id}\n{self.service_id or ''}\n{self.study}\n{self.number}"
+        return f"trial-{self.trial_id}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
     @property
     def label(self) -> str:
         return f"trial {self.number} of {self.study} (id {self.trial_id})"
+
+    @property
+    def home(self) -> str:
+        """Where it belongs, in words: service, study, trial."""
+        service = f"service {self.service_id}" if self.service_id else "the service"
+        return f"{service} at {self.api}, study {self.study!r}, trial {self.number} (id {self.trial_id})"
+
+    def is_lease(self, trial_id: int, study: str, number: int, service_id: str | None) -> bool:
+        """Whether this is the result of that trial (a lease's): same trial id, study and number,
+        of the same service (an unknown id on either side matches, see the module docstring)."""
+        return (self.trial_id, self.study, self.number) == (trial_id, study, number) and \
+            same_service(self.service_id, service_id)
 
     @property
     def measured(self) -> bool:
@@ -189,6 +235,37 @@ class Spool:
     def rejected_dir(self) -> Path:
         return self.root / REJECTED
 
+    @property
+    def settled_dir(self) -> Path:
+        return self.root / SETTLED
+
+    def settle(self, entry: SpoolEntry) -> None:
+        """Note that `entry`'s trial is finished for its worker (see Settled in the module
+        docstring); notes older than SETTLED_KEEP_S are removed meanwhile. A note that cannot
+        be written is logged: it only guards against running a finished trial again."""
+        try:
+            self.settled_dir.mkdir(parents=True, exist_ok=True)
+            (self.settled_dir / entry.filename).touch()
+            cutoff = time.time() - SETTLED_KEEP_S
+            for note in self.settled_dir.iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    if note.stat().st_mtime < cutoff:
+                        note.unlink()
+        except OSError as e:
+            log.warning("could not note in %s that %s is finished: %s", self.settled_dir, entry.label, e)
+
+    def settled(self, api: str, worker_id: str, trial_id: int, study: str, number: int,
+                service_id: str | None) -> bool:
+        """Whether this trial (a lease's) was finished lately by a delivery from this spool."""
+        cutoff = time.time() - SETTLED_KEEP_S
+        for sid in dict.fromkeys((service_id, None)):  # also a result spooled while the service's id was unknown
+            probe = SpoolEntry(api=api.rstrip("/"), trial_id=trial_id, worker_id=worker_id, study=study,
+                               number=number, result={}, service_id=sid)
+            with contextlib.suppress(OSError):
+                if (self.settled_dir / probe.filename).stat().st_mtime >= cutoff:
+                    return True
+        return False
+
     def put(self, entry: SpoolEntry) -> Path:
         """Write `entry` (replacing an older file of the same trial, service and worker); its path.
         Raises OSError when the directory cannot be written."""
@@ -221,15 +298,9 @@ class Spool:
         return self._read_all(self.rejected_dir)
 
     def find(self, api: str, trial_id: int, worker_id: str) -> SpoolEntry | None:
-        """The pending entry of this trial, service and worker, if there is one."""
-        probe = SpoolEntry(api=api.rstrip("/"), trial_id=trial_id, worker_id=worker_id, study="", number=0, result={})
-        path = self.root / probe.filename
-        if not path.exists():
-            return None
-        try:
-            return SpoolEntry.read(path)
-        except ValueError:
-            return None
+        """The oldest pending entry of this trial id, service URL and worker, if there is one
+        (whatever its study: `SpoolEntry.is_lease` tells whether it is a given lease's)."""
+        return next((e for e in self.pending(api) if e.trial_id == trial_id and e.worker_id == worker_id), None)
 
     def remove(self, entry: SpoolEntry) -> None:
         """Forget a delivered entry (harmless when another worker removed it first)."""
@@ -299,10 +370,73 @@ def unauthorized_hint(api: str, detail: str) -> str:
             "create a worker token on its database: autotune token create --role worker --db URL")
 
 
+def same_service(spooled: str | None, current: str | None) -> bool:
+    """Whether a result spooled from service id `spooled` may go to service id `current`: the
+    same id, or one of them unknown (an older worker's entry, an older service: matched by URL)."""
+    return spooled is None or current is None or spooled == current
+
+
+def service_identity(client: Client, retry_for_s: float | None, interruptible: bool | None = True) -> str | None:
+    """The id the service at `client` shows (GET /v1/health), None when it shows none (an older
+    service) or answers the health call with an error. Raises ServiceUnavailable."""
+    try:
+        reply = client.health(retry_for_s=retry_for_s, interruptible=interruptible)
+    except (ApiError, ValueError) as e:
+        log.debug("no service id from %s: %s", client.base_url, e)
+        return None
+    service_id = reply.get("service_id") if isinstance(reply, dict) else None
+    return service_id if isinstance(service_id, str) and service_id else None
+
+
+Listing = dict[int, int] | Literal["missing"] | None  # a study's trial id → number; "missing": no such study
+
+
+def misplaced(client: Client, entry: SpoolEntry, service_id: str | None, retry_for_s: float | None,
+              listings: dict[str, Listing] | None = None, interruptible: bool | None = True) -> Delivery | None:
+    """Why `entry` must not be delivered to the service at `client` (a "kept" or "unreachable"
+    Delivery), or None when it may. `service_id`: the id the service shows now. With `listings`
+    (study → its trials, filled as read: one read per study and round) the study's listing must
+    also hold the trial id as the entry's trial number: a spooled result may meet a copy of its
+    database, where the id is the same but trial ids were handed out again. A listing the
+    service answers with another error than 404 (None) is no verdict: the complete's reply decides."""
+    if not same_service(entry.service_id, service_id):
+        return Delivery("kept", f"it belongs to {entry.home}; the service at {client.base_url} is now service "
+                                f"{service_id} (another database: restarted without its --db, or on another file). "
+                                f"Delivered when service {entry.service_id} answers at {entry.api} again",
+                        path=entry.path)
+    if listings is None:
+        return None
+    if entry.study not in listings:
+        try:
+            trials = client.trials(entry.study, retry_for_s=retry_for_s, interruptible=interruptible)
+        except ServiceUnavailable as e:
+            return Delivery("unreachable", str(e), path=entry.path)
+        except NotFound:
+            listings[entry.study] = "missing"
+        except (ApiError, ValueError) as e:
+            log.debug("could not read study %s's trials from %s: %s", entry.study, client.base_url, e)
+            listings[entry.study] = None
+        else:
+            listings[entry.study] = {t.trial_id: t.number for t in trials.data}
+    listing = listings[entry.study]
+    if listing is None or (listing != "missing" and listing.get(entry.trial_id) == entry.number):
+        return None
+    if listing == "missing":
+        here = f"has no study {entry.study!r}"
+    elif entry.trial_id in listing:
+        here = f"has trial id {entry.trial_id} as trial {listing[entry.trial_id]} of study {entry.study!r}"
+    else:
+        here = f"has no trial id {entry.trial_id} in study {entry.study!r}"
+    return Delivery("kept", f"it belongs to {entry.home}, and the service at {client.base_url} {here} (another "
+                            "database, or a restored copy of it): not delivered there, so that it cannot land in "
+                            "another trial. Delivered when the service on the trial's database answers",
+                    path=entry.path)
+
+
 def _reject(spool: Spool, entry: SpoolEntry, reason: str) -> Path | None:
     """`spool.reject` for a measurement, or None: a failure record the service will not take
-    is dropped (it measured nothing; the service re-runs or has re-run the trial), and a
-    measurement the spool cannot hold is logged (the caller says so)."""
+    is dropped (it measured nothing), and a measurement the spool cannot hold is logged (the
+    caller says so)."""
     if not entry.measured:
         spool.remove(entry)
         return None
@@ -313,23 +447,27 @@ def _reject(spool: Spool, entry: SpoolEntry, reason: str) -> Path | None:
         return None
 
 
-def _fail_refused(client: Client, entry: SpoolEntry, message: str) -> None:
+def _fail_refused(client: Client, entry: SpoolEntry, message: str) -> str:
     """End the lease of a trial whose result the service refused (422: malformed, or another
     config than the leased one) with a failure record, which always passes: otherwise the trial
     stays leased to this worker, the next lease hands it back, and the same probe runs again
-    and again. The refused measurement itself is in rejected/."""
+    and again. What became of the trial, in words (for the rejected file and the console)."""
     try:
         client.complete(entry.trial_id, entry.worker_id, {"failure": {"kind": "error", "message": message[:1900]}},
                         retry_for_s=COMPLETE_REFUSED_RETRY_S)
-    except ClientError as e:  # the lease ends with the grace period instead; the service re-runs it
+    except ClientError as e:
         log.warning("could not fail %s after its result was refused: %s", entry.label, e)
+        return (f"the trial could not be failed either ({e}): it stays leased until the service's lease grace "
+                "ends, then its reaper fails it as lost and re-runs it while the study's max_retries allow")
+    return "the trial was completed as failed (kind error, naming the refusal): the service does not re-run it"
 
 
 def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float | None,
             interruptible: bool | None = None) -> Delivery:
     """Complete `entry`'s trial with its result, as the worker that measured it; remove the file
     once the service has the result, move it to rejected/ when the service will never take it,
-    keep it otherwise (see the module docstring). Never raises for a reply of the service."""
+    keep it otherwise (see the module docstring). Never raises for a reply of the service.
+    Whether the service is the entry's is the caller's check (`misplaced`)."""
     kept = entry.path
     try:
         info = client.complete(entry.trial_id, entry.worker_id, entry.result, retry_for_s=retry_for_s,
@@ -343,6 +481,7 @@ def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float 
         already = _ALREADY.search(e.message)
         who = already.group("who") if already else None
         if already and (who is None or who[1:-1] == entry.worker_id):
+            spool.settle(entry)
             spool.remove(entry)
             return Delivery("already", f"the service has its result already ({e.message})")
         if "not leased by this service" in e.message:
@@ -350,19 +489,25 @@ def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float 
                                     f"({e.message}): was it started on another database (e.g. without --db)? "
                                     "The result is delivered once the service on the trial's database answers",
                             path=kept)
-        return Delivery("rejected", e.message, path=_reject(spool, entry, f"HTTP 409: {e.message}"))
+        spool.settle(entry)
+        return Delivery("rejected", f"{e.message} (the service's words: the trial is not this worker's any more, "
+                                    "and this measurement is not in its study)",
+                        path=_reject(spool, entry, f"HTTP 409: {e.message}"))
     except NotFound as e:
         return Delivery("kept", f"the service at {client.base_url} does not know trial {entry.trial_id} "
                                 f"({e.message}): was it started on another database (e.g. without --db)?", path=kept)
     except Invalid as e:
-        path = _reject(spool, entry, f"HTTP 422: {e.message}")
-        _fail_refused(client, entry, f"the service refused the probe's result: {e.message}")
-        return Delivery("rejected", f"the service refused the result: {e.message}", path=path)
+        fate = _fail_refused(client, entry, f"the service refused the probe's result: {e.message}")
+        spool.settle(entry)
+        path = _reject(spool, entry, f"HTTP 422: {e.message}; {fate}")
+        return Delivery("rejected", f"the service refused the result: {e.message}; {fate}", path=path)
     except ApiError as e:
         return Delivery("kept", f"the service answered {e}", path=kept)
     except ValueError as e:  # the wire model refused the result before it was sent
-        path = _reject(spool, entry, f"invalid result: {e}")
-        _fail_refused(client, entry, f"the probe's result is not one the protocol accepts: {e}")
-        return Delivery("rejected", f"the result is not one the protocol accepts: {e}", path=path)
+        fate = _fail_refused(client, entry, f"the probe's result is not one the protocol accepts: {e}")
+        spool.settle(entry)
+        path = _reject(spool, entry, f"invalid result: {e}; {fate}")
+        return Delivery("rejected", f"the result is not one the protocol accepts: {e}; {fate}", path=path)
+    spool.settle(entry)  # first: a worker that finds the file gone finds the note
     spool.remove(entry)
     return Delivery("delivered", f"→ {info.state}", info=info)

@@ -19,7 +19,10 @@ lease     POST /v1/trials/lease with the worker's hardware class, its allow-list
           the time counts toward `idle_exit_s` too, and a worker that gives up so exits with
           status 3, naming the URL it could not reach and for how long.
           A lease of a trial whose result lies in the spool is not run again: the spooled
-          result is delivered.
+          result is delivered. Nor is a lease of a trial whose spooled result was just
+          delivered (the lease came back before the delivery, e.g. right after a service
+          restart; `Spool.settled`): the delivery ended it. Each lease is tagged with the
+          service's id (GET /v1/health, asked after each lease), which its spooled result keeps.
           While idle it reads GET /v1/studies (at once, then every minute) and names, once per
           distinct set, the running studies it cannot take and why: another hardware class,
           a workload off its allow-list, another gpus_per_trial (`skipped_studies`).
@@ -34,7 +37,9 @@ refuse    the allow-list is the worker's own boundary, whatever the service send
           operator's import path, never the service's.
 probe     `python -m autotune.probe_child` in its own process group (see probe_child.py for
           the stdin/stdout protocol), with a hard limit of the study's probe.timeout_s plus a
-          small grace, torch threads and a per-host TorchInductor cache set in its environment.
+          small grace, torch threads and a per-host TorchInductor cache set in its environment,
+          and the worker's token (AUTOTUNE_TOKEN) taken out of it: every child of the worker
+          (fork server, cold probes, distributed launchers, hardware detection) runs without it.
           Warm start (the default; `--cold-start` turns it off): the child is forked from the
           worker's fork server (`autotune.fork_server`), which imported torch, torch._dynamo
           and the probe once, in that same environment; a GPU's hardware detection at start
@@ -60,11 +65,12 @@ monitor   drains the child's stdout (its report lines and its result) and acts o
           child, complete the trial as failed). While the service is away the courier keeps at
           most MAX_PENDING_REPORTS reports, dropping the oldest: a prune decision comes late,
           the probe's timed windows (measured in the child) are never touched.
-complete  the result is written to the spool, then POST /complete (retried COMPLETE_RETRY_S);
-          the file is removed once the service has it. Not delivered, it stays in the spool
-          and the lease loop delivers it when the service answers. A child that dies without
-          a result (crash, OOM kill, signal), hangs past the hard limit, or is interrupted
-          becomes a failure record; the worker itself goes on.
+complete  the result is written to the spool, then POST /complete (retried COMPLETE_RETRY_S)
+          if the service still shows the lease's service id (else it waits in the spool for
+          that service: `autotune.spool.misplaced`); the file is removed once the service has it.
+          Not delivered, it stays in the spool and the lease loop delivers it when the service
+          answers. A child that dies without a result (crash, OOM kill, signal), hangs past the
+          hard limit, or is interrupted becomes a failure record; the worker itself goes on.
 
 Resilience: every call retries connection errors and 5xx (backoff capped at 10 s), so a
 worker outlives a service restart, and no result is lost meanwhile: it waits in the spool,
@@ -112,12 +118,22 @@ from autotune.client import (
     Unauthorized,
 )
 from autotune.distributed import JOB_DIR_ENV, collect_failure, kill_ranks, launch_argv, prepare_job_dir, request_stop
-from autotune.fork_server import ForkedChild, ForkServer, ForkServerError
+from autotune.fork_server import ForkedChild, ForkServer, ForkServerError, without_secrets
 from autotune.gate import window_rate
 from autotune.hardware import Hardware, detect_cpu, installed_torch_version
 from autotune.probe_child import ChildJob
 from autotune.protocol import LeaseRequest, TrialLease
-from autotune.spool import Delivery, Spool, SpoolEntry, default_spool_dir, deliver, unauthorized_hint
+from autotune.spool import (
+    Delivery,
+    Listing,
+    Spool,
+    SpoolEntry,
+    default_spool_dir,
+    deliver,
+    misplaced,
+    service_identity,
+    unauthorized_hint,
+)
 from autotune.workloads import (
     ENTRY_POINT_GROUP,
     builtin_workload_names,
@@ -169,8 +185,9 @@ def inductor_cache_dir() -> Path:
 
 
 def child_environment(threads: int | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The probe child's environment: the worker's, plus the compile cache and thread limits."""
-    env = dict(os.environ if base is None else base)
+    """The probe child's environment: the worker's without its secrets (the token: a probe runs
+    workload code), plus the compile cache and thread limits."""
+    env = without_secrets(os.environ if base is None else base)
     if "TORCHINDUCTOR_CACHE_DIR" not in env:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     if threads:
@@ -768,7 +785,7 @@ class ProbeProcess:
         """Fork the child from `server` when it runs exactly what the server serves (the probe
         child, in the server's environment); else, or when the server cannot, start it cold."""
         if (server is not None and self.job_dir is None and argv[:1] == [server.python]
-                and dict(env) == server.env):
+                and without_secrets(env) == server.env):
             first = server.down is None
             try:
                 return server.popen(argv[1:])
@@ -776,7 +793,7 @@ class ProbeProcess:
                 if first:  # said once: later trials start cold without a word
                     log.warning("the fork server cannot start probes (%s): they start cold from now on", exc)
         return subprocess.Popen(argv, stdin=subprocess.PIPE if self.job_dir is None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=without_secrets(env),
                                 start_new_session=True)
 
     @property
@@ -1057,6 +1074,7 @@ class TrialRun:
     """What happened to one leased trial while its child ran."""
 
     lease: TrialLease
+    service_id: str | None = None  # the id of the service that leased it (None: unknown)
     started: float = field(default_factory=time.monotonic)
     reports: list[dict[str, Any]] = field(default_factory=list)
     result: dict[str, Any] | None = None
@@ -1186,6 +1204,8 @@ class Worker:
         self.spool = Spool(options.spool_dir or default_spool_dir())
         self._spool_later: dict[Path, float] = {}  # spooled results the service would not take yet → when to retry
         self._spool_said: set[tuple[Path, str]] = set()  # (file, why) kept-notices said once
+        self._later_for: str | None = None  # the service id that `_spool_later` was decided by
+        self.service_id: str | None = None  # the service's id as of the last lease (GET /v1/health; None: unknown)
         self.signal_name: str | None = None
         self.signal_number: int | None = None
         self.allowed = options.allowed_workloads()
@@ -1309,10 +1329,13 @@ class Worker:
                     self.console.print(f"[bold red]error:[/] the service refused the lease: {escape(message)}")
                     self.say_spool_left()
                     return 2 if isinstance(e, Invalid) else 1
+                if lease is not None:
+                    self.learn_service_id()
                 if unreachable_since is not None:
                     self.console.print(f"the service at {escape(self.client.base_url)} answers again (away "
                                        f"{time.monotonic() - unreachable_since:.0f} s)")
                     unreachable_since = None
+                    self._spool_later.clear()  # maybe another service (database) now: offer everything again
                     self.deliver_spool()
                 if lease is not None and self._deliver_instead(lease):
                     continue  # measured already: its spooled result went in (or waits for the service)
@@ -1372,19 +1395,43 @@ class Worker:
 
     # --- the spool ------------------------------------------------------------------------------
 
+    def learn_service_id(self) -> str | None:
+        """Ask the service for its id (GET /v1/health) and keep it as the id of the lease just
+        taken; None (unknown: its results are matched by URL and study) when the service shows
+        none or does not answer now. Never the id of before: a restart may have changed it."""
+        try:
+            self.service_id = service_identity(self.client, SPOOL_RETRY_S)
+        except ServiceUnavailable as e:
+            log.warning("could not ask the service for its id (%s): this trial's result is matched by URL", e)
+            self.service_id = None
+        return self.service_id
+
     def deliver_spool(self, retry_for_s: float | None = SPOOL_RETRY_S) -> bool:
-        """Hand in the spooled results of this service, oldest first (`autotune.spool.deliver`).
-        False when the service could not be reached (the rest wait for the next round). A result
-        the service would not take yet (401, a trial it does not know) is offered again after
+        """Hand in the spooled results of this service, oldest first (`autotune.spool.deliver`),
+        each only if it belongs here: the service shows the entry's service id, and its study
+        holds the trial (`autotune.spool.misplaced`). False when the service could not be
+        reached (the rest wait for the next round). A result the service would not take yet
+        (401, a trial it does not know, another service's) is offered again after
         SPOOL_RECHECK_S; a 401 ends the round (no other delivery would fare better)."""
+        pending = self.spool.pending(self.client.base_url)
+        if not pending:
+            return True
+        try:
+            current = service_identity(self.client, retry_for_s)
+        except ServiceUnavailable:
+            return False
+        if current != self._later_for:  # another service answers now: what the last one would not take may go in
+            self._spool_later.clear()
+            self._later_for = current
         now = time.monotonic()
-        for entry in self.spool.pending(self.client.base_url):
-            if entry.path is not None and self._spool_later.get(entry.path, 0.0) > now:
-                continue
+        entries = [e for e in pending if e.path is None or self._spool_later.get(e.path, 0.0) <= now]
+        listings: dict[str, Listing] = {}  # the studies' trials, read once this round
+        for entry in entries:
             with self.spool.claim(entry) as mine:
                 if not mine:
                     continue  # another worker on this spool is delivering it (or has)
-                outcome = deliver(self.spool, self.client, entry, retry_for_s, interruptible=True)
+                outcome = misplaced(self.client, entry, current, retry_for_s, listings) or \
+                    deliver(self.spool, self.client, entry, retry_for_s, interruptible=True)
             self._say_delivery(entry, outcome, spooled=True)
             if outcome.status == "unreachable":
                 return False
@@ -1395,9 +1442,19 @@ class Worker:
         return True
 
     def _deliver_instead(self, lease: TrialLease) -> bool:
-        """True when `lease` is a trial this worker measured already (its result in the spool:
-        the service handed back the lease it still holds); the result is delivered, not re-run."""
-        entry = self.spool.find(self.client.base_url, lease.trial_id, self.worker_id)
+        """True when `lease` is a trial this worker must not run: its result is in the spool (the
+        service handed back the lease it still holds; the result is delivered instead), or was
+        just delivered from the spool (the lease came back before the delivery ended it). A
+        spooled result of the same trial id in another study or service is another trial's."""
+        label = f"trial {lease.number} of {lease.study} (id {lease.trial_id})"
+        if self.spool.settled(self.client.base_url, self.worker_id, lease.trial_id, lease.study, lease.number,
+                              self.service_id):
+            self.console.print(f"  {escape(label)}: its result was delivered from the spool just now: "
+                               "not run again (a lease of it handed out before the delivery)")
+            self.stop_event.wait(1.0)  # the service ends the lease with the delivery; should it not, ask later
+            return True
+        entry = next((e for e in self.spool.pending(self.client.base_url) if e.worker_id == self.worker_id and
+                      e.is_lease(lease.trial_id, lease.study, lease.number, self.service_id)), None)
         if entry is None:
             return False
         self.console.print(f"  {escape(entry.label)}: measured already, its result is in the spool: delivering it "
@@ -1406,7 +1463,7 @@ class Worker:
             if mine:
                 self._say_delivery(entry, deliver(self.spool, self.client, entry, COMPLETE_RETRY_S,
                                                   interruptible=True), spooled=True)
-        if self.spool.find(self.client.base_url, lease.trial_id, self.worker_id) is not None:
+        if entry.path is not None and entry.path.exists():
             self.stop_event.wait(1.0)  # still not taken: the loop tries again, without running it
         return True
 
@@ -1427,7 +1484,7 @@ class Worker:
             self.console.print(f"  {what}: not ours any more, dropped ({escape(outcome.message)})")
         elif outcome.status == "rejected":
             self.console.print(f"  [red]{what} not taken by the service[/]: {escape(outcome.message)}. The "
-                               f"measurement is kept in {where} (the service re-runs or has re-run the trial)")
+                               f"measurement is kept in {where}")
         elif outcome.status == "unreachable":
             if not spooled:
                 self.console.print(f"  [yellow]{what}: the service did not answer[/] ({escape(outcome.message)}); "
@@ -1454,7 +1511,7 @@ class Worker:
 
     def run_trial(self, lease: TrialLease) -> TrialRun:
         """Run `lease`'s probe in a child, forward reports and heartbeats, then complete it."""
-        run = TrialRun(lease)
+        run = TrialRun(lease, service_id=self.service_id)
         baseline = " [cyan](baseline)[/]" if lease.is_baseline else \
             " [cyan](re-measure)[/]" if lease.role == "remeasure" else ""
         self.console.print(f"▶ trial {lease.number} of {lease.study} (id {lease.trial_id}){baseline}: "
@@ -1517,13 +1574,17 @@ class Worker:
             tail = ""
         if run.dropped:
             self.console.print(f"  trial {lease.number}: dropped: {escape(run.dropped)}")
-            entry = self._entry(lease, final_result(run, self.hardware, tail))
+            entry = self._entry(run, final_result(run, self.hardware, tail))
             if run.result is not None and entry.measured:  # the child finished anyway: never throw a measurement away
+                # a service that does not know the trial runs on another database: the measurement
+                # waits in the spool for the leasing one (`autotune.spool.misplaced`), else rejected/
+                foreign = "not leased by this service" in run.dropped
                 try:
-                    where = str(self.spool.reject(entry, run.dropped))
+                    where = str(self.spool.put(entry) if foreign else self.spool.reject(entry, run.dropped))
                 except OSError as e:
                     where = f"nowhere (the spool could not be written: {e})"
-                self.console.print(f"  trial {lease.number}: its result is kept in {escape(where)}")
+                self.console.print(f"  trial {lease.number}: its result is kept in {escape(where)}"
+                                   + (f", for {escape(entry.home)}" if foreign else ""))
             else:
                 self.spool.remove(entry)  # a failure record written ahead: it measured nothing
             return run
@@ -1654,9 +1715,10 @@ class Worker:
             threading.Thread(target=_kill_after, args=(child, PRUNE_GRACE_S), daemon=True).start()
         return True
 
-    def _entry(self, lease: TrialLease, result: dict[str, Any]) -> SpoolEntry:
+    def _entry(self, run: TrialRun, result: dict[str, Any]) -> SpoolEntry:
+        lease = run.lease
         entry = SpoolEntry(api=self.client.base_url, trial_id=lease.trial_id, worker_id=self.worker_id,
-                           study=lease.study, number=lease.number, result=result)
+                           study=lease.study, number=lease.number, result=result, service_id=run.service_id)
         if (self.spool.root / entry.filename).exists():
             entry.path = self.spool.root / entry.filename  # written ahead (`_write_ahead`)
         return entry
@@ -1666,26 +1728,35 @@ class Worker:
         before it completes the trial; the next worker on this spool then delivers it. The
         complete that follows rewrites the same file with the final result."""
         try:
-            self.spool.put(self._entry(run.lease, final_result(run, self.hardware, "")))
+            self.spool.put(self._entry(run, final_result(run, self.hardware, "")))
         except OSError as e:
             log.warning("could not write trial %d's result to the spool %s: %s", run.lease.trial_id,
                         self.spool.root, e)
 
     def _complete(self, run: TrialRun, result: dict[str, Any]) -> None:
-        """Spool the result (write-ahead), then hand it in; the spool file goes once the service has it."""
+        """Spool the result (write-ahead), then hand it in if the service is still the one that
+        leased the trial (its id: a restart on another database during the probe goes unseen
+        while the calls' retries last); the spool file goes once the service has it."""
         lease = run.lease
         retry = FINAL_COMPLETE_RETRY_S if self.signal_name is not None else COMPLETE_RETRY_S
         self.console.print(f"  trial {lease.number} ({run.elapsed_s:.1f} s): {summarize_result(result)}")
         for note in result.get("measurement_notes") or ():
             self.console.print(f"  [yellow]trial {lease.number}: {escape(str(note))}[/]")
-        entry = self._entry(lease, result)
+        entry = self._entry(run, result)
         try:
             self.spool.put(entry)
         except OSError as e:
             self.console.print(f"  [yellow]trial {lease.number}: could not write the spool "
                                f"{escape(str(self.spool.root))} ({escape(str(e))})[/]: the result is only in "
                                "memory until the service takes it; point --spool-dir at a writable directory")
-        outcome = deliver(self.spool, self.client, entry, retry, interruptible=self.signal_name is None)
+        interruptible = self.signal_name is None
+        outcome: Delivery | None = None
+        if entry.service_id is not None:
+            try:
+                outcome = misplaced(self.client, entry, service_identity(self.client, retry, interruptible), retry)
+            except ServiceUnavailable as e:
+                outcome = Delivery("unreachable", str(e), path=entry.path)
+        outcome = outcome or deliver(self.spool, self.client, entry, retry, interruptible=interruptible)
         self._say_delivery(entry, outcome, spooled=False)
 
 
@@ -1709,10 +1780,11 @@ DETECT_SCRIPT = ("import json, sys\n"
 def run_python(args: list[str], server: ForkServer | None = None, timeout_s: float | None = 300.0,
                env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
     """``python ARGS`` in a short-lived child (forked from `server` when it can and `env`, if
-    given, is the server's; else started cold in `env`, default this process's): its (exit
-    status, stdout, stderr). Raises subprocess.TimeoutExpired past `timeout_s` (None: no limit).
-    A forked one does not wait for the server's whole preload: torch is there."""
-    if server is not None and server.down is None and (env is None or dict(env) == server.env):
+    given, is the server's; else started cold in `env`, default this process's, without the
+    worker's secrets): its (exit status, stdout, stderr). Raises subprocess.TimeoutExpired past
+    `timeout_s` (None: no limit). A forked one does not wait for the server's whole preload:
+    torch is there."""
+    if server is not None and server.down is None and (env is None or without_secrets(env) == server.env):
         try:
             child = server.popen(args, preloaded=False)
         except ForkServerError as exc:
@@ -1743,7 +1815,7 @@ def run_python(args: list[str], server: ForkServer | None = None, timeout_s: flo
                     stream.close()
             return code, texts[0], texts[1]
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout_s, check=False,
-                          env=None if env is None else dict(env))
+                          env=without_secrets(os.environ if env is None else env))
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -1789,7 +1861,7 @@ COUNT_SCRIPT = "import torch; print(torch.cuda.device_count() if torch.cuda.is_a
 def visible_cuda_count() -> int:
     """How many GPUs this host shows (in a short-lived child: the worker never touches CUDA)."""
     proc = subprocess.run([sys.executable, "-c", COUNT_SCRIPT], capture_output=True, text=True, timeout=300,
-                          check=False)
+                          check=False, env=without_secrets(os.environ))
     try:
         return int(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -27,7 +27,7 @@ from autotune import worker as worker_module
 from autotune.client import Conflict, ServiceUnavailable
 from autotune.hardware import Hardware, detect
 from autotune.probe_child import ChildJob
-from autotune.protocol import HeartbeatReply, ProbeSpec, ReportReply, TrialInfo, TrialLease
+from autotune.protocol import HeartbeatReply, ProbeSpec, ReportReply, TrialInfo, TrialLease, TrialList
 from autotune.worker import (
     ProbeProcess,
     Worker,
@@ -135,10 +135,24 @@ class FakeClient:
         self.leases = list(leases or [])
         self.calls: list[tuple[str, Any]] = []
         self.completed: list[dict[str, Any]] = []
+        self.handed: list[TrialLease] = []
 
     def lease(self, request: Any, **kw: Any) -> TrialLease | None:
         self.calls.append(("lease", request))
-        return self.leases.pop(0) if self.leases else None
+        lease = self.leases.pop(0) if self.leases else None
+        if lease is not None:
+            self.handed.append(lease)
+        return lease
+
+    def health(self, **kw: Any) -> dict[str, Any]:
+        """The service's identity, which the worker asks after each lease and before a delivery."""
+        return {"status": "ok", "db": "sqlite", "version": "test", "service_id": "fake-service"}
+
+    def trials(self, name: str, **kw: Any) -> TrialList:
+        """The trials of study `name` this service leased (a spooled result is delivered only into its study)."""
+        data = [TrialInfo(trial_id=t.trial_id, number=t.number, state="RUNNING", params=t.params)
+                for t in self.handed if t.study == name]
+        return TrialList(data=data, count=len(data))
 
     def heartbeat(self, trial_id: int, worker_id: str, **kw: Any) -> HeartbeatReply:
         self.calls.append(("heartbeat", trial_id))

@@ -37,7 +37,7 @@ from test_worker import HARDWARE, fake_child, make_lease
 
 from autotune import worker as worker_module
 from autotune.client import Client, Conflict, ServiceUnavailable
-from autotune.protocol import HeartbeatReply, ReportReply, TrialInfo, TrialLease
+from autotune.protocol import HeartbeatReply, ReportReply, TrialInfo, TrialLease, TrialList
 from autotune.spool import Spool, SpoolEntry
 from autotune.worker import MAX_PENDING_REPORTS, UNREACHABLE_EXIT, Worker, WorkerOptions
 
@@ -62,9 +62,13 @@ class ScriptedClient:
     """A worker's client: every call recorded; reports and heartbeats as `on_call` decides."""
 
     base_url = "http://fake"
+    service_id = "fake-service"
 
-    def __init__(self, leases: list[TrialLease | None] | None = None) -> None:
+    def __init__(self, leases: list[TrialLease | None] | None = None,
+                 known: list[tuple[str, int, int]] | None = None) -> None:
         self.leases = list(leases or [])
+        # (study, trial id, number): the trials the service holds besides those it leases here
+        self.known = list(known or []) + [(t.study, t.trial_id, t.number) for t in self.leases if t is not None]
         self.calls: list[tuple[str, Any]] = []
         self.completed: list[tuple[int, str, dict[str, Any]]] = []
         self.complete_errors: list[Exception] = []  # raised by the next completes, in turn
@@ -76,6 +80,14 @@ class ScriptedClient:
     def lease(self, request: Any, **kw: Any) -> TrialLease | None:
         self.calls.append(("lease", None))
         return self.leases.pop(0) if self.leases else None
+
+    def health(self, **kw: Any) -> dict[str, Any]:
+        return {"status": "ok", "db": "sqlite", "version": "test", "service_id": self.service_id}
+
+    def trials(self, name: str, **kw: Any) -> TrialList:
+        data = [TrialInfo(trial_id=i, number=n, state="RUNNING", params={}) for study, i, n in self.known
+                if study == name]
+        return TrialList(data=data, count=len(data))
 
     def heartbeat(self, trial_id: int, worker_id: str, **kw: Any) -> HeartbeatReply:
         self.on_call("heartbeat")
@@ -220,7 +232,7 @@ def test_at_start_a_worker_delivers_the_spool_as_the_worker_that_measured_it(tmp
                          result=RESULT))
     spool.put(SpoolEntry(api="http://elsewhere:8000", trial_id=6, worker_id="host-999-cpu", study="t", number=0,
                          result=RESULT))
-    client = ScriptedClient()
+    client = ScriptedClient(known=[("s", 5, 2)])
     out = io.StringIO()
     assert make_worker(client, ["unused"], spool.root, out, idle_exit_s=0.2).run() == 0
     # completed as the worker that held the lease (a restarted worker has a new default id)
@@ -235,7 +247,7 @@ def test_at_start_a_worker_delivers_the_spool_as_the_worker_that_measured_it(tmp
 def test_a_result_the_service_will_not_take_is_kept_in_rejected_and_said(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "spool")
     spool.put(SpoolEntry(api="http://fake", trial_id=5, worker_id="w1", study="s", number=2, result=RESULT))
-    client = ScriptedClient()
+    client = ScriptedClient(known=[("s", 5, 2)])
     reaped = ("cannot complete trial 5: its lease was reaped: no heartbeat within the grace period, the trial is "
               "marked FAIL (lost); stop running it and lease a new trial")
     client.complete_errors = [Conflict(409, reaped, "POST", "/v1/trials/5/complete")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from typing import Any
 
 import pytest
@@ -114,7 +115,11 @@ def test_delete_stops_and_keeps_data(client: TestClient, make_study: StudyFactor
 
 
 def test_health(client: TestClient) -> None:
-    assert client.get("/v1/health").json() == {"status": "ok", "db": "sqlite", "version": autotune.__version__}
+    reply = client.get("/v1/health").json()
+    service_id = reply.pop("service_id")
+    assert reply == {"status": "ok", "db": "sqlite", "version": autotune.__version__}
+    assert str(uuid.UUID(service_id)) == service_id  # the identity made with the tables
+    assert client.get("/v1/health").json()["service_id"] == service_id
 
 
 def test_service_import_path_is_torch_free() -> None:

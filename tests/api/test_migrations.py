@@ -85,8 +85,8 @@ def make_optuna_study(url: str) -> set[str]:
 
 def test_the_model_tables_are_the_service_tables() -> None:
     assert {"autotune_studies", "autotune_leases", "autotune_reports", "autotune_workers",
-            "autotune_tokens"} == MODEL_TABLES
-    assert head_revision() == "0002"
+            "autotune_tokens", "autotune_service"} == MODEL_TABLES
+    assert head_revision() == "0003"
 
 
 @pytest.mark.parametrize("with_optuna", [False, True], ids=["alone", "beside-optuna"])
@@ -94,17 +94,17 @@ def test_upgrade_downgrade_upgrade_leaves_optuna_alone(empty_db_url: str, with_o
     optuna_tables = make_optuna_study(empty_db_url) if with_optuna else set()
     optuna_version = scalar(empty_db_url, "SELECT version_num FROM alembic_version") if with_optuna else None
 
-    assert upgrade_schema(empty_db_url) == (None, "0002")
+    assert upgrade_schema(empty_db_url) == (None, "0003")
     assert table_names(empty_db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
-    assert scalar(empty_db_url, f"SELECT version_num FROM {VERSION_TABLE}") == "0002"
-    assert upgrade_schema(empty_db_url) == ("0002", "0002")  # idempotent
+    assert scalar(empty_db_url, f"SELECT version_num FROM {VERSION_TABLE}") == "0003"
+    assert upgrade_schema(empty_db_url) == ("0003", "0003")  # idempotent
     assert schema_diff(empty_db_url) == []
 
-    assert downgrade_schema(empty_db_url, "base") == ("0002", None)
+    assert downgrade_schema(empty_db_url, "base") == ("0003", None)
     assert table_names(empty_db_url) == {VERSION_TABLE} | optuna_tables  # only the (empty) version table is left
     assert scalar(empty_db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 0
 
-    assert upgrade_schema(empty_db_url) == (None, "0002")
+    assert upgrade_schema(empty_db_url) == (None, "0003")
     assert table_names(empty_db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
     assert schema_diff(empty_db_url) == []
     if with_optuna:
@@ -122,7 +122,7 @@ def test_the_migrated_schema_equals_the_models_and_a_gap_would_show(empty_db_url
 
 def test_a_database_made_by_create_all_is_adopted(empty_db_url: str, caplog: pytest.LogCaptureFixture) -> None:
     engine = create_engine(empty_db_url, poolclass=NullPool)
-    legacy = [t for name, t in Base.metadata.tables.items() if name != "autotune_tokens"]
+    legacy = [t for name, t in Base.metadata.tables.items() if name not in ("autotune_tokens", "autotune_service")]
     Base.metadata.create_all(engine, tables=legacy)  # what the service did before migrations
     with engine.begin() as conn:
         conn.execute(StudyRow.__table__.insert().values(name="old", spec={}, space={}, hardware="cpu",
@@ -130,7 +130,7 @@ def test_a_database_made_by_create_all_is_adopted(empty_db_url: str, caplog: pyt
     engine.dispose()
 
     with caplog.at_level("WARNING", logger="api.db"):
-        assert upgrade_schema(empty_db_url) == (LEGACY_REVISION, "0002")
+        assert upgrade_schema(empty_db_url) == (LEGACY_REVISION, "0003")
     assert "predate migrations" in caplog.text and f"revision {LEGACY_REVISION}" in caplog.text
     assert "autotune_tokens" in table_names(empty_db_url)
     assert scalar(empty_db_url, "SELECT name FROM autotune_studies") == "old"
@@ -156,7 +156,7 @@ def test_concurrent_upgrades_from_several_processes_take_turns(empty_db_url: str
     outcomes = sorted(results.get(timeout=60) for _ in procs)
     for proc in procs:
         proc.join(timeout=30)
-    assert outcomes == sorted([str((None, "0002"))] + [str(("0002", "0002"))] * (processes - 1)), outcomes
+    assert outcomes == sorted([str((None, "0003"))] + [str(("0003", "0003"))] * (processes - 1)), outcomes
     assert scalar(empty_db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 1
 
 
@@ -177,19 +177,19 @@ def test_autotune_db_upgrade_works_from_any_directory(tmp_path: Path) -> None:
     elsewhere.mkdir()
     done = run_cli("db", "upgrade", "--db", url, cwd=elsewhere)
     assert done.returncode == 0, done.stderr
-    assert "→ 0002" in done.stdout
-    assert current_schema_revision(url) == "0002"
+    assert "→ 0003" in done.stdout
+    assert current_schema_revision(url) == "0003"
     done = run_cli("db", "current", "--db", url, cwd=elsewhere)
-    assert done.returncode == 0 and done.stdout.strip() == "0002 (head)", done.stdout + done.stderr
+    assert done.returncode == 0 and done.stdout.strip() == "0003 (head)", done.stdout + done.stderr
 
 
 def test_autotune_db_downgrade_current_and_errors(empty_db_url: str) -> None:
     runner = CliRunner()
     assert runner.invoke(cli_app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
     result = runner.invoke(cli_app, ["db", "downgrade", "0001", "--db", empty_db_url])
-    assert result.exit_code == 0 and "0002 → 0001" in result.stdout, result.output
+    assert result.exit_code == 0 and "0003 → 0001" in result.stdout, result.output
     result = runner.invoke(cli_app, ["db", "current", "--db", empty_db_url])
-    assert "0001 (newest: 0002; run `autotune db upgrade`)" in result.stdout
+    assert "0001 (newest: 0003; run `autotune db upgrade`)" in result.stdout
     result = runner.invoke(cli_app, ["db", "downgrade", "nope", "--db", empty_db_url])
     assert result.exit_code == 1 and "Can't locate revision identified by 'nope'" in result.stderr
     result = runner.invoke(cli_app, ["db", "downgrade", "base", "--db", empty_db_url])

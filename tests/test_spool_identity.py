@@ -1,0 +1,381 @@
+"""A spooled result goes only to the service and study it was leased from, and a trial whose
+result was just delivered is not run again (issue 35: D2, D4).
+
+Trial ids restart at 1 in every database: a service restarted on another database file (a
+backup taken before any study, same tokens, or --no-auth) holds another trial under the id of a
+spooled result. The first tests run `Worker` in-process against a scripted service over HTTP
+(a real `Client` on httpx's MockTransport); the last ones run the real service and a real
+worker in subprocesses and restart the service on another database, or on the same one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from live_service import (
+    LiveService,
+    Processes,
+    leased_trial_ids,
+    log_text,
+    probe_children,
+    small_spec,
+    start_worker,
+    wait_until,
+)
+from rich.console import Console
+from test_worker import HARDWARE, fake_child
+
+from api.backup import backup_sqlite
+from api.db import upgrade_schema
+from api.main import create_app
+from api.settings import Settings
+from autotune import worker as worker_module
+from autotune.client import Client
+from autotune.protocol import ProbeSpec, TrialLease
+from autotune.spool import Spool, SpoolEntry
+from autotune.worker import Worker, WorkerOptions
+
+RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "device": "cpu", "torch_version": "x",
+          "throughput_samples_per_s": 5.0, "window_throughputs": [5.0, 5.0, 5.0], "val_nrmse": 0.5, "failure": None}
+OURS = {**RESULT, "throughput_samples_per_s": 111.0}  # the spooled measurement (of study "rel")
+THEIRS = {**RESULT, "throughput_samples_per_s": 222.0}  # what a probe of the other study measures
+
+
+class FakeService:
+    """A service over HTTP (httpx.MockTransport) with the real routes' answers: its id, its
+    studies' trials (trial id -> (study, number)), leases handed out in turn, the completes it
+    took; every call is refused (connection error) for `down_s` from the first."""
+
+    def __init__(self, service_id: str, trials: dict[int, tuple[str, int]], leases: list[int] | None = None,
+                 down_s: float = 0.0, refuse: int | None = None) -> None:
+        self.service_id = service_id
+        self.trials = trials
+        self.leases = list(leases or [])
+        self.down_s = down_s
+        self.first: float | None = None
+        self.refuse = refuse  # a complete of a measurement answered 422 (another config), then failure records taken
+        self.completed: dict[int, dict[str, Any]] = {}
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+
+    def client(self) -> Client:
+        return Client("http://svc", "tok", transport=httpx.MockTransport(self.handle), max_backoff_s=0.01)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.first = self.first or time.monotonic()
+        if time.monotonic() < self.first + self.down_s:
+            raise httpx.ConnectError("connection refused", request=request)
+        path = request.url.path
+        with self.lock:
+            self.calls.append(f"{request.method} {path}")
+        if path == "/v1/health":
+            return httpx.Response(200, json={"status": "ok", "db": "sqlite", "version": "t",
+                                             "service_id": self.service_id})
+        if path == "/v1/trials/lease":
+            if not self.leases:
+                return httpx.Response(204)
+            trial_id = self.leases.pop(0)
+            study, number = self.trials[trial_id]
+            lease = TrialLease(trial_id=trial_id, study=study, number=number, params={"batch_size": 4},
+                               config={"batch_size": 4}, workload="ups", preset="tiny",
+                               probe=ProbeSpec(samples=40, timeout_s=60))
+            return httpx.Response(200, json=lease.model_dump(mode="json"))
+        listing = re.fullmatch(r"/v1/studies/([^/]+)/trials", path)
+        if listing:
+            data = [{"trial_id": i, "number": n, "state": "RUNNING", "params": {}}
+                    for i, (s, n) in self.trials.items() if s == listing.group(1)]
+            if not data:
+                return httpx.Response(404, json={"detail": f"study {listing.group(1)!r} not found"})
+            return httpx.Response(200, json={"data": data, "count": len(data)})
+        call = re.fullmatch(r"/v1/trials/(\d+)/(\w+)", path)
+        assert call is not None, path
+        trial_id, verb = int(call.group(1)), call.group(2)
+        if trial_id not in self.trials:
+            return httpx.Response(404, json={"detail": f"trial {trial_id} not found"})
+        body = json.loads(request.content)
+        if verb == "heartbeat":
+            return httpx.Response(200, json={"action": "continue"})
+        if verb == "report":
+            return httpx.Response(200, json={"prune": False})
+        if trial_id in self.completed:
+            return httpx.Response(409, json={"detail": f"cannot complete trial {trial_id}: it is already completed "
+                                                       f"(by worker {body['worker_id']!r}); its result stands"})
+        if self.refuse == trial_id and not body["result"].get("failure"):
+            return httpx.Response(422, json={"detail": "result.config: not the leased config (batch_size: 8 != 4)"})
+        self.completed[trial_id] = body["result"]
+        study, number = self.trials[trial_id]
+        return httpx.Response(200, json={"trial_id": trial_id, "number": number, "params": {},
+                                         "state": "FAIL" if body["result"].get("failure") else "COMPLETE"})
+
+
+def spooled(spool: Spool, service_id: str | None, study: str = "rel", trial_id: int = 1, number: int = 0) -> Path:
+    """A result in the spool as a worker leaves it, of service `service_id` (None: an older worker's
+    file, without one). The file is written as JSON, so a worker of any version reads it."""
+    path = spool.put(SpoolEntry(api="http://svc", trial_id=trial_id, worker_id="w1", study=study, number=number,
+                                result=OURS))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "service_id": service_id}))
+    return path
+
+
+def run_worker(service: FakeService, spool: Spool, argv: list[str], idle_exit_s: float) -> str:
+    out = io.StringIO()
+    options = WorkerOptions(worker_id="w1", child_argv=argv, spool_dir=spool.root, idle_exit_s=idle_exit_s)
+    worker = Worker(options, HARDWARE, client=service.client(), console=Console(file=out, width=400))
+    assert worker.run() == 0, out.getvalue()
+    return out.getvalue()
+
+
+def probe_printing(tmp_path: Path, result: dict[str, Any]) -> list[str]:
+    """A fake probe that notes it ran (tmp_path/ran) and prints `result`."""
+    return fake_child(tmp_path, f"""
+import json
+open({str(tmp_path / 'ran')!r}, "a").write("ran\\n")
+print(json.dumps({{"type": "result", "result": {result!r}}}), flush=True)
+""")
+
+
+# --- D2: only to the service and study it was leased from ----------------------------------------------
+
+
+def test_a_spooled_result_waits_for_the_service_it_was_leased_from(tmp_path: Path) -> None:
+    """The service answers at the same URL but is another one (another database, the same
+    tokens): its trial 1 is another study's. The result is not handed to it, and the worker
+    says where it belongs."""
+    spool = Spool(tmp_path / "spool")
+    path = spooled(spool, "svc-A")
+    service = FakeService("svc-B", {1: ("other", 0)})
+    text = run_worker(service, spool, ["unused"], idle_exit_s=0.3)
+    assert service.completed == {}
+    assert [e.path for e in spool.pending()] == [path] and spool.rejected() == []
+    said = " ".join(text.split())
+    assert "spooled result of trial 0 of rel (id 1): not delivered" in said, text
+    assert "belongs to service svc-A at http://svc, study 'rel', trial 0 (id 1)" in said
+    assert "is now service svc-B (another database" in said
+
+
+def test_a_restored_copy_with_the_same_id_does_not_get_another_studys_trial(tmp_path: Path) -> None:
+    """A backup of the database (same service id) holds no study 'rel'; its trial 1 is trial 0 of
+    'other', leased to this worker. The worker runs that trial and completes it with its own
+    measurement; the spooled one of 'rel' stays in the spool, for the service it came from."""
+    spool = Spool(tmp_path / "spool")
+    path = spooled(spool, "svc-A")
+    service = FakeService("svc-A", {1: ("other", 0)}, leases=[1])
+    text = run_worker(service, spool, probe_printing(tmp_path, THEIRS), idle_exit_s=0.5)
+    assert (tmp_path / "ran").exists()
+    assert service.completed == {1: THEIRS}  # its own measurement, never the spooled one of 'rel'
+    (kept,) = spool.pending()
+    assert kept.path == path and kept.result == OURS and kept.study == "rel"
+    said = " ".join(text.split())
+    assert "▶ trial 0 of other (id 1)" in said
+    assert "belongs to service svc-A at http://svc, study 'rel', trial 0 (id 1)" in said
+    assert "has no study 'rel'" in said
+
+
+def test_a_spooled_result_is_not_matched_to_another_trial_number(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    spooled(spool, None, study="rel", trial_id=1, number=0)  # spooled by an older worker: no service id
+    service = FakeService("svc-B", {1: ("rel", 3)})  # a study of the same name, where id 1 is trial 3
+    text = run_worker(service, spool, ["unused"], idle_exit_s=0.3)
+    assert service.completed == {} and len(spool.pending()) == 1
+    assert "has trial id 1 as trial 3 of study 'rel'" in " ".join(text.split())
+
+
+def test_a_spooled_result_of_the_same_service_and_study_is_delivered(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    spooled(spool, "svc-A")
+    service = FakeService("svc-A", {1: ("rel", 0)})
+    text = run_worker(service, spool, ["unused"], idle_exit_s=0.3)
+    assert service.completed == {1: OURS} and spool.pending() == []
+    assert "spooled result of trial 0 of rel (id 1) delivered → COMPLETE" in text
+
+
+def test_a_refused_result_says_what_became_of_the_trial(tmp_path: Path) -> None:
+    """422: the trial is failed (kind error) and the service does not re-run it: the rejected file
+    and the console say so, not that the service re-runs it."""
+    spool = Spool(tmp_path / "spool")
+    spooled(spool, "svc-A", study="rel")
+    service = FakeService("svc-A", {1: ("rel", 0)}, refuse=1)
+    text = run_worker(service, spool, ["unused"], idle_exit_s=0.3)
+    assert service.completed[1]["failure"]["kind"] == "error"
+    (rejected,) = spool.rejected()
+    assert rejected.result == OURS
+    assert "completed as failed (kind error" in (rejected.reason or "") and "does not re-run it" in rejected.reason
+    said = " ".join(text.split())
+    assert "does not re-run it" in said and "re-runs or has re-run" not in said
+
+
+# --- D4: a trial whose result was just delivered is not run again ------------------------------------------
+
+
+def test_a_lease_handed_back_before_its_spooled_result_went_in_is_not_run(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service restarts while the worker holds trial 1's result in its spool; the worker's lease
+    call reaches the restarted service first, which hands back trial 1 (its lease is still
+    active); then the worker delivers its spool, trial 1's result included. The lease it holds
+    names a finished trial: it must not run it."""
+    monkeypatch.setattr(worker_module, "LEASE_RETRY_S", 0.2)
+    spool = Spool(tmp_path / "spool")
+    spooled(spool, "svc-A", study="s")
+    # away longer than the first delivery round (SPOOL_RETRY_S): then a lease call fails, and the next gets trial 1
+    service = FakeService("svc-A", {1: ("s", 0)}, leases=[1], down_s=worker_module.SPOOL_RETRY_S + 0.5)
+    text = run_worker(service, spool, probe_printing(tmp_path, THEIRS), idle_exit_s=worker_module.SPOOL_RETRY_S + 2)
+    assert not (tmp_path / "ran").exists(), text
+    assert service.completed == {1: OURS} and spool.pending() == []
+    said = " ".join(text.split())
+    assert "answers again" in said and "spooled result of trial 0 of s (id 1) delivered → COMPLETE" in said, said
+    assert "trial 0 of s (id 1): its result was delivered from the spool just now: not run again" in said
+    assert "▶ trial" not in said
+
+
+def test_another_worker_on_the_spool_delivering_it_counts_too(tmp_path: Path) -> None:
+    """The settled note is on disk: a lease whose trial another worker of this spool delivered is not run."""
+    spool = Spool(tmp_path / "spool")
+    spooled(spool, "svc-A", study="s")
+    (entry,) = spool.pending()
+    spool.settle(entry)
+    spool.remove(entry)
+    assert spool.settled("http://svc", "w1", 1, "s", 0, "svc-A")
+    assert not spool.settled("http://svc", "w1", 1, "other", 0, "svc-A")  # another study's trial 1
+    assert not spool.settled("http://svc", "w1", 1, "s", 0, "svc-B")  # another service's
+    service = FakeService("svc-A", {1: ("s", 0)}, leases=[1])
+    run_worker(service, spool, probe_printing(tmp_path, THEIRS), idle_exit_s=1.5)
+    assert not (tmp_path / "ran").exists() and service.completed == {}
+
+
+# --- the service's identity ------------------------------------------------------------------------------
+
+
+def health_of(url: str) -> dict[str, Any]:
+    with TestClient(create_app(Settings(db_url=url, auth=False, reaper_interval_s=3600.0))) as client:
+        reply: dict[str, Any] = client.get("/v1/health").json()
+        return reply
+
+
+def test_each_database_has_its_own_service_id_and_a_restart_keeps_it(tmp_path: Path) -> None:
+    first, second = f"sqlite:///{tmp_path}/a.db", f"sqlite:///{tmp_path}/b.db"
+    a = health_of(first)["service_id"]
+    assert str(uuid.UUID(a)) == a
+    assert health_of(first)["service_id"] == a  # restarted on the same database: the same service
+    assert health_of(second)["service_id"] != a  # another database: another service
+    old = f"sqlite:///{tmp_path}/old.db"
+    upgrade_schema(old, "0002")  # a database of before the identity: the upgrade gives it one
+    with sqlite3.connect(tmp_path / "old.db") as conn:
+        assert "autotune_service" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    upgrade_schema(old)
+    assert health_of(old)["service_id"] not in (None, a)
+
+
+# --- the real service and a real worker ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Any:
+    procs = Processes(tmp_path)
+    yield procs
+    procs.stop_all()
+
+
+def reports_stored(db: Path) -> int:
+    with sqlite3.connect(db, timeout=5) as conn:
+        return int(conn.execute("SELECT count(*) FROM autotune_reports").fetchone()[0])
+
+
+def kill(service: LiveService) -> None:
+    assert service.proc is not None
+    os.killpg(service.proc.pid, signal.SIGKILL)
+    service.proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("auth", [True, False], ids=["tokens", "no-auth"])
+def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(processes: Processes, tmp_path: Path,
+                                                                          tiny_datasets: Any, auth: bool) -> None:
+    """Issue 35, D2. The service runs on a.db; b.db is a backup of it taken before any study (the
+    same tokens, the same service id). The worker measures trial 0 of 'rel' (id 1); the service is
+    killed before the result goes in and restarted on b.db, where study 'other' (the same spec:
+    the same first config) gets trial id 1, leased to this worker. The worker runs that trial
+    and keeps rel's measurement in its spool, naming where it belongs; once the service is back
+    on a.db, the measurement goes into 'rel'."""
+    a_db, b_db = tmp_path / "a.db", tmp_path / "b.db"
+    env = None if auth else {"AUTOTUNE_AUTH": "false"}
+    service = LiveService(processes, a_db, env=env).start()
+    backup_sqlite(service.db_url, b_db)
+    spec = {"n_trials": 1, "probe": {"windows": 8}, "pruning": {"enabled": False}}
+    service.submit(small_spec("rel", samples=600, **spec))
+    spool = tmp_path / "spool"
+    worker = start_worker(processes, service.url, "--spool-dir", str(spool), "--worker-id", "w",
+                          env={"COLUMNS": "400"})
+    wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
+    wait_until(lambda: reports_stored(a_db) >= 1, 60, "the first timed window's report")
+    kill(service)  # mid-probe: the result cannot go in
+    wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
+    (kept,) = Spool(spool).pending()
+    assert (kept.study, kept.number, kept.trial_id) == ("rel", 0, 1) and kept.measured and kept.service_id
+
+    service.db_url = f"sqlite:///{b_db}"  # the backup: same tokens, no study
+    service.start()
+    service.submit(small_spec("other", samples=64, n_trials=1))
+    wait_until(lambda: "▶ trial 0 of other (id 1)" in log_text(worker), 120, "the worker to run other's trial 0")
+    wait_until(lambda: service.trials("other")[0]["state"] == "COMPLETE", 120, "other's trial 0 to complete")
+    (theirs,) = service.trials("other")
+    assert theirs["throughput_samples_per_s"] != kept.result["throughput_samples_per_s"]  # its own measurement
+    (still,) = Spool(spool).pending()
+    assert still.result == kept.result and Spool(spool).rejected() == []
+    log = " ".join(log_text(worker).split())
+    assert f"belongs to service {kept.service_id} at {service.url}, study 'rel', trial 0 (id 1)" in log, log[-3000:]
+
+    kill(service)
+    service.db_url = f"sqlite:///{a_db}"  # back on the trial's own database (the backup's id is the same: the
+    # worker offers its spool again once it has seen the service away, i.e. its lease calls fail)
+    time.sleep(worker_module.IDLE_BACKOFF_CAP_S + worker_module.LEASE_RETRY_S + 2)
+    service.start()
+    wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "rel's trial 0 to get its result")
+    (ours,) = service.trials("rel")
+    assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
+    assert Spool(spool).pending() == [] and Spool(spool).rejected() == []
+    assert leased_trial_ids(worker) == [1, 1]  # rel's trial 1 and other's trial 1, each run once
+    assert worker.poll() is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_after_a_restart_the_delivered_trial_is_not_run_again(processes: Processes, tmp_path: Path,
+                                                              tiny_datasets: Any, start: str) -> None:
+    """Issue 35, D4. The service is killed mid-probe and stays away until the worker's lease calls
+    fail; restarted on the same database, it answers the worker's lease with the trial the
+    worker holds (its lease still active), and the worker then delivers that trial's spooled
+    result. It must not run the trial again: each trial id runs once."""
+    db = tmp_path / "autotune.db"
+    service = LiveService(processes, db).start()
+    service.submit(small_spec("again", n_trials=2, samples=600, probe={"windows": 8}, pruning={"enabled": False}))
+    spool = tmp_path / "spool"
+    worker = start_worker(processes, service.url, "--study", "again", "--max-trials", "2", "--spool-dir", str(spool),
+                          *(["--cold-start"] if start == "cold" else []), env={"COLUMNS": "400"})
+    wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
+    wait_until(lambda: reports_stored(db) >= 1, 60, "the first timed window's report")
+    kill(service)
+    wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
+    # the lease loop's delivery round, then a whole lease call fail: the worker sees the service away
+    time.sleep(worker_module.SPOOL_RETRY_S + worker_module.LEASE_RETRY_S + 2)
+    service.start()
+    assert worker.wait(timeout=180) == 0, log_text(worker)[-3000:]
+    log = log_text(worker)
+    assert "answers again" in log and "delivered → COMPLETE" in log, log[-3000:]
+    assert "its result was delivered from the spool just now: not run again" in log  # the lease came back first
+    ids = leased_trial_ids(worker)
+    assert len(ids) == len(set(ids)) == 2, log[-3000:]  # no trial run twice
+    assert "dropped" not in log
+    assert [t["state"] for t in service.trials("again")] == ["COMPLETE", "COMPLETE"]
