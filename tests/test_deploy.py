@@ -718,6 +718,9 @@ def test_the_compose_commands_run_a_study_on_the_cpu(tmp_path: Path, processes: 
         assert done.returncode == 0, (argv, done.stderr)
         if target:
             (compose.root / target).write_text(done.stdout)
+            # in compose the worker (uid 10001 in the image) reads the host's file through the secret's
+            # mount: another account's file. Here it runs as the file's owner, who must keep it to itself.
+            (compose.root / target).chmod(0o600)
         printed[" ".join(argv)] = done.stdout.strip()
     (admin,) = [out for command, out in printed.items() if "token create --role admin" in command]
     spec = small_spec("compose", n_trials=1)
@@ -788,6 +791,8 @@ def test_the_kubernetes_worker_leases_a_trial_and_stops_on_sigterm(tmp_path: Pat
     local_token = tmp_path / token_file.lstrip("/")
     local_token.parent.mkdir(parents=True)
     local_token.write_text(service.worker_token)  # a Secret key's file holds the value as given
+    # the pod (uid 10001) reads a root-owned 0440 mount: another account's file. Here the worker owns it: 0600
+    local_token.chmod(0o600)
     config = next(r for _, r in k8s_resources() if r["kind"] == "ConfigMap")["data"]
     env = {}
     for var in container["env"]:
