@@ -106,11 +106,18 @@ def test_the_walkthrough_commands_run_on_cpu(tmp_path: Path) -> None:
     assert "probe: ups/tiny on cpu" in output and "val_nrmse" in output.lower()  # step 1's table
     assert "trials of quickstart" in output  # step 3's status table
     best = (tmp_path / "best.yaml").read_text()
-    assert "# autotune verdict for study quickstart: CERTIFIED" in best and "# val_nrmse: " in best, best
-    # micro-batch 16 without accumulation: the baseline's steps in half the micro-batches (its NRMSE seed for seed)
-    assert re.search(r"^batch_size: 16\naccum_steps: 1$", best, flags=re.MULTILINE), best
-    # the pick's row says the quality test's inputs: its difference from the baseline, the bound and the margin
-    assert re.search(r"\[certified\]: n \d+, .* val_nrmse difference [+-]\S+ \(bound [+-]\S+, margin \S+\)", best), best
+    assert "# autotune verdict for study quickstart: " in best and "# val_nrmse: " in best, best
+    # micro-batch 16 without accumulation trains the baseline's steps in half the micro-batches: its NRMSE is
+    # the baseline's seed for seed (a difference of rounding only) ...
+    differences = [float(d) for d in re.findall(r"val_nrmse difference ([+-]\S+) \(bound", best)]
+    assert any(abs(d) < 1e-6 for d in differences), best
+    # ... and it ran ~1.5x as fast on a quiet core (certified in the walk-through's runs here); whether the rounds
+    # show that beyond the noise depends on the host's load (a test does not time things): either answer is honest
+    if ": CERTIFIED" in best:
+        assert re.search(r"^batch_size: 16\naccum_steps: 1$", best, flags=re.MULTILINE), best
+    else:
+        assert "KEEP THE BASELINE (undecided)" in best and re.search(r"^batch_size: 8\naccum_steps: 2$", best,
+                                                                      flags=re.MULTILINE), best
     assert (tmp_path / "report" / "report.html").stat().st_size > 0
     assert re.search(r"one epoch with micro-batch (8|16) x [12]: loss \d+\.\d+", output), output[-3000:]
 

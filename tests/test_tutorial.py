@@ -79,8 +79,14 @@ def test_the_tutorial_commands_run_on_cpu(tmp_path: Path) -> None:
     best = (work / "best.yaml").read_text()
     assert "# autotune verdict for study my-first-study" in best
     assert "# val_loss: " in best and "nrmse" not in best.lower()
-    assert "# autotune verdict for study my-first-study: CERTIFIED" in best, best  # 16 x 1: 8 x 2's steps, faster
-    assert re.search(r"^batch_size: 16\naccum_steps: 1$", best, flags=re.MULTILINE), best
+    # 16 x 1 trains 8 x 2's steps (its val_loss the baseline's seed for seed) faster on a quiet core; whether the
+    # rounds show that beyond the noise depends on the host's load (a test does not time things)
+    assert any(abs(float(d)) < 1e-6 for d in re.findall(r"val_loss difference ([+-]\S+) \(bound", best)), best
+    if ": CERTIFIED" in best:
+        assert re.search(r"^batch_size: 16\naccum_steps: 1$", best, flags=re.MULTILINE), best
+    else:
+        assert "KEEP THE BASELINE (undecided)" in best and re.search(r"^batch_size: 8\naccum_steps: 2$", best,
+                                                                      flags=re.MULTILINE), best
     assert re.search(r"epoch 1: val_loss \d+\.\d+", output), output[-3000:]
     # part 2: the script's probe trained with its optimizer and schedule; its study and apply path ran
     assert re.search(r"^AdamW \(\d+ tensors in 2 groups\)$", output, flags=re.MULTILINE), output[-3000:]
