@@ -280,9 +280,11 @@ def test_a_service_restart_mid_study_loses_and_duplicates_nothing(processes: Pro
         assert t["state"] == "COMPLETE" or ("never leased" in t["failure"]["message"] and t["retried_as"]), t
     leased = {wid: leased_trial_ids(p) for wid, p in workers.items()}
     every = leased["rs-a"] + leased["rs-b"]
-    # a drawn config already measured is told its twin's result, never leased (tests/api/test_api_repeats.py)
-    told = [t for t in trials if t["repeat_of"] is not None or t["baseline_repeat_of"] is not None]
-    complete = {t["trial_id"]: t["worker_id"] for t in trials if t["state"] == "COMPLETE" and t not in told}
+    # a drawn config already measured is told its twin's result, never leased (tests/api/test_api_repeats.py):
+    # it has no worker; every other completed trial was run by one
+    complete = {t["trial_id"]: t["worker_id"] for t in trials if t["state"] == "COMPLETE" and t["worker_id"]}
+    assert all(t["repeat_of"] is not None or t["baseline_repeat_of"] is not None
+               for t in trials if t["state"] == "COMPLETE" and not t["worker_id"])
     assert sorted(every) == sorted(complete)  # each completed trial leased once, by one worker
     for wid, ids in leased.items():
         assert all(complete[i] == wid for i in ids)  # ... and completed by the worker that leased it
