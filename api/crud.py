@@ -7,6 +7,7 @@ reads return frozen dataclasses.
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -39,6 +40,7 @@ class LeaseRecord:
     leased_at: datetime
     heartbeat_at: datetime
     finished_at: datetime | None
+    token: str | None = None  # the lease's token (None: a lease from before tokens, migration 0004)
 
     @property
     def active(self) -> bool:
@@ -61,7 +63,7 @@ def _study(row: StudyRow) -> StudyRecord:
 def _lease(row: LeaseRow) -> LeaseRecord:
     return LeaseRecord(trial_id=row.trial_id, study_name=row.study_name, trial_number=row.trial_number,
                        worker_id=row.worker_id, state=row.state, outcome=row.outcome, leased_at=row.leased_at,
-                       heartbeat_at=row.heartbeat_at, finished_at=row.finished_at)
+                       heartbeat_at=row.heartbeat_at, finished_at=row.finished_at, token=row.token)
 
 
 # Non-finite floats are not valid JSON (PostgreSQL's json type rejects NaN): stored as strings.
@@ -131,24 +133,35 @@ def active_lease_of_worker(session: Session, worker_id: str) -> LeaseRecord | No
     return _lease(row) if row is not None else None
 
 
+def new_lease_token() -> str:
+    """A lease's token: a random UUID4, 32 hex digits (what `autotune.protocol.LeaseToken` takes)."""
+    return uuid.uuid4().hex
+
+
 def add_lease(session: Session, trial_id: int, study_name: str, trial_number: int, worker_id: str,
-              now: datetime) -> None:
+              now: datetime) -> str:
+    """Add an active lease; its token (new, random: the worker sends it back with the trial's calls)."""
+    token = new_lease_token()
     session.add(LeaseRow(trial_id=trial_id, study_name=study_name, trial_number=trial_number, worker_id=worker_id,
-                         state="active", leased_at=now, heartbeat_at=now))
+                         state="active", leased_at=now, heartbeat_at=now, token=token))
+    return token
 
 
 def touch_lease(session: Session, trial_id: int, now: datetime) -> None:
     session.execute(update(LeaseRow).where(LeaseRow.trial_id == trial_id).values(heartbeat_at=now))
 
 
-def touch_active_lease(session: Session, trial_id: int, worker_id: str, now: datetime) -> str | None:
-    """Refresh the heartbeat of `trial_id`'s lease if it is active and held by `worker_id`, in one
-    conditional UPDATE (atomic against a concurrent reap or complete: the row is locked until
-    the transaction ends). Returns the lease's study name, or None when nothing matched."""
-    result = session.execute(update(LeaseRow)
-                             .where(LeaseRow.trial_id == trial_id, LeaseRow.worker_id == worker_id,
-                                    LeaseRow.state == "active")
-                             .values(heartbeat_at=now).returning(LeaseRow.study_name))
+def touch_active_lease(session: Session, trial_id: int, worker_id: str, now: datetime,
+                       token: str | None = None) -> str | None:
+    """Refresh the heartbeat of `trial_id`'s lease if it is active and held by `worker_id` (and,
+    when `token` is given, holds that token), in one conditional UPDATE (atomic against a
+    concurrent reap or complete: the row is locked until the transaction ends). Returns the
+    lease's study name, or None when nothing matched."""
+    query = update(LeaseRow).where(LeaseRow.trial_id == trial_id, LeaseRow.worker_id == worker_id,
+                                   LeaseRow.state == "active")
+    if token is not None:
+        query = query.where(LeaseRow.token == token)
+    result = session.execute(query.values(heartbeat_at=now).returning(LeaseRow.study_name))
     return result.scalar_one_or_none()
 
 

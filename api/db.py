@@ -13,7 +13,10 @@ Tables:
   hardware class and the state (running | stopped).
 * ``autotune_leases``: one row per trial handed to a worker. ``trial_id`` (Optuna's global
   trial id) is the primary key, so a trial can never be handed out twice; a partial unique
-  index allows at most one *active* lease per worker.
+  index allows at most one *active* lease per worker. Each lease has a random ``token``
+  (migration 0004; NULL for leases made before it), handed to the worker with the lease: a
+  complete that carries a token is taken only for the lease holding it, so a result measured
+  for a trial of another database (a backup, with the same service id) never lands here.
 * ``autotune_reports``: intermediate metrics a worker reported for a trial, with the prune
   decision the service answered (and its reason).
 * ``autotune_workers``: every worker seen, with its hardware and when it was last heard from.
@@ -135,6 +138,9 @@ class LeaseRow(Base):
     leased_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # a random UUID4 hex made with the lease (migration 0004), handed to the worker with it; a result
+    # that carries a token is taken only for the lease holding it (None: a lease from before tokens)
+    token: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class ReportRow(Base):

@@ -31,16 +31,15 @@ generic field. A result whose metric name or direction differs from the study's
 different metrics. User attrs ``quality`` and ``quality_metric`` keep it (``val_nrmse``
 stays set for NRMSE workloads).
 
-Failed trials teach the sampler (a design choice): an OOM, crash, unsupported combination or
-timeout says something about its region of the space, and an Optuna FAIL is invisible to
-the samplers. So a failed probe is told to Optuna as **COMPLETE with worst-case values**
-(throughput 0, quality `worst_quality`) and the gate constraint
-``autotune.gate.FAILED_CONSTRAINT`` (user attr ``constraint``), keeping failure_kind /
-failure_message. Everything the service shows reads the failure attrs first
-(`api.results.service_state`): such a trial is FAIL in TrialInfo.state, in the counts by state
-and in the failures by kind, it is never feasible, and it is excluded from the Pareto front
-and the recommendation. (Trials *lost* by a silent worker, or *refused* by a worker that does
-not run their workload, stay Optuna FAIL: that says nothing about the config; both are re-run.)
+A failed probe has no measurement, so it is Optuna **FAIL** with failure_kind /
+failure_message (Optuna holds only what was measured: no placeholder values). The samplers
+ignore FAIL trials (Optuna's convention); a draw of a config that failed for a reason of its
+own (oom, unsupported) is not run again (api/optuna_bridge.py `_twins`). Trials *lost* by a
+silent worker, *refused* by a worker that does not run their workload, or *interrupted*
+say nothing about the config: they are re-run (`retriable`). Everything the service shows reads
+the failure attrs (`api.results.service_state`): a failed trial is never feasible and is
+excluded from the Pareto front and the recommendation. (Studies stored by an older service
+hold failed probes as COMPLETE with worst-case values; the service reads them as failed.)
 
 Every completed trial carries the constraint the samplers learn (≤ 0 feasible):
 ``constraint_value(nrmse, gate)``, or the larger of it and the memory constraint
@@ -60,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from autotune.config import KNOBS, ConfigError
-from autotune.gate import FAILED_CONSTRAINT, constraint_value
+from autotune.gate import constraint_value
 from autotune.protocol import OBJECTIVES, StudySpec
 from autotune.samplers import CONSTRAINT_ATTR
 
@@ -97,24 +96,7 @@ def retriable(spec: StudySpec, state: str, attrs: Mapping[str, Any]) -> bool:
     return lost(state, attrs) and attempt(attrs) <= spec.max_retries
 
 
-WORST_NRMSE = 10.0  # the val_nrmse a failed trial is told with (with throughput 0)
-WORST_QUALITY = 1.0e4  # the magnitude for other metrics (a loss can exceed 10)
-WORST_ENERGY = 1.0e4  # J/sample a failed (or not a candidate) trial is told with: far above any GPU's
 GIB = 2**30
-
-
-def worst_quality(spec: StudySpec) -> float:
-    """The quality a failed trial is told with: WORST_NRMSE for NRMSE, else ±WORST_QUALITY
-    on the bad side of the study's direction."""
-    if spec.quality_metric == "val_nrmse":
-        return WORST_NRMSE
-    return WORST_QUALITY if spec.quality_direction == "minimize" else -WORST_QUALITY
-
-
-def worst_values(spec: StudySpec) -> list[float]:
-    """The objective values a failed trial is told with (see the module docstring)."""
-    worst = {"throughput_samples_per_s": 0.0, "quality": worst_quality(spec), "energy_j_per_sample": WORST_ENERGY}
-    return [worst[OBJECTIVES[o][0]] for o in spec.objectives]
 
 
 def quality_mismatch(result: Mapping[str, Any], spec: StudySpec) -> str | None:
@@ -139,7 +121,7 @@ def no_energy_message(result: Mapping[str, Any]) -> str:
 
 
 def failed_attrs(kind: str, message: str) -> dict[str, Any]:
-    return {"failure_kind": kind, "failure_message": message[:MAX_MESSAGE], CONSTRAINT_ATTR: FAILED_CONSTRAINT}
+    return {"failure_kind": kind, "failure_message": message[:MAX_MESSAGE]}
 
 
 def memory_constraint(peak_reserved_bytes: Any, spec: StudySpec) -> float | None:
@@ -289,18 +271,15 @@ def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, ga
 
     if result.get("failure"):
         kind, message = _failure(result["failure"])
-        if kind in NOT_ABOUT_THE_CONFIG:  # Optuna FAIL: the samplers ignore it; another worker re-runs it
-            attrs.update({"failure_kind": kind, "failure_message": message})
-            return TrialOutcome("FAIL", None, attrs)
         attrs.update(failed_attrs(kind, message))
-        return TrialOutcome("COMPLETE", worst_values(spec), attrs)
+        return TrialOutcome("FAIL", None, attrs)
     if result.get("stopped_early"):
         return TrialOutcome("PRUNED", None, attrs)
 
     mismatch = quality_mismatch(result, spec)
     if mismatch:
         attrs.update(failed_attrs("error", mismatch))
-        return TrialOutcome("COMPLETE", worst_values(spec), attrs)
+        return TrialOutcome("FAIL", None, attrs)
     throughput = _number(result.get("throughput_samples_per_s"))
     quality_key = "quality" if result.get("quality") is not None else "val_nrmse"  # older workers: val_nrmse
     nrmse = _number(result.get(quality_key))
@@ -315,7 +294,7 @@ def probe_outcome(result: Mapping[str, Any], spec: StudySpec, worker_id: str, ga
     if problems:
         attrs.update(failed_attrs("error", "the probe reported no failure but " + " and ".join(problems)
                                   + " (need finite numbers)"))
-        return TrialOutcome("COMPLETE", worst_values(spec), attrs)
+        return TrialOutcome("FAIL", None, attrs)
     assert throughput is not None and nrmse is not None
     energy = _number(result.get("energy_j_per_sample"))
     if "energy" in spec.objectives and (energy is None or energy <= 0):

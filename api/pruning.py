@@ -52,7 +52,9 @@ def mean_curve(curves: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[fl
 
 @dataclass
 class StudySummary:
-    """What running trials are compared with; updated at complete time, never from reports."""
+    """What running trials are compared with; updated at complete time, never from reports.
+    `learned`: the numbers of the trials in it; `finished`: the study's finished trials when it
+    was last brought up to date (a complete through another service process shows as a change)."""
 
     total_samples: int | None = None
     best_feasible_throughput: float | None = None
@@ -61,6 +63,8 @@ class StudySummary:
     lowest_feasible_energy: float | None = None
     lowest_energy_curve: list[tuple[float, float]] | None = None
     baseline_curves: list[list[tuple[float, float]]] = field(default_factory=list)
+    learned: set[int] = field(default_factory=set)
+    finished: int = -1
     _baseline_mean: list[tuple[float, float]] | None = None
 
     def add_baseline(self, curve: list[tuple[float, float]], samples: int | None) -> None:

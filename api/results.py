@@ -21,11 +21,11 @@ maximize), and, with max_memory_gb, its peak reserved memory fits. Until every b
 finished, feasibility is unknown (None). `quality_name` is the metric's name shown to users
 (the spec's, else the one the trials reported): a language model's loss is never called NRMSE.
 
-Failed probes are told to Optuna as COMPLETE with worst-case values (api/outcome.py); every
-view here reads `service_state`, which says FAIL for them.
+Failed probes are Optuna FAIL (api/outcome.py), draws that repeat a config PRUNED with
+repeat_of; every view here reads `service_state` (FAIL, REPEAT).
 
-Candidates and the front (one definition everywhere: API, CLI, report, YAML, and the values
-Optuna holds for its dashboard): the *candidates* are the feasible search trials that ran,
+Candidates and the front (one definition everywhere: API, CLI, report, YAML; Optuna holds
+every trial's own measurement and the verdict beside them): the *candidates* are the feasible search trials that ran,
 less any whose config is the baseline's (`baseline_repeat_of`: the user's own config drawn
 again measures the baseline, it is not a finding). Baseline seeds are the reference, never a
 candidate. The front is the non-dominated candidates, each at its re-measured value where
@@ -102,9 +102,13 @@ def role(trial: TrialRecord) -> str:
 
 
 def service_state(trial: TrialRecord) -> str:
-    """The state the service shows: FAIL for a failed probe told COMPLETE to teach the sampler."""
+    """The state the service shows: Optuna's, except REPEAT for a draw that repeated a config
+    (PRUNED in Optuna, user attr repeat_of: never run), and FAIL for a failed probe that an
+    older service stored as COMPLETE with worst-case values."""
     if trial.state == "COMPLETE" and trial.user_attrs.get("failure_kind"):
         return "FAIL"
+    if trial.state == "PRUNED" and "repeat_of" in trial.user_attrs:
+        return "REPEAT"
     return trial.state
 
 
@@ -177,8 +181,7 @@ def metric(trial: TrialRecord, spec: StudySpec, name: str) -> float | None:
     """`name` (throughput_samples_per_s | quality | energy_j_per_sample) of a trial as its probe measured it: its user
     attr (quality: ``quality``, or ``val_nrmse`` of a trial stored before the generic field),
     else its objective value (a trial stored before the measurement attrs). None for a failed
-    trial. Optuna's values are not read first: they are what the samplers and the dashboard are
-    shown (`optuna_values`), which for a trial that is not a candidate is the worst case."""
+    trial. The user attrs come first: an older service stored placeholder values in Optuna."""
     if trial.user_attrs.get("failure_kind"):
         return None
     if name == "val_nrmse":
@@ -432,7 +435,7 @@ def candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | Non
 def pareto_front(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialRecord]:
     """The front: the non-dominated candidates (feasible search trials, `candidates`), each at
     its re-measured value where it has one (`front_values`), by number. The API, the CLI, the
-    report and the values Optuna holds for the dashboard (`optuna_values`) all use this one."""
+    report and the recommendation all use this one."""
     signs = [1.0 if direction == "maximize" else -1.0 for direction in spec.objective_directions()]
     values = front_values(spec, trials)
     points = [(t, [s * v for s, v in zip(signs, vs, strict=True)]) for t in trials

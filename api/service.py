@@ -66,7 +66,6 @@ from api.results import (
     counts_by_state,
     failures_by_kind,
     front_infos,
-    front_values,
     gate_nrmse,
     is_feasible,
     may_retry,
@@ -83,6 +82,7 @@ from api.results import (
 from api.settings import Settings
 from autotune.config import KNOBS
 from autotune.protocol import (
+    ANOTHER_LEASE,
     CompleteRequest,
     HeartbeatReply,
     HeartbeatRequest,
@@ -181,6 +181,25 @@ def _not_yours(trial_id: int, lease: crud.LeaseRecord | None, worker_id: str, ve
     return Conflict(f"cannot {verb} trial {trial_id}: {why}; stop running it and lease a new trial")
 
 
+def _another_lease(trial_id: int, lease: crud.LeaseRecord | None, token: str | None, verb: str) -> Conflict | None:
+    """The 409 for a call whose lease token (`token`) is not the token of the trial's lease: it
+    was leased from another database (a backup keeps the service id, and trial ids restart at 1:
+    the same id, study, number and worker may be another lease) or a restored copy. None when
+    the call carries no token (an older worker: the other checks only), the trial has no lease
+    here (`_not_yours` says so), or the tokens are the same. A lease from before tokens (None)
+    holds no token: a call that carries one is for another lease."""
+    if token is None or lease is None or lease.token == token:
+        return None
+    what = "this result was measured for" if verb == "complete" else "this call is for"
+    fate = ("nothing is stored. The worker keeps the result in its spool, for the service, study and trial it "
+            "was leased from, and delivers it when that service answers" if verb == "complete" else
+            "stop running it and lease a new trial (a finished probe's result waits in the worker's spool for the "
+            "service it was leased from)")
+    return Conflict(f"cannot {verb} trial {trial_id}: {what} {ANOTHER_LEASE} {trial_id} than the one this service "
+                    "holds (another database, or a restored copy of this one: trial ids restart at 1 in every "
+                    f"database, and a backup keeps its service id); {fate}")
+
+
 class TuningService:
     """Studies and trials on one database (service tables + Optuna storage)."""
 
@@ -204,6 +223,7 @@ class TuningService:
         self._leased_configs: dict[int, dict[str, Any]] = {}  # trial id -> its leased config (same trials)
         self._retry_books: dict[str, _RetryBook] = {}  # per study, see _RetryBook
         self.started_at = utcnow()  # the reaper gives every lease one grace period after this
+        self._service_id: str | None = None  # the database's identity (crud.service_id), once read
 
     def _study_lock(self, name: str) -> Any:
         with self._locks_guard:
@@ -238,21 +258,27 @@ class TuningService:
         return gate
 
     def _summary(self, ctx: StudyContext) -> StudySummary:
-        """The study's pruning summary; built once per process from the trials, then kept up to date
-        by `_learn` at complete time."""
-        summary = self._summaries.get(ctx.name)
-        if summary is None:
-            summary = StudySummary(total_samples=ctx.spec.probe.samples)
+        """The study's pruning summary: kept up to date by `_learn` at complete time, and brought up
+        to date from the study whenever its count of finished trials is not the one the summary
+        last saw (completes through another service process: no process prunes on a stale
+        summary). One cached Optuna read per call; the trials are read only after a change."""
+        with self._locks_guard:
+            summary = self._summaries.setdefault(ctx.name, StudySummary(total_samples=ctx.spec.probe.samples))
+        finished = self.bridge.n_finished(ctx.name)
+        if summary.finished != finished:
             gate = self._gate(ctx)
-            for trial in self.bridge.trials(ctx.name):
-                self._learn(ctx, summary, trial, gate)
-            summary = self._summaries.setdefault(ctx.name, summary)
+            trials = self.bridge.trials(ctx.name)
+            with self._locks_guard:  # report threads: each trial learned once
+                for trial in trials:
+                    self._learn(ctx, summary, trial, gate)
+                summary.finished = max(summary.finished, finished)
         return summary
 
     @staticmethod
     def _learn(ctx: StudyContext, summary: StudySummary, trial: TrialRecord, gate: float | None) -> None:
-        if not completed(trial):
+        if not completed(trial) or trial.number in summary.learned:
             return
+        summary.learned.add(trial.number)
         curve = curve_of(trial.user_attrs.get("loss_curve"))
         if role(trial) == "baseline":
             samples = trial.user_attrs.get("samples_trained")
@@ -379,14 +405,21 @@ class TuningService:
     def _trial_view(self, ctx: StudyContext, trial: TrialRecord) -> TrialInfo:
         return trial_info(trial, ctx.spec, self._gate(ctx))
 
-    def _lease_reply(self, ctx: StudyContext, trial: TrialRecord) -> TrialLease:
+    def _lease_reply(self, ctx: StudyContext, trial: TrialRecord, token: str | None) -> TrialLease:
         config = trial.user_attrs.get("config")
         probe = trial.user_attrs.get("probe")
         return TrialLease(trial_id=trial.trial_id, study=ctx.name, number=trial.number, params=trial.params,
                           config=config if isinstance(config, dict) else {}, workload=ctx.spec.workload,
                           preset=ctx.spec.preset,
                           probe=ProbeSpec.model_validate(probe) if isinstance(probe, dict) else ctx.spec.probe,
-                          is_baseline=role(trial) == "baseline", role=role(trial))  # type: ignore[arg-type]
+                          is_baseline=role(trial) == "baseline", role=role(trial),  # type: ignore[arg-type]
+                          lease_token=token, service_id=self._service_id)
+
+    def _identity(self, session: Session) -> str | None:
+        """The database's service id (`crud.service_id`), read once: it never changes."""
+        if self._service_id is None:
+            self._service_id = crud.service_id(session)
+        return self._service_id
 
     def _pending_retries(self, ctx: StudyContext) -> tuple[list[TrialRecord], int]:
         """(the study's lost trials that wait for a retry, by number; how many retries exist).
@@ -522,13 +555,14 @@ class TuningService:
                     mismatch = _not_for(self._ctx(pinned).spec, request)
                     if mismatch is not None:
                         raise Invalid(*mismatch)
+                service_id = self._identity(session)
                 held = crud.active_lease_of_worker(session, request.worker_id)
                 if held is not None:
                     record = crud.get_study(session, held.study_name)
                     trial = self.bridge.get_trial(held.trial_id)
                     assert record is not None and trial is not None, "a lease always names a study and a trial"
                     crud.see_worker(session, request.worker_id, now, request.hardware)
-                    return self._lease_reply(self._ctx(record), trial)
+                    return self._lease_reply(self._ctx(record), trial, held.token)
                 candidates = crud.leasable_studies(session, request.hardware, request.study, for_update=False)
                 if not candidates:
                     crud.see_worker(session, request.worker_id, now, request.hardware)
@@ -558,7 +592,8 @@ class TuningService:
                     if asked is None:  # every draw repeated a config measured or in flight: told, none to run
                         continue
                     try:
-                        crud.add_lease(session, asked.trial_id, ctx.name, asked.number, request.worker_id, now)
+                        token = crud.add_lease(session, asked.trial_id, ctx.name, asked.number, request.worker_id,
+                                               now)
                         session.flush()  # the database guards (primary key, one active lease per worker) fire here
                     except IntegrityError as e:  # another service process leased to this worker meanwhile
                         self.bridge.finish(ctx, asked.trial_id, "FAIL", attrs={
@@ -574,7 +609,8 @@ class TuningService:
                 return TrialLease(trial_id=asked.trial_id, study=ctx.name, number=asked.number, params=asked.params,
                                   config=asked.config, workload=ctx.spec.workload, preset=ctx.spec.preset,
                                   probe=probe, is_baseline=asked.is_baseline,
-                                  role=asked.role)  # type: ignore[arg-type]
+                                  role=asked.role,  # type: ignore[arg-type]
+                                  lease_token=token, service_id=service_id)
             with self.db.transaction() as session:
                 crud.see_worker(session, request.worker_id, now, request.hardware)
             return None
@@ -586,13 +622,14 @@ class TuningService:
             raise NotFound(f"no trial with id {trial_id}")
         return lease
 
-    def _refresh_lease(self, trial_id: int, worker_id: str, now: datetime) -> crud.StudyRecord | None:
-        """Check that `worker_id` holds the active lease of `trial_id` and refresh it, in one
-        conditional UPDATE (a report is as good as a heartbeat); the lease's study, or None when
-        the lease is not (or no longer) this worker's. One short write transaction: the callers
-        read Optuna's storage only after it has ended (see `report`)."""
+    def _refresh_lease(self, trial_id: int, worker_id: str, now: datetime,
+                       token: str | None = None) -> crud.StudyRecord | None:
+        """Check that `worker_id` holds the active lease of `trial_id` (the one of `token`, when
+        given) and refresh it, in one conditional UPDATE (a report is as good as a heartbeat);
+        the lease's study, or None when the lease is not (or no longer) this worker's. One short
+        write transaction: the callers read Optuna's storage only after it has ended (see `report`)."""
         with self.db.transaction() as session:
-            study_name = crud.touch_active_lease(session, trial_id, worker_id, now)
+            study_name = crud.touch_active_lease(session, trial_id, worker_id, now, token)
             if study_name is None:
                 return None
             crud.see_worker(session, worker_id, now)
@@ -600,24 +637,24 @@ class TuningService:
         assert record is not None, "a lease always names a study"
         return record
 
-    def _refusal(self, trial_id: int, worker_id: str, verb: str) -> ServiceError:
+    def _refusal(self, trial_id: int, worker_id: str, verb: str, token: str | None = None) -> ServiceError:
         """Why `worker_id` may not `verb` the trial, after `_refresh_lease` found no active lease
-        of it: NotFound (no such trial) or the Conflict of `_not_yours`."""
+        of it: NotFound (no such trial), or the Conflict of `_another_lease` or `_not_yours`."""
         with self.db.read() as session:
             try:
                 lease = self._lease_of(session, trial_id)
             except NotFound as e:
                 return e
-        return _not_yours(trial_id, lease, worker_id, verb) or Conflict(
+        return _another_lease(trial_id, lease, token, verb) or _not_yours(trial_id, lease, worker_id, verb) or Conflict(
             f"cannot {verb} trial {trial_id}: its lease changed meanwhile; stop running it and lease a new trial")
 
     def heartbeat(self, trial_id: int, request: HeartbeatRequest) -> HeartbeatReply:
         """Record that the worker still runs the trial; say stop when it should not go on (its
         study was stopped, or the trial finished meanwhile). A trial the worker does not hold is
         the 409 report and complete give (`_not_yours`), not a "stop"."""
-        record = self._refresh_lease(trial_id, request.worker_id, utcnow())
+        record = self._refresh_lease(trial_id, request.worker_id, utcnow(), request.lease_token)
         if record is None:
-            raise self._refusal(trial_id, request.worker_id, "heartbeat")
+            raise self._refusal(trial_id, request.worker_id, "heartbeat", request.lease_token)
         if record.state == "stopped":
             return HeartbeatReply(action="stop", reason=f"study {record.name!r} was stopped")
         trial = self.bridge.get_trial(trial_id)
@@ -634,9 +671,9 @@ class TuningService:
         a lease in another thread holds while it writes a trial: a cycle only SQLite's busy
         timeout would break, after 30 s.)"""
         now = utcnow()
-        record = self._refresh_lease(trial_id, request.worker_id, now)
+        record = self._refresh_lease(trial_id, request.worker_id, now, request.lease_token)
         if record is None:
-            raise self._refusal(trial_id, request.worker_id, "report on")
+            raise self._refusal(trial_id, request.worker_id, "report on", request.lease_token)
         study_name = record.name
         if record.state == "stopped":
             decision = Decision(True, f"study {study_name!r} was stopped", "stopped")
@@ -690,9 +727,12 @@ class TuningService:
     def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
         """Finish the trial with the worker's ProbeResult (see api/outcome.py for the mapping).
 
-        Idempotent: the same worker completing a trial it already completed gets the stored
-        TrialInfo back and nothing changes (the first result stands). 409 (`_not_yours`) for a
-        trial finished otherwise, held by another worker, or whose lease was reaped. A result
+        Idempotent: the same worker completing a trial it already completed (with the same lease
+        token, or none) gets the stored TrialInfo back and nothing changes (the first result
+        stands). 409 (`_another_lease`) for a result whose lease token is not the lease's, before
+        anything else: it was measured for a lease of another database (or a restored copy),
+        whatever the worker and trial id. 409 (`_not_yours`) for a trial finished otherwise,
+        held by another worker, or whose lease was reaped. A result
         for another config than the leased one is Invalid (422) and changes nothing: the trial
         stays leased to the worker, whose corrected complete goes through. (A malformed result
         never gets here: the route's validation answers 422, `autotune.protocol.TrialResult`.)
@@ -712,6 +752,9 @@ class TuningService:
         with self._study_lock(ctx.name):
             with self.db.read() as session:  # re-read under the study's lock: a reap or complete may have won
                 lease = self._lease_of(session, trial_id)
+                other = _another_lease(trial_id, lease, request.lease_token, "complete")
+                if other is not None:
+                    raise other
                 if (lease is not None and lease.worker_id == request.worker_id and not lease.active
                         and lease.outcome == "completed"):
                     trial = self.bridge.get_trial(trial_id)
@@ -742,7 +785,8 @@ class TuningService:
             if trial_role == "baseline":
                 gate = self._gate(ctx)  # set once the last baseline seed is in
             if summary is not None and told:  # a repair (told before a crash) is in the summary already
-                self._learn(ctx, summary, trial, gate)
+                with self._locks_guard:
+                    self._learn(ctx, summary, trial, gate)
             if trial_role == "remeasure" and told:
                 self._publish_front(ctx)
             with self.db.transaction() as session:
@@ -751,17 +795,18 @@ class TuningService:
             return self._trial_view(ctx, trial)
 
     def _publish_front(self, ctx: StudyContext) -> None:
-        """Once the study's re-measurement has settled, give each re-measured candidate its
-        re-measured values in Optuna (the worst case when it is out), so the dashboard shows the
-        front and the best trial `best` shows (api/optuna_bridge.py). Called under the study's lock."""
+        """Once the study's re-measurement has settled, store the verdict beside the trials in
+        Optuna (study user attr autotune_recommendation: `autotune best`'s answer), for whoever
+        reads the study with Optuna's tools. The trials' values stay what was measured.
+        Called under the study's lock."""
         trials = self.bridge.trials(ctx.name)
-        gate = gate_nrmse(ctx.spec, trials)
-        rm = remeasurement(ctx.spec, trials, gate)
-        if rm.pending:
+        if remeasurement(ctx.spec, trials, gate_nrmse(ctx.spec, trials)).pending:
             return
-        front = front_values(ctx.spec, trials)
-        self.bridge.set_front_values(ctx, {t.number: front.get(t.number) for t in rm.targets
-                                           if t.number != rm.baseline})
+        try:
+            verdict = recommend(ctx.name, ctx.spec, trials)
+        except NoRecommendation:
+            return
+        self.bridge.set_recommendation(ctx, verdict.model_dump(mode="json"))
 
     # --- the reaper ----------------------------------------------------------------------------
 

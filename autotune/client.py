@@ -255,17 +255,24 @@ class Client:
             return None
         return TrialLease.model_validate(response.json())
 
-    def heartbeat(self, trial_id: int, worker_id: str, **kw: Any) -> HeartbeatReply:
-        return self._post(f"/v1/trials/{trial_id}/heartbeat", HeartbeatRequest(worker_id=worker_id), HeartbeatReply,
-                          **kw)
+    # `lease_token`: the lease's (TrialLease.lease_token); the service then takes the call only for that lease
 
-    def report(self, trial_id: int, worker_id: str, step: int, metrics: dict[str, float], **kw: Any) -> ReportReply:
+    def heartbeat(self, trial_id: int, worker_id: str, *, lease_token: str | None = None,
+                  **kw: Any) -> HeartbeatReply:
+        return self._post(f"/v1/trials/{trial_id}/heartbeat",
+                          HeartbeatRequest(worker_id=worker_id, lease_token=lease_token), HeartbeatReply, **kw)
+
+    def report(self, trial_id: int, worker_id: str, step: int, metrics: dict[str, float], *,
+               lease_token: str | None = None, **kw: Any) -> ReportReply:
         return self._post(f"/v1/trials/{trial_id}/report",
-                          ReportRequest(worker_id=worker_id, step=step, metrics=metrics), ReportReply, **kw)
+                          ReportRequest(worker_id=worker_id, step=step, metrics=metrics, lease_token=lease_token),
+                          ReportReply, **kw)
 
-    def complete(self, trial_id: int, worker_id: str, result: dict[str, Any], **kw: Any) -> TrialInfo:
-        return self._post(f"/v1/trials/{trial_id}/complete", CompleteRequest(worker_id=worker_id, result=result),
-                          TrialInfo, **kw)
+    def complete(self, trial_id: int, worker_id: str, result: dict[str, Any], *, lease_token: str | None = None,
+                 **kw: Any) -> TrialInfo:
+        return self._post(f"/v1/trials/{trial_id}/complete",
+                          CompleteRequest(worker_id=worker_id, result=result, lease_token=lease_token), TrialInfo,
+                          **kw)
 
 
 def _detail(response: httpx.Response) -> Any:

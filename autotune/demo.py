@@ -38,7 +38,7 @@ from autotune.tables import recommendation_table, trials_table, verdict_table
 HEALTH_TIMEOUT_S = 90.0
 STOP_GRACE_S = 25.0  # a worker may spend up to 20 s completing its interrupted trial
 POLL_S = 1.0
-FINISHED = ("COMPLETE", "PRUNED", "FAIL")
+FINISHED = ("COMPLETE", "PRUNED", "FAIL", "REPEAT")
 
 
 def free_port() -> int:

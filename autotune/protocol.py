@@ -25,6 +25,17 @@ the worker that completed it repeating its complete (a network retry) gets the s
 TrialInfo again, 200, and nothing changes. A heartbeat says "stop" (200) only to the worker
 that holds the trial: its study was stopped, or the trial finished meanwhile.
 
+Lease tokens: every lease has a random token (`TrialLease.lease_token`; the same one when a
+worker gets its own active lease back), and the lease names the service that made it
+(`TrialLease.service_id`, as GET /v1/health shows it). A worker sends the token back with the
+trial's heartbeat, report and complete; a call that carries one is taken only for the lease
+holding that token, else 409 "cannot <verb> trial N: ... another lease of trial N ..." (trial
+ids restart at 1 in every database, and a backup keeps its database's service id: the same
+id, study, number and worker may be another lease, of another database or a restored copy).
+Nothing is stored then: the worker keeps the result in its spool, for the service it was
+leased from. A call without a token (an older worker), or for a lease made before tokens, gets
+the checks above only. A complete repeated after success with the same token is idempotent.
+
 complete's result is validated (`TrialResult`): a wrong type or range (throughput
 "fast", a NaN quality, a failure kind no worker sends, a throughput outside the physical
 bounds MIN_THROUGHPUT to MAX_THROUGHPUT), a measurement without throughput or quality, or
@@ -61,6 +72,7 @@ from pydantic import (
     ValidationInfo,
     field_serializer,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -377,6 +389,30 @@ class StudyList(BaseModel):
     count: int
 
 
+# A lease's token as a worker sends it back (`TrialLease.lease_token`: 32 hex digits today)
+LeaseToken = Annotated[str, Field(strict=True, min_length=1, max_length=64, pattern=r"^[0-9A-Za-z_-]+$")]
+# The words of the 409 for a call that names another lease of the trial than the service's
+# (`autotune.spool.deliver` keeps such a result in the spool, for the service that leased it)
+ANOTHER_LEASE = "another lease of trial"
+
+
+class LeaseCall(Strict):
+    """A trial's call (heartbeat, report, complete): it may name its lease by the lease's token."""
+
+    lease_token: LeaseToken | None = Field(
+        None, description="the token of the lease this call is for (TrialLease.lease_token): when given, the call "
+                          "is taken only for the lease holding it (409 otherwise: a lease of another database, or a "
+                          "restored copy). Left out: the older checks")
+
+    @model_serializer(mode="wrap")
+    def _token_when_known(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """On the wire, lease_token only when there is one: an older service forbids fields it does not know."""
+        data: dict[str, Any] = handler(self)
+        if data.get("lease_token", "") is None:
+            del data["lease_token"]
+        return data
+
+
 class LeaseRequest(Strict):
     worker_id: Text = Field(..., min_length=1, max_length=200)
     hardware: Text = Field(..., min_length=1, max_length=200)
@@ -400,9 +436,14 @@ class TrialLease(BaseModel):
     probe: ProbeSpec
     is_baseline: bool = False
     role: Literal["baseline", "search", "remeasure"] = "search"
+    lease_token: str | None = Field(None, description="this lease's token, made with it (the same when the worker "
+                                                      "gets its active lease back): send it with the trial's "
+                                                      "heartbeat, report and complete (None: an older service)")
+    service_id: str | None = Field(None, description="the id of the service that made the lease (GET /v1/health's "
+                                                     "service_id; None: an older service, or none recorded)")
 
 
-class HeartbeatRequest(Strict):
+class HeartbeatRequest(LeaseCall):
     worker_id: Text = Field(..., min_length=1, max_length=200)
 
 
@@ -411,7 +452,7 @@ class HeartbeatReply(BaseModel):
     reason: str | None = None
 
 
-class ReportRequest(Strict):
+class ReportRequest(LeaseCall):
     worker_id: Text = Field(..., min_length=1, max_length=200)
     step: Int = Field(..., ge=0, le=2**31 - 1, description="optimizer steps so far (a 32-bit database integer)")
     metrics: dict[str, float]  # lax: a client that cannot write NaN in JSON sends "nan" (a loss gone bad)
@@ -535,7 +576,7 @@ class TrialResult(BaseModel):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
-class CompleteRequest(Strict):
+class CompleteRequest(LeaseCall):
     worker_id: Text = Field(..., min_length=1, max_length=200)
     result: TrialResult = Field(..., description="ProbeResult.to_dict(); failure set when it failed")
 

@@ -11,16 +11,17 @@ Layout (default `default_spool_dir`; ``autotune worker --spool-dir DIR`` or
 $AUTOTUNE_SPOOL_DIR sets another)::
 
     DIR/trial-<id>-<hash>.json             waiting for the service (hash: service URL and id, worker
-                                           id, study, trial number)
+                                           id, study, trial number, lease token)
     DIR/rejected/trial-<id>-<hash>.json    the service will not take it; kept, with its reason
     DIR/settled/trial-<id>-<hash>.json     empty: this trial's result was delivered (or refused for
                                            good) lately; a lease of it handed out before is not run
 
 Each file is a `SpoolEntry`: the service URL, the service id (GET /v1/health's ``service_id``,
-a UUID made with the service's tables), the trial id, study and trial number, the worker id
-that held the lease (a delivery completes as that worker: the service accepts a result only
-from the lease holder, and a restarted worker has a new default id), the result, and when it
-was spooled.
+a UUID made with the service's tables; the lease names it), the trial id, study and trial
+number, the lease's token (`TrialLease.lease_token`, random per lease), the worker id that
+held the lease (a delivery completes as that worker: the service accepts a result only from
+the lease holder, and a restarted worker has a new default id), the result, and when it was
+spooled.
 
 Where a result goes: trial ids restart at 1 in every database, so (URL, trial id, worker id)
 does not name a trial: a service restarted on another database (a backup, a new file; with
@@ -32,6 +33,13 @@ must hold the trial id as that trial number (a restored copy of the same databas
 same id). Otherwise the entry stays in the spool, said with where it belongs (service id,
 study, trial), and is offered again later. An entry without a service id (spooled by an
 older worker), or a service without one (an older service), is matched by URL and study.
+Last, the lease token: a backup taken before the study holds the same service id, and a study
+of the same name there gives the same trial id and number, even to the same worker. The
+complete carries the entry's token, and the service takes it only for the lease holding that
+token (409 "... another lease of trial N ...": kept, said with where it belongs); the worker
+delivers a kept result instead of running a lease only when the lease's token is the entry's.
+An entry without a token (an older worker's, or a lease of an older service) is matched as
+before, and only to a lease without one.
 
 Delivery (`deliver`) is idempotent, because the service keeps the first result it is given:
 
@@ -51,6 +59,10 @@ Delivery (`deliver`) is idempotent, because the service keeps the first result i
                                         that the failure record could not be sent either)
     409 "not leased by this service",   the service does not know the trial: most likely one
         404                             started on another database; kept, offered again later
+    409 "another lease of trial"        the service holds the trial id under another lease (its
+                                        token is not the entry's: another database, a backup or
+                                        a restored copy): kept, said with where it belongs,
+                                        offered again later
     401/403                             the token is not accepted (a service started on another
                                         database, e.g. without --db, or a revoked token): kept
     unreachable, 5xx                    kept; offered again when the service answers
@@ -103,7 +115,7 @@ from autotune.client import (
     ServiceUnavailable,
     Unauthorized,
 )
-from autotune.protocol import TrialInfo
+from autotune.protocol import ANOTHER_LEASE, TrialInfo
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +153,7 @@ class SpoolEntry:
     number: int
     result: dict[str, Any]
     service_id: str | None = None  # the leasing service's identity (None: unknown, spooled by an older worker)
+    lease_token: str | None = None  # the lease's token (None: an older worker's, or a lease of an older service)
     spooled_at: str = field(default_factory=utc_now)
     rejected_at: str | None = None
     reason: str | None = None  # rejected: why the service would not take it
@@ -148,9 +161,12 @@ class SpoolEntry:
 
     @property
     def filename(self) -> str:
-        """One file per trial of one service, study and worker: two services (databases) that
-        both have a trial 1 never share a file."""
+        """One file per lease (trial of one service, study and worker, lease token): two services
+        (databases) that both have a trial 1 never share a file, nor do two leases of a trial 1
+        of the same name in a database and its backup. Without a token, the name of before."""
         key = f"{self.api}\n{self.worker_id}\n{self.service_id or ''}\n{self.study}\n{self.number}"
+        if self.lease_token:
+            key += f"\n{self.lease_token}"
         return f"trial-{self.trial_id}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
     @property
@@ -163,11 +179,14 @@ class SpoolEntry:
         service = f"service {self.service_id}" if self.service_id else "the service"
         return f"{service} at {self.api}, study {self.study!r}, trial {self.number} (id {self.trial_id})"
 
-    def is_lease(self, trial_id: int, study: str, number: int, service_id: str | None) -> bool:
-        """Whether this is the result of that trial (a lease's): same trial id, study and number,
-        of the same service (an unknown id on either side matches, see the module docstring)."""
+    def is_lease(self, trial_id: int, study: str, number: int, service_id: str | None,
+                 lease_token: str | None = None) -> bool:
+        """Whether this is the result of that lease: same trial id, study and number, the same
+        lease token (random per lease: it decides, whatever the service ids say; an entry and a
+        lease without one match as before), of the same service (an unknown id on either side
+        matches, see the module docstring)."""
         return (self.trial_id, self.study, self.number) == (trial_id, study, number) and \
-            same_service(self.service_id, service_id)
+            self.lease_token == lease_token and same_service(self.service_id, service_id)
 
     @property
     def measured(self) -> bool:
@@ -255,12 +274,13 @@ class Spool:
             log.warning("could not note in %s that %s is finished: %s", self.settled_dir, entry.label, e)
 
     def settled(self, api: str, worker_id: str, trial_id: int, study: str, number: int,
-                service_id: str | None) -> bool:
-        """Whether this trial (a lease's) was finished lately by a delivery from this spool."""
+                service_id: str | None, lease_token: str | None = None) -> bool:
+        """Whether this trial (a lease's: of that lease token, when given) was finished lately by a
+        delivery from this spool."""
         cutoff = time.time() - SETTLED_KEEP_S
         for sid in dict.fromkeys((service_id, None)):  # also a result spooled while the service's id was unknown
             probe = SpoolEntry(api=api.rstrip("/"), trial_id=trial_id, worker_id=worker_id, study=study,
-                               number=number, result={}, service_id=sid)
+                               number=number, result={}, service_id=sid, lease_token=lease_token)
             with contextlib.suppress(OSError):
                 if (self.settled_dir / probe.filename).stat().st_mtime >= cutoff:
                     return True
@@ -454,12 +474,24 @@ def _fail_refused(client: Client, entry: SpoolEntry, message: str) -> str:
     and again. What became of the trial, in words (for the rejected file and the console)."""
     try:
         client.complete(entry.trial_id, entry.worker_id, {"failure": {"kind": "error", "message": message[:1900]}},
-                        retry_for_s=COMPLETE_REFUSED_RETRY_S)
+                        retry_for_s=COMPLETE_REFUSED_RETRY_S, **_token(entry))
     except ClientError as e:
         log.warning("could not fail %s after its result was refused: %s", entry.label, e)
         return (f"the trial could not be failed either ({e}): it stays leased until the service's lease grace "
                 "ends, then its reaper fails it as lost and re-runs it while the study's max_retries allow")
     return "the trial was completed as failed (kind error, naming the refusal): the service does not re-run it"
+
+
+def _token(entry: SpoolEntry) -> dict[str, Any]:
+    """The lease token to send with `entry`'s complete, as keyword arguments (none: nothing sent)."""
+    return {"lease_token": entry.lease_token} if entry.lease_token else {}
+
+
+def another_lease(entry: SpoolEntry, api: str, detail: str) -> str:
+    """Why `entry` stays kept when the service at `api` holds its trial id under another lease."""
+    return (f"it belongs to {entry.home}; the service at {api} holds trial id {entry.trial_id} under another lease "
+            f"(its words: {detail}). Not delivered there, so that it cannot land in another trial. Delivered when "
+            "the service on the trial's database answers")
 
 
 def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float | None,
@@ -471,13 +503,15 @@ def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float 
     kept = entry.path
     try:
         info = client.complete(entry.trial_id, entry.worker_id, entry.result, retry_for_s=retry_for_s,
-                               interruptible=interruptible)
+                               interruptible=interruptible, **_token(entry))
     except ServiceUnavailable as e:
         return Delivery("unreachable", str(e), path=kept)
     except Unauthorized as e:
         return Delivery("kept", unauthorized_hint(client.base_url, f"HTTP {e.status_code}: {e.message}"), path=kept,
                         unauthorized=True)
     except Conflict as e:
+        if ANOTHER_LEASE in e.message:  # the service checks the token first: it was never this lease's trial
+            return Delivery("kept", another_lease(entry, client.base_url, e.message), path=kept)
         already = _ALREADY.search(e.message)
         who = already.group("who") if already else None
         if already and (who is None or who[1:-1] == entry.worker_id):

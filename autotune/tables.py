@@ -54,7 +54,8 @@ def studies_table(studies: list[StudyInfo]) -> Table:
     for s in studies:
         c = s.counts
         outcomes = " · ".join(f"{n} {label}" for state, label in (("COMPLETE", "complete"), ("PRUNED", "pruned"),
-                                                                  ("FAIL", "failed"), ("RUNNING", "running"))
+                                                                  ("FAIL", "failed"), ("REPEAT", "repeated"),
+                                                                  ("RUNNING", "running"))
                               if (n := c.get(state, 0))) or "-"
         best = s.best or {}
         speedup, energy = best.get("speedup"), best.get("energy_ratio")
@@ -76,7 +77,7 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
     for column in ("#", "state", "samples/s", quality, *(("J/sample",) if energy else ()), "feasible", "failure"):
         table.add_column(column, justify="right" if column in numbers else "left", no_wrap=True)
     table.add_column("params")
-    colors = {"COMPLETE": "green", "FAIL": "red", "PRUNED": "yellow", "RUNNING": "cyan"}
+    colors = {"COMPLETE": "green", "FAIL": "red", "PRUNED": "yellow", "REPEAT": "blue", "RUNNING": "cyan"}
     for t in sorted(trials, key=lambda t: t.number):
         state = f"[{colors.get(t.state, 'white')}]{t.state}[/]"
         feasible = {True: "yes", False: "no", None: "-"}[t.feasible]

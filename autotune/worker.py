@@ -21,8 +21,13 @@ lease     POST /v1/trials/lease with the worker's hardware class, its allow-list
           A lease of a trial whose result lies in the spool is not run again: the spooled
           result is delivered. Nor is a lease of a trial whose spooled result was just
           delivered (the lease came back before the delivery, e.g. right after a service
-          restart; `Spool.settled`): the delivery ended it. Each lease is tagged with the
-          service's id (GET /v1/health, asked after each lease), which its spooled result keeps.
+          restart; `Spool.settled`): the delivery ended it. "Its result" means the result of
+          that very lease: the lease's token (`TrialLease.lease_token`) must be the spooled
+          one's (a backup of the database has the same service id, study and trial ids, but
+          its leases have other tokens). Each lease is tagged with the service's id (the lease
+          names it; from an older service, GET /v1/health asked after the lease) and its
+          token, which its spooled result keeps; heartbeats, reports and the complete carry
+          the token.
           While idle it reads GET /v1/studies (at once, then every minute) and names, once per
           distinct set, the running studies it cannot take and why: another hardware class,
           a workload off its allow-list, another gpus_per_trial (`skipped_studies`).
@@ -76,7 +81,9 @@ Resilience: every call retries connection errors and 5xx (backoff capped at 10 s
 worker outlives a service restart, and no result is lost meanwhile: it waits in the spool,
 also across a kill of the worker (the next worker on that spool delivers it). A 409 means the
 trial is no longer this worker's: the child is stopped, and a result it gave anyway is kept
-in the spool's rejected/ folder. How this meets the service's lease grace: `autotune.spool`.
+in the spool's rejected/ folder (in the spool itself, for the service that leased it, when
+the service does not know the trial or holds another lease of it: another database). How
+this meets the service's lease grace: `autotune.spool`.
 SIGINT/SIGTERM: the running child is killed, its trial completed as failed, kind
 "interrupted" ("worker interrupted by SIGTERM"; the service re-runs it on another worker: a
 preemption says nothing about the config), and the worker exits 128 + signal.
@@ -122,7 +129,7 @@ from autotune.fork_server import ForkedChild, ForkServer, ForkServerError, witho
 from autotune.gate import window_rate
 from autotune.hardware import Hardware, detect_cpu, installed_torch_version
 from autotune.probe_child import ChildJob
-from autotune.protocol import LeaseRequest, TrialLease
+from autotune.protocol import ANOTHER_LEASE, LeaseRequest, TrialLease
 from autotune.spool import (
     Delivery,
     Listing,
@@ -895,10 +902,13 @@ class Courier:
     (whatever it would still send is not wanted)."""
 
     def __init__(self, client: Client, trial_id: int, worker_id: str, heartbeat_s: float,
-                 wake: Callable[[], None] = lambda: None, max_pending: int = MAX_PENDING_REPORTS) -> None:
+                 wake: Callable[[], None] = lambda: None, max_pending: int = MAX_PENDING_REPORTS,
+                 lease_token: str | None = None) -> None:
         self.client = client
         self.trial_id = trial_id
         self.worker_id = worker_id
+        # the lease's token goes with every call (the service takes them only for that lease); none: not sent
+        self._token_kw: dict[str, Any] = {"lease_token": lease_token} if lease_token is not None else {}
         self.heartbeat_s = heartbeat_s
         self.budget_s = min(heartbeat_s, 5.0)  # one call's retries
         self.wake = wake
@@ -1022,7 +1032,7 @@ class Courier:
     def _heartbeat(self) -> None:
         try:
             reply = self.client.heartbeat(self.trial_id, self.worker_id, retry_for_s=self.budget_s,
-                                          interruptible=True, cancel=self._abort)
+                                          interruptible=True, cancel=self._abort, **self._token_kw)
         except ServiceUnavailable as e:
             self._unreachable("the heartbeat", e)
             return
@@ -1042,7 +1052,7 @@ class Courier:
         step = int(report["step"])
         try:
             reply = self.client.report(self.trial_id, self.worker_id, step, metrics, retry_for_s=self.budget_s,
-                                       interruptible=True, cancel=self._abort)
+                                       interruptible=True, cancel=self._abort, **self._token_kw)
         except ServiceUnavailable as e:
             with self._cond:  # back at the head of the queue, if the queue has room
                 if not self._done and self.prune is None and len(self._pending) < self.max_pending:
@@ -1330,7 +1340,7 @@ class Worker:
                     self.say_spool_left()
                     return 2 if isinstance(e, Invalid) else 1
                 if lease is not None:
-                    self.learn_service_id()
+                    self.learn_service_id(lease)
                 if unreachable_since is not None:
                     self.console.print(f"the service at {escape(self.client.base_url)} answers again (away "
                                        f"{time.monotonic() - unreachable_since:.0f} s)")
@@ -1395,10 +1405,14 @@ class Worker:
 
     # --- the spool ------------------------------------------------------------------------------
 
-    def learn_service_id(self) -> str | None:
-        """Ask the service for its id (GET /v1/health) and keep it as the id of the lease just
-        taken; None (unknown: its results are matched by URL and study) when the service shows
-        none or does not answer now. Never the id of before: a restart may have changed it."""
+    def learn_service_id(self, lease: TrialLease | None = None) -> str | None:
+        """Keep the id of the service that made `lease` (the lease names it: `TrialLease.service_id`),
+        else ask the service for its id (GET /v1/health: an older service's lease names none);
+        None (unknown: its results are matched by URL, study and lease token) when the service
+        shows none or does not answer now. Never the id of before: a restart may have changed it."""
+        if lease is not None and lease.service_id:
+            self.service_id = lease.service_id
+            return self.service_id
         try:
             self.service_id = service_identity(self.client, SPOOL_RETRY_S)
         except ServiceUnavailable as e:
@@ -1445,16 +1459,20 @@ class Worker:
         """True when `lease` is a trial this worker must not run: its result is in the spool (the
         service handed back the lease it still holds; the result is delivered instead), or was
         just delivered from the spool (the lease came back before the delivery ended it). A
-        spooled result of the same trial id in another study or service is another trial's."""
+        spooled result of the same trial id in another study or service is another trial's, and
+        so is one of another lease (its lease token is not this lease's: a backup of the database
+        holds the same service id, study and trial number): this lease is run, and the kept
+        result waits for the service it was leased from."""
         label = f"trial {lease.number} of {lease.study} (id {lease.trial_id})"
         if self.spool.settled(self.client.base_url, self.worker_id, lease.trial_id, lease.study, lease.number,
-                              self.service_id):
+                              self.service_id, lease_token=lease.lease_token):
             self.console.print(f"  {escape(label)}: its result was delivered from the spool just now: "
                                "not run again (a lease of it handed out before the delivery)")
             self.stop_event.wait(1.0)  # the service ends the lease with the delivery; should it not, ask later
             return True
         entry = next((e for e in self.spool.pending(self.client.base_url) if e.worker_id == self.worker_id and
-                      e.is_lease(lease.trial_id, lease.study, lease.number, self.service_id)), None)
+                      e.is_lease(lease.trial_id, lease.study, lease.number, self.service_id, lease.lease_token)),
+                     None)
         if entry is None:
             return False
         self.console.print(f"  {escape(entry.label)}: measured already, its result is in the spool: delivering it "
@@ -1541,7 +1559,7 @@ class Worker:
             # (seconds; minutes on a loaded host or a slow disk), and the lease must hold meanwhile
             events: queue.Queue[tuple[str, Any]] = queue.Queue()
             courier = Courier(self.client, lease.trial_id, self.worker_id, self.options.heartbeat_s,
-                              wake=lambda: events.put(("wake", None)))
+                              wake=lambda: events.put(("wake", None)), lease_token=lease.lease_token)
             run.courier = courier.start()
             try:
                 child = ProbeProcess(argv, job, env, job_dir=job_dir, server=self.fork_server, events=events,
@@ -1576,9 +1594,10 @@ class Worker:
             self.console.print(f"  trial {lease.number}: dropped: {escape(run.dropped)}")
             entry = self._entry(run, final_result(run, self.hardware, tail))
             if run.result is not None and entry.measured:  # the child finished anyway: never throw a measurement away
-                # a service that does not know the trial runs on another database: the measurement
-                # waits in the spool for the leasing one (`autotune.spool.misplaced`), else rejected/
-                foreign = "not leased by this service" in run.dropped
+                # a service that does not know the trial (or holds another lease of it) runs on another
+                # database: the measurement waits in the spool for the leasing one
+                # (`autotune.spool.misplaced`), else rejected/
+                foreign = "not leased by this service" in run.dropped or ANOTHER_LEASE in run.dropped
                 try:
                     where = str(self.spool.put(entry) if foreign else self.spool.reject(entry, run.dropped))
                 except OSError as e:
@@ -1605,7 +1624,8 @@ class Worker:
             nonlocal courier
             self.console.print(f"  trial {lease.number}: waiting for CPU{'s' if len(share.cpus) != 1 else ''} "
                                f"{format_cores(share.cpus)} (another CPU worker's probe on this host runs there)")
-            courier = Courier(self.client, lease.trial_id, self.worker_id, self.options.heartbeat_s).start()
+            courier = Courier(self.client, lease.trial_id, self.worker_id, self.options.heartbeat_s,
+                              lease_token=lease.lease_token).start()
 
         def cut_short() -> bool:
             if self.signal_name is not None:
@@ -1718,7 +1738,8 @@ class Worker:
     def _entry(self, run: TrialRun, result: dict[str, Any]) -> SpoolEntry:
         lease = run.lease
         entry = SpoolEntry(api=self.client.base_url, trial_id=lease.trial_id, worker_id=self.worker_id,
-                           study=lease.study, number=lease.number, result=result, service_id=run.service_id)
+                           study=lease.study, number=lease.number, result=result, service_id=run.service_id,
+                           lease_token=lease.lease_token)
         if (self.spool.root / entry.filename).exists():
             entry.path = self.spool.root / entry.filename  # written ahead (`_write_ahead`)
         return entry

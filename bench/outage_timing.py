@@ -113,7 +113,7 @@ def stored_result(db_url: str, study: str) -> dict[str, Any]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     trial = optuna.load_study(study_name=study, storage=db_url).trials[0]
-    attrs = trial.user_attrs
+    attrs = {**trial.user_attrs, **(trial.user_attrs.get("measurement") or {})}  # the probe's fields: one attr
     return {"state": trial.state.name, "failure_kind": attrs.get("failure_kind"),
             "throughput_samples_per_s": attrs.get("throughput_samples_per_s"),
             "window_throughputs": attrs.get("window_throughputs"), "warmup_s": attrs.get("warmup_s")}

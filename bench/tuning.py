@@ -206,7 +206,7 @@ def strategy_result(path: Path) -> dict[str, Any]:
     study = optuna.load_study(study_name=spec["name"], storage=f"sqlite:///{path / 'study.db'}")
     rows: list[dict[str, Any]] = []
     for t in study.get_trials(deepcopy=False):
-        attrs = t.user_attrs
+        attrs = {**t.user_attrs, **(t.user_attrs.get("measurement") or {})}  # the probe's fields: one attr
         windows = [w for w in attrs.get("window_throughputs") or [] if w and w > 0]
         done = t.datetime_complete.timestamp() if isinstance(t.datetime_complete, datetime) else None
         rows.append({"number": t.number, "state": t.state.name, "baseline": bool(attrs.get("is_baseline")),

@@ -238,7 +238,7 @@ def test_a_study_gates_on_its_workloads_metric() -> None:
 
 
 def test_the_outcome_reads_the_generic_quality_and_refuses_another_metric() -> None:
-    from api.outcome import WORST_NRMSE, WORST_QUALITY, probe_outcome, worst_values
+    from api.outcome import probe_outcome
     from autotune.protocol import StudySpec
 
     gpt = StudySpec(name="b", workload="gpt")
@@ -248,6 +248,7 @@ def test_the_outcome_reads_the_generic_quality_and_refuses_another_metric() -> N
     assert outcome.attrs[CONSTRAINT_ATTR] == pytest.approx(-0.1)
     wrong = probe_outcome(_result(quality_metric="val_nrmse"), gpt, "w", gate=1.6)
     assert wrong.attrs["failure_kind"] == "error" and "quality: {metric: val_nrmse}" in wrong.attrs["failure_message"]
+    assert wrong.state == "FAIL" and wrong.values is None  # nothing usable was measured: no placeholder values
     flipped = probe_outcome(_result(quality_direction="maximize"), gpt, "w", gate=1.6)
     assert flipped.attrs["failure_kind"] == "error" and "direction: maximize" in flipped.attrs["failure_message"]
     # an older worker sends val_nrmse only: it still counts for an NRMSE study
@@ -255,8 +256,6 @@ def test_the_outcome_reads_the_generic_quality_and_refuses_another_metric() -> N
     legacy = probe_outcome({"throughput_samples_per_s": 5.0, "val_nrmse": 0.2, "failure": None}, ups, "w")
     assert legacy.values == [5.0, 0.2] and legacy.attrs["quality_metric"] == "val_nrmse"
     acc = StudySpec(name="c", quality={"metric": "val_accuracy", "direction": "maximize"})
-    assert worst_values(ups) == [0.0, WORST_NRMSE] and worst_values(gpt) == [0.0, WORST_QUALITY]
-    assert worst_values(acc) == [0.0, -WORST_QUALITY]
     above = probe_outcome(_result(quality=0.9, quality_metric="val_accuracy", quality_direction="maximize"), acc,
                           "w", gate=0.86)
     assert above.attrs[CONSTRAINT_ATTR] == pytest.approx(-0.04)  # above the floor: feasible

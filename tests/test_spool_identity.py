@@ -44,7 +44,7 @@ from api.main import create_app
 from api.settings import Settings
 from autotune import worker as worker_module
 from autotune.client import Client
-from autotune.protocol import ProbeSpec, TrialLease
+from autotune.protocol import LeaseRequest, ProbeSpec, TrialLease
 from autotune.spool import Spool, SpoolEntry
 from autotune.worker import Worker, WorkerOptions
 
@@ -60,9 +60,11 @@ class FakeService:
     took; every call is refused (connection error) for `down_s` from the first."""
 
     def __init__(self, service_id: str, trials: dict[int, tuple[str, int]], leases: list[int] | None = None,
-                 down_s: float = 0.0, refuse: int | None = None) -> None:
+                 down_s: float = 0.0, refuse: int | None = None, tokens: dict[int, str] | None = None) -> None:
         self.service_id = service_id
         self.trials = trials
+        self.tokens = tokens or {}  # trial id -> its lease's token here (none: a service of before tokens)
+        self.completes: list[dict[str, Any]] = []  # every complete's body, as sent
         self.leases = list(leases or [])
         self.down_s = down_s
         self.first: float | None = None
@@ -91,7 +93,7 @@ class FakeService:
             study, number = self.trials[trial_id]
             lease = TrialLease(trial_id=trial_id, study=study, number=number, params={"batch_size": 4},
                                config={"batch_size": 4}, workload="ups", preset="tiny",
-                               probe=ProbeSpec(samples=40, timeout_s=60))
+                               probe=ProbeSpec(samples=40, timeout_s=60), lease_token=self.tokens.get(trial_id))
             return httpx.Response(200, json=lease.model_dump(mode="json"))
         listing = re.fullmatch(r"/v1/studies/([^/]+)/trials", path)
         if listing:
@@ -110,6 +112,11 @@ class FakeService:
             return httpx.Response(200, json={"action": "continue"})
         if verb == "report":
             return httpx.Response(200, json={"prune": False})
+        self.completes.append(body)
+        if "lease_token" in body and body["lease_token"] != self.tokens.get(trial_id):  # checked first, as the service
+            return httpx.Response(409, json={"detail": f"cannot complete trial {trial_id}: this result was measured "
+                                                       f"for another lease of trial {trial_id} than the one this "
+                                                       "service holds (another database, ...); nothing is stored"})
         if trial_id in self.completed:
             return httpx.Response(409, json={"detail": f"cannot complete trial {trial_id}: it is already completed "
                                                        f"(by worker {body['worker_id']!r}); its result stands"})
@@ -121,11 +128,13 @@ class FakeService:
                                          "state": "FAIL" if body["result"].get("failure") else "COMPLETE"})
 
 
-def spooled(spool: Spool, service_id: str | None, study: str = "rel", trial_id: int = 1, number: int = 0) -> Path:
+def spooled(spool: Spool, service_id: str | None, study: str = "rel", trial_id: int = 1, number: int = 0,
+            token: str | None = None) -> Path:
     """A result in the spool as a worker leaves it, of service `service_id` (None: an older worker's
-    file, without one). The file is written as JSON, so a worker of any version reads it."""
+    file, without one) and lease token `token`. The file is written as JSON, so a worker of any
+    version reads it."""
     path = spool.put(SpoolEntry(api="http://svc", trial_id=trial_id, worker_id="w1", study=study, number=number,
-                                result=OURS))
+                                result=OURS, lease_token=token))
     path.write_text(json.dumps({**json.loads(path.read_text()), "service_id": service_id}))
     return path
 
@@ -200,6 +209,48 @@ def test_a_spooled_result_of_the_same_service_and_study_is_delivered(tmp_path: P
     text = run_worker(service, spool, ["unused"], idle_exit_s=0.3)
     assert service.completed == {1: OURS} and spool.pending() == []
     assert "spooled result of trial 0 of rel (id 1) delivered → COMPLETE" in text
+    assert ["lease_token" in body for body in service.completes] == [False]  # none known: none sent (older services)
+
+
+def test_a_spooled_result_of_another_lease_of_the_same_trial_is_kept_and_the_lease_is_run(tmp_path: Path) -> None:
+    """A backup taken before any study: the same service id, and a study 'rel' of the same name whose
+    trial 0 has id 1 too, leased to this worker. Only the lease token tells that the spooled result
+    of rel's trial 0 is another lease's: it is not delivered (the service refuses it), nor delivered
+    instead of running the lease; the worker runs the lease and completes it with its own
+    measurement; the spooled one stays kept (not rejected), naming where it belongs."""
+    spool = Spool(tmp_path / "spool")
+    path = spooled(spool, "svc-A", token="a" * 32)
+    service = FakeService("svc-A", {1: ("rel", 0)}, leases=[1], tokens={1: "b" * 32})
+    text = run_worker(service, spool, probe_printing(tmp_path, THEIRS), idle_exit_s=0.5)
+    assert (tmp_path / "ran").exists(), text
+    assert service.completed == {1: THEIRS}  # its own measurement, never the spooled one of the other lease
+    assert [body.get("lease_token") for body in service.completes][-1] == "b" * 32
+    assert "a" * 32 in [body.get("lease_token") for body in service.completes]  # offered with its own token
+    (kept,) = spool.pending()
+    assert kept.path == path and kept.result == OURS and spool.rejected() == []
+    said = " ".join(text.split())
+    assert "▶ trial 0 of rel (id 1)" in said
+    assert "measured already" not in said
+    assert ("it belongs to service svc-A at http://svc, study 'rel', trial 0 (id 1); the service at http://svc "
+            "holds trial id 1 under another lease") in said, said
+
+
+def test_a_spooled_result_of_the_same_lease_is_delivered_instead_of_running_it(tmp_path: Path) -> None:
+    """The lease handed back is the one the spooled result was measured for (its token): delivered, not run."""
+    spool = Spool(tmp_path / "spool")
+    spooled(spool, "svc-A", token="a" * 32)
+    service = FakeService("svc-A", {1: ("rel", 0)}, leases=[1], tokens={1: "a" * 32})
+    client = service.client()
+    # the lease comes before the spool's delivery round (the service was away at the worker's start)
+    out = io.StringIO()
+    worker = Worker(WorkerOptions(worker_id="w1", child_argv=probe_printing(tmp_path, THEIRS), spool_dir=spool.root,
+                                  idle_exit_s=0.5), HARDWARE, client=client, console=Console(file=out, width=400))
+    got = client.lease(LeaseRequest(worker_id="w1", hardware="cpu"))
+    assert got is not None and got.lease_token == "a" * 32
+    worker.learn_service_id(got)
+    assert worker._deliver_instead(got)
+    assert not (tmp_path / "ran").exists() and service.completed == {1: OURS} and spool.pending() == []
+    assert "measured already, its result is in the spool: delivering it" in " ".join(out.getvalue().split())
 
 
 def test_a_refused_result_says_what_became_of_the_trial(tmp_path: Path) -> None:
@@ -349,6 +400,54 @@ def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(proces
     assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
     assert Spool(spool).pending() == [] and Spool(spool).rejected() == []
     assert leased_trial_ids(worker) == [1, 1]  # rel's trial 1 and other's trial 1, each run once
+    assert worker.poll() is None
+
+
+@pytest.mark.slow
+def test_a_backup_with_a_study_of_the_same_name_never_gets_the_originals_result(processes: Processes, tmp_path: Path,
+                                                                                 tiny_datasets: Any) -> None:
+    """Issue 35, D2, the same name. As above, but the backup gets a study also named 'rel' (another
+    probe size), whose trial 0 is id 1 too, leased to the same worker: service id, study, trial
+    number and id all match. Only the lease token differs: B's trial is run by the worker and
+    completed with its own measurement (never the kept one, measured at 600 samples for A's
+    spec), A's measurement stays kept naming where it belongs, and goes into A's trial once
+    the service is back on a.db."""
+    a_db, b_db = tmp_path / "a.db", tmp_path / "b.db"
+    service = LiveService(processes, a_db).start()
+    backup_sqlite(service.db_url, b_db)
+    service.submit(small_spec("rel", samples=600, n_trials=1, probe={"windows": 8}, pruning={"enabled": False}))
+    spool = tmp_path / "spool"
+    worker = start_worker(processes, service.url, "--spool-dir", str(spool), "--worker-id", "w",
+                          env={"COLUMNS": "400"})
+    wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
+    wait_until(lambda: reports_stored(a_db) >= 1, 60, "the first timed window's report")
+    kill(service)  # mid-probe: the result cannot go in
+    wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
+    (kept,) = Spool(spool).pending()
+    assert (kept.study, kept.number, kept.trial_id) == ("rel", 0, 1) and kept.measured
+    assert kept.service_id and kept.lease_token
+
+    service.db_url = f"sqlite:///{b_db}"  # the backup: same tokens, same service id, no study
+    service.start()
+    service.submit(small_spec("rel", samples=64, n_trials=1))  # the same name
+    wait_until(lambda: any(t["state"] != "RUNNING" for t in service.trials("rel")), 120, "B's trial 0 of rel to finish")
+    (theirs,) = service.trials("rel")
+    assert theirs["trial_id"] == 1 and theirs["state"] == "COMPLETE", theirs
+    assert theirs["throughput_samples_per_s"] != kept.result["throughput_samples_per_s"]  # its own measurement
+    where = f"it belongs to service {kept.service_id} at {service.url}, study 'rel', trial 0 (id 1)"
+    wait_until(lambda: where in " ".join(log_text(worker).split()), 90, "the worker to say where the result belongs")
+    (still,) = Spool(spool).pending()
+    assert still.result == kept.result and Spool(spool).rejected() == []  # kept, not delivered, not rejected
+
+    kill(service)
+    service.db_url = f"sqlite:///{a_db}"  # back on the trial's own database: the worker offers its spool again
+    time.sleep(worker_module.IDLE_BACKOFF_CAP_S + worker_module.LEASE_RETRY_S + 2)  # once it has seen it away
+    service.start()
+    wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "A's trial 0 of rel to get its result")
+    (ours,) = service.trials("rel")
+    assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
+    assert Spool(spool).pending() == [] and Spool(spool).rejected() == []
+    assert leased_trial_ids(worker) == [1, 1]  # A's trial 1 and B's trial 1, each run once
     assert worker.poll() is None
 
 

@@ -360,7 +360,7 @@ def stored_windows(db: Path, study: str) -> list[float]:
     import optuna
 
     trial = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").trials[0]
-    windows: list[float] = trial.user_attrs["window_throughputs"]
+    windows: list[float] = trial.user_attrs["measurement"]["window_throughputs"]  # the probe's fields, one attr
     return windows
 
 

@@ -12,6 +12,10 @@ The one 200 after completion is the completing worker repeating its complete (a 
 retry): it gets the stored TrialInfo, nothing changes. A heartbeat's "stop" is an
 instruction to the trial's holder (its study was stopped, or the trial finished meanwhile).
 
+A call that carries a lease token (`TrialLease.lease_token`) is taken only for the lease holding
+that token: another token is a 409 "... another lease of trial N ..." before anything else (a
+lease of another database or a restored copy, whose trial ids are the same); nothing is stored.
+
 complete validates its result (`autotune.protocol.TrialResult`): a malformed one, or one
 whose config is not the leased config, is a 422 naming the field; nothing changes and the
 trial stays leased to the worker, so a corrected complete goes through.
@@ -43,8 +47,9 @@ router = APIRouter(prefix="/trials", tags=["trials"],
 # heartbeat, report and complete: the answers for a trial that is not the caller's (see the module docstring)
 NOT_YOURS: dict[int | str, dict[str, Any]] = {
     404: {"description": "no trial with this id"},
-    409: {"description": "the trial is not this worker's: held by another worker, its lease reaped, or already "
-                         "completed (the detail says which); stop it and lease a new trial"}}
+    409: {"description": "the trial is not this worker's: held by another worker, its lease reaped, already "
+                         "completed, or the call's lease_token is another lease's (the detail says which); stop it "
+                         "and lease a new trial"}}
 
 
 @router.post("/lease", response_model=TrialLease,

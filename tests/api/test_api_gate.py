@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from optuna.samplers._base import _CONSTRAINTS_KEY
 from rich.console import Console
 from service_helpers import StudyFactory, complete, lease, probe_result
 
 from api.service import TuningService
-from autotune.gate import FAILED_CONSTRAINT
 from autotune.protocol import Recommendation
 from autotune.samplers import CONSTRAINT_ATTR
 from autotune.tables import recommendation_table
@@ -72,18 +70,22 @@ def test_gate_from_three_baseline_seeds(app: FastAPI, client: TestClient, make_s
     assert trials[bad["number"]].user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.17 - gate)
 
 
-def test_a_failed_trial_teaches_the_sampler_but_stays_fail(app: FastAPI, client: TestClient,
-                                                          make_study: StudyFactory) -> None:
-    make_study("s", sampler="tpe", n_trials=10, seed=0)
+def test_a_failed_probe_is_optuna_fail_and_its_config_is_not_run_again(app: FastAPI, client: TestClient,
+                                                                       make_study: StudyFactory) -> None:
+    """Nothing was measured: Optuna FAIL, no values, no constraint (no placeholder numbers); every
+    view of the service says FAIL; a later draw of the config (an OOM says something about it)
+    is a repeat, never leased again."""
+    make_study("s", space={"params": {"batch_size": {"choices": [4, 8]}}}, sampler="tpe", n_trials=10, seed=0)
     _run_baselines(client, [0.1])
-    failed = _run(client, "w1", throughput=None, nrmse=None, failure={"kind": "oom", "message": "CUDA OOM"})
+    leased = lease(client, "w1")
+    assert leased is not None and leased["role"] == "search"
+    failed = complete(client, leased, "w1", throughput=None, nrmse=None,
+                      failure={"kind": "oom", "message": "CUDA OOM"})
     assert failed["state"] == "FAIL" and failed["feasible"] is False and failed["values"] is None
     assert failed["failure"] == {"kind": "oom", "message": "CUDA OOM"}
-    # Optuna: COMPLETE with worst-case values and the failed constraint (stored for the sampler too)
     stored = _service(app).bridge.storage.get_trial(failed["trial_id"])
-    assert stored.state.name == "COMPLETE" and stored.values == [0.0, 10.0]
-    assert stored.user_attrs[CONSTRAINT_ATTR] == FAILED_CONSTRAINT
-    assert stored.system_attrs[_CONSTRAINTS_KEY] == [FAILED_CONSTRAINT]
+    assert stored.state.name == "FAIL" and stored.values is None and stored.constraints == {}
+    assert CONSTRAINT_ATTR not in stored.user_attrs
     assert stored.user_attrs["failure_kind"] == "oom" and stored.user_attrs["failure_message"] == "CUDA OOM"
     # every view of the service says FAIL and leaves it out
     study = client.get("/v1/studies/s").json()
@@ -92,6 +94,12 @@ def test_a_failed_trial_teaches_the_sampler_but_stays_fail(app: FastAPI, client:
     assert listed[failed["number"]]["state"] == "FAIL" and listed[failed["number"]]["feasible"] is False
     assert client.get("/v1/studies/s/pareto").json()["data"] == []  # the baseline is no candidate
     assert client.get("/v1/studies/s/best").status_code == 404
+    oom_size = leased["config"]["batch_size"]
+    while (got := lease(client, "w2")) is not None:
+        assert got["config"]["batch_size"] != oom_size  # the OOM config never runs again
+        complete(client, got, "w2")
+    listed = client.get("/v1/studies/s/trials").json()["data"]
+    assert [t["repeat_of"] for t in listed if t["config"].get("batch_size") == oom_size and t["state"] == "REPEAT"]
 
 
 def test_over_memory_is_infeasible(app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:

@@ -1,9 +1,7 @@
 """The hot path (lease, report, complete) without full-study reads: replies built from data in
-hand, the gate cached per study, the TPE sampler's per-ask view of the trials, batched attrs."""
+hand, the gate cached per study, the measurement written as one attr, the sampler reading Optuna's storage."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -11,7 +9,6 @@ from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, complete, lease
 
 from api import crud
-from api.optuna_bridge import OptunaBridge
 from api.service import TuningService
 
 
@@ -44,22 +41,25 @@ def test_replies_match_what_the_study_stores(client: TestClient, make_study: Stu
     assert [stored[t]["feasible"] for t in replies][1:] == [True, True, False, True]
 
 
-def test_complete_writes_attrs_values_and_state_in_one_transaction(app: FastAPI, client: TestClient,
-                                                                   make_study: StudyFactory,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_complete_writes_the_measurement_as_one_attr(app: FastAPI, client: TestClient, make_study: StudyFactory,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optuna's public API writes one user attr per transaction: the probe's measurement (thirty
+    fields) goes into one, and attrs the lease wrote already are not written again."""
     make_study("s")
     got = lease(client, "w1")
     assert got is not None
     bridge = _service(app).bridge
-    calls: list[Any] = []
-    original = OptunaBridge._upsert_user_attrs
-    monkeypatch.setattr(OptunaBridge, "_upsert_user_attrs",
-                        lambda self, session, trial_id, attrs: calls.append(dict(attrs))
-                        or original(self, session, trial_id, attrs))
+    keys: list[str] = []
+    original = bridge.storage.set_trial_user_attr
     monkeypatch.setattr(bridge.storage, "set_trial_user_attr",
-                        lambda *_a, **_k: pytest.fail("one attribute per transaction"))
+                        lambda trial_id, key, value: keys.append(key) or original(trial_id, key, value))
     complete(client, got, "w1")
-    assert len(calls) == 1 and {"device", "worker_id", "knobs", "failure_kind"} <= set(calls[0])
+    assert "measurement" in keys and "worker_id" not in keys and len(keys) <= 6, keys
+    stored = bridge.storage.get_trial(got["trial_id"])
+    measured = set(stored.user_attrs["measurement"])
+    assert {"device", "knobs", "throughput_samples_per_s", "window_throughputs"} <= measured
+    record = bridge.get_trial(got["trial_id"])
+    assert record is not None and record.user_attrs["device"] == stored.user_attrs["measurement"]["device"]
 
 
 def test_report_reads_no_study_history(client: TestClient, make_study: StudyFactory,
@@ -85,14 +85,18 @@ def test_report_on_a_completed_trial_is_409(client: TestClient, make_study: Stud
     assert r.status_code == 404
 
 
-def test_tpe_sampler_view_follows_the_study(app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
-    """The TPE sampler reads the trials once per ask from a view kept in the process; after
-    leases, completes and a failure the view must hold what the storage holds."""
+def test_the_sampler_reads_what_the_storage_holds(app: FastAPI, client: TestClient,
+                                                 make_study: StudyFactory) -> None:
+    """The TPE sampler reads the study through Optuna's own storage (no view of autotune's):
+    after leases, completes and a failure, its trials are the storage's, a failed probe FAIL
+    without values, every completed trial with its measured values."""
+    import optuna
+
     make_study("s", sampler="tpe", n_trials=20)
     service = _service(app)
     base = lease(client, "w")
     assert base is not None
-    complete(client, base, "w")
+    complete(client, base, "w", throughput=80.0)
     running = []
     for i in range(12):
         got = lease(client, f"w{i}")
@@ -100,18 +104,19 @@ def test_tpe_sampler_view_follows_the_study(app: FastAPI, client: TestClient, ma
         running.append((got, f"w{i}"))
         if i % 3 == 2:  # keep a few running (constant liar), finish the others
             first, worker = running.pop(0)
-            complete(client, first, worker, failure={"kind": "oom", "message": "x"} if i == 5 else None)
-    handle = service.bridge._handles["s"]
-    assert handle.snapshot is not None
-    study_id = service.bridge.study_id("s")
-    with handle.snapshot.scope():
-        view = handle.snapshot.get_all_trials(study_id, deepcopy=False)
-    stored = [t for t in service.bridge.trials("s") if t.user_attrs.get("role") != "baseline"]
-    # the sampler's view: the search trials only (a baseline seed is not one of its draws)
-    assert [(t.number, t.state.name, t.params) for t in view] == [(t.number, t.state, t.params) for t in stored]
-    # the failed trial is told COMPLETE (worst values, failed constraint) so that the sampler learns from it
-    assert {t.state.name for t in view} == {"COMPLETE", "RUNNING"}
-    assert any(t.user_attrs.get("failure_kind") == "oom" and t.state.name == "COMPLETE" for t in view)
+            complete(client, first, worker, throughput=100.0 + i,
+                     failure={"kind": "oom", "message": "x"} if i == 5 else None)
+    seen = service.bridge._handles["s"].study.get_trials(deepcopy=False)
+    stored = optuna.load_study(study_name="s", storage=service.bridge.storage.url).get_trials(deepcopy=False)
+    assert [(t.number, t.state, t.params, t.values) for t in seen] == \
+        [(t.number, t.state, t.params, t.values) for t in stored]
+    assert {t.state.name for t in stored} == {"COMPLETE", "RUNNING", "FAIL"}
+    failed = [t for t in stored if t.state.name == "FAIL"]
+    assert len(failed) == 1 and failed[0].values is None and failed[0].user_attrs["failure_kind"] == "oom"
+    for t in stored:
+        if t.state.name == "COMPLETE":
+            assert t.values == [t.user_attrs["measurement"]["throughput_samples_per_s"],
+                                t.user_attrs["measurement"]["quality"]]
 
 
 def test_heartbeat_and_report_keep_a_lease_alive_without_the_study_lock(app: FastAPI, client: TestClient,

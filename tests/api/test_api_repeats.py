@@ -43,16 +43,18 @@ def test_repeated_draws_are_told_not_run(backend: TestClient) -> None:
     assert r.status_code == 201, r.text
     leased = _run_study(client, "rep")
     trials = {t["number"]: t for t in client.get("/v1/studies/rep/trials").json()["data"]}
-    assert len(trials) == 11 and all(t["state"] == "COMPLETE" for t in trials.values())
+    assert len(trials) == 11
     repeats = [t for t in trials.values() if t["repeat_of"] is not None]
+    assert all(t["state"] == ("REPEAT" if t["repeat_of"] is not None else "COMPLETE") for t in trials.values())
     ran = {got["number"] for got in leased}
     assert repeats, "TPE over two configurations drew one again within 10 trials"
     assert ran.isdisjoint(t["number"] for t in repeats)  # a repeat was never leased: no worker ran it
     for t in repeats:
         original = trials[t["repeat_of"]]
         assert original["repeat_of"] is None and original["number"] in ran and original["number"] < t["number"]
-        assert t["params"] == original["params"] and t["values"] == original["values"]
-        assert t["worker_id"] is None
+        assert t["params"] == original["params"] and original["values"] is not None
+        # nothing was measured for a repeat: Optuna holds it PRUNED without values
+        assert t["values"] is None and t["throughput_samples_per_s"] is None and t["worker_id"] is None
     # no configuration runs twice, not even the last draw's (a repeat then ends the ask: nothing handed out)
     search = [got for got in leased if got["role"] == "search"]
     configs = [got["config"]["batch_size"] for got in search]
@@ -82,7 +84,7 @@ def test_the_trials_table_marks_a_repeat() -> None:
     from autotune.tables import trials_table
 
     trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"batch_size": 8}),
-              TrialInfo(trial_id=2, number=2, state="COMPLETE", params={"batch_size": 8}, repeat_of=1)]
+              TrialInfo(trial_id=2, number=2, state="REPEAT", params={"batch_size": 8}, repeat_of=1)]
     console = Console(width=200, record=True)
     console.print(trials_table(trials, "t"))
     lines = console.export_text().splitlines()
@@ -127,7 +129,7 @@ def test_a_draw_of_the_baselines_config_is_not_leased(client: TestClient, make_s
     assert told, "the sampler drew the baseline's config"
     for t in told:
         assert t["baseline_repeat_of"] == 0 and t["repeat_of"] == 0 and t["worker_id"] is None
-        assert t["state"] == "COMPLETE" and t["throughput_samples_per_s"] == trials[0]["throughput_samples_per_s"]
+        assert t["state"] == "REPEAT" and t["throughput_samples_per_s"] is None and t["values"] is None
     front = {t["number"] for t in client.get("/v1/studies/base/pareto").json()["data"]}
     assert front.isdisjoint(t["number"] for t in told)
 
@@ -163,33 +165,29 @@ def test_a_draw_of_a_running_trials_config_is_not_leased(backend: TestClient) ->
     first, second = lease(client, "w1", study="run"), lease(client, "w2", study="run")
     assert first is not None and second is not None
     assert first["config"] != second["config"]  # the second worker never gets the first one's config
-    assert lease(client, "w3", study="run") is None  # both configs in flight: every draw is held
+    assert lease(client, "w3", study="run") is None  # both configs in flight: every draw is a repeat
     trials = _trials(client, "run")
-    held = [t for t in trials.values() if t["repeat_of"] is not None]
-    assert held, "TPE over two configurations drew a running one again"
-    assert all(t["state"] == "RUNNING" and t["worker_id"] is None for t in held)
-    assert {t["repeat_of"] for t in held} <= {first["number"], second["number"]}
-    # the reaper fails the silent workers' trials, never a held repeat (it is not leased, by design)
+    told = [t for t in trials.values() if t["repeat_of"] is not None]
+    assert told, "TPE over two configurations drew a running one again"
+    # told at once, never leased: REPEAT (Optuna PRUNED, no values), the twin still running
+    assert all(t["state"] == "REPEAT" and t["worker_id"] is None and t["values"] is None for t in told)
+    assert {t["repeat_of"] for t in told} <= {first["number"], second["number"]}
+    # the reaper fails the silent workers' trials only
     later = utcnow() + timedelta(seconds=service.settings.lease_grace_s + 5)
     assert sorted(service.reap_stale(later)) == sorted([first["trial_id"], second["trial_id"]])
-    assert all(_trials(client, "run")[t["number"]]["state"] == "RUNNING" for t in held)
-    # the lost trials are re-run (same configs); the held repeats wait for those retries
+    # the lost trials are re-run (same configs), not the repeats
     retries = [lease(client, "w4", study="run"), lease(client, "w5", study="run")]
     assert all(r is not None and r["number"] > max(trials) for r in retries)
     assert sorted(r["config"]["batch_size"] for r in retries if r is not None) == [4, 8]
     for r, worker in zip(retries, ["w4", "w5"], strict=True):
         assert r is not None
         complete(client, r, worker, throughput=100.0 * r["config"]["batch_size"])
-    trials = _trials(client, "run")
-    by_config = {t["config"]["batch_size"]: t for t in trials.values() if t["retry_of"] is not None}
-    for t in held:
-        told = trials[t["number"]]
-        twin = trials[told["repeat_of"]]
-        assert told["state"] == "COMPLETE" and twin["retry_of"] is not None  # the retry stands for the lost trial
-        assert told["values"] == twin["values"] and twin is by_config[told["config"]["batch_size"]]
     leased = _run_study(client, "run")  # what budget is left: every draw repeats a measured config
     assert _search_configs(leased) == []
     assert _state(client, "run") == "finished"
+    trials = _trials(client, "run")
+    assert sorted(t["config"]["batch_size"] for t in trials.values() if t["state"] == "COMPLETE"
+                  and t["role"] == "search") == [4, 8]
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "random"])
@@ -210,5 +208,6 @@ def test_a_tiny_space_finishes_without_a_duplicate_lease(client: TestClient, mak
     configs = [c["batch_size"] for c in _search_configs(leased)]
     assert sorted(configs) == [4, 8]  # each configuration ran once
     trials = _trials(client, "tiny")
-    assert len(trials) == 25 and all(t["state"] == "COMPLETE" for t in trials.values())
-    assert sum(t["repeat_of"] is not None for t in trials.values()) == 22
+    assert len(trials) == 25
+    assert sorted(t["state"] for t in trials.values()) == ["COMPLETE"] * 3 + ["REPEAT"] * 22
+    assert all((t["repeat_of"] is not None) == (t["state"] == "REPEAT") for t in trials.values())

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -251,16 +252,19 @@ def test_a_crash_right_after_a_trial_is_created_leaves_a_study_that_finishes(
             base = lease(client, "w0")
             assert base is not None and base["role"] == "baseline"
             complete(client, base, "w0")
-        storage = _service(old).bridge.storage
-        create = storage.create_new_trial
+        # a baseline seed is made from a template (storage.create_new_trial), a search trial by study.ask
+        owner: Any = _service(old).bridge.storage if victim == "baseline" else optuna.Study
+        method = "create_new_trial" if victim == "baseline" else "ask"
+        create = getattr(owner, method)
 
-        def create_then_die(*args: Any, **kwargs: Any) -> int:
+        def create_then_die(*args: Any, **kwargs: Any) -> Any:
             create(*args, **kwargs)
             raise _Crash
 
-        monkeypatch.setattr(storage, "create_new_trial", create_then_die)
+        monkeypatch.setattr(owner, method, create_then_die)
         with pytest.raises(_Crash):
             lease(client, "w1")
+        monkeypatch.undo()  # the restarted service runs as it should
         (orphan,) = [t for t in _trials(client).values() if t["state"] == "RUNNING"]
 
     new = create_app(make_settings(db_url))

@@ -26,7 +26,7 @@ def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(app: FastAPI, sqlite_url: s
     path = sqlite_url.removeprefix("sqlite:///")
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    for engine in (service.db.engine, service.bridge._rdb.engine):  # ours and Optuna's
+    for engine in (service.db.engine, service.bridge.storage.engine):  # ours and Optuna's
         with engine.connect() as conn:
             assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30_000
             assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"

@@ -86,7 +86,7 @@ def make_optuna_study(url: str) -> set[str]:
 def test_the_model_tables_are_the_service_tables() -> None:
     assert {"autotune_studies", "autotune_leases", "autotune_reports", "autotune_workers",
             "autotune_tokens", "autotune_service"} == MODEL_TABLES
-    assert head_revision() == "0003"
+    assert head_revision() == "0004"
 
 
 @pytest.mark.parametrize("with_optuna", [False, True], ids=["alone", "beside-optuna"])
@@ -94,17 +94,17 @@ def test_upgrade_downgrade_upgrade_leaves_optuna_alone(empty_db_url: str, with_o
     optuna_tables = make_optuna_study(empty_db_url) if with_optuna else set()
     optuna_version = scalar(empty_db_url, "SELECT version_num FROM alembic_version") if with_optuna else None
 
-    assert upgrade_schema(empty_db_url) == (None, "0003")
+    assert upgrade_schema(empty_db_url) == (None, "0004")
     assert table_names(empty_db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
-    assert scalar(empty_db_url, f"SELECT version_num FROM {VERSION_TABLE}") == "0003"
-    assert upgrade_schema(empty_db_url) == ("0003", "0003")  # idempotent
+    assert scalar(empty_db_url, f"SELECT version_num FROM {VERSION_TABLE}") == "0004"
+    assert upgrade_schema(empty_db_url) == ("0004", "0004")  # idempotent
     assert schema_diff(empty_db_url) == []
 
-    assert downgrade_schema(empty_db_url, "base") == ("0003", None)
+    assert downgrade_schema(empty_db_url, "base") == ("0004", None)
     assert table_names(empty_db_url) == {VERSION_TABLE} | optuna_tables  # only the (empty) version table is left
     assert scalar(empty_db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 0
 
-    assert upgrade_schema(empty_db_url) == (None, "0003")
+    assert upgrade_schema(empty_db_url) == (None, "0004")
     assert table_names(empty_db_url) == MODEL_TABLES | {VERSION_TABLE} | optuna_tables
     assert schema_diff(empty_db_url) == []
     if with_optuna:
@@ -117,7 +117,8 @@ def test_the_migrated_schema_equals_the_models_and_a_gap_would_show(empty_db_url
     assert schema_diff(empty_db_url) == []
     downgrade_schema(empty_db_url, "0001")  # without the tokens table: the comparison must notice
     diff = schema_diff(empty_db_url)
-    assert ("add_table", "autotune_tokens") in [(d[0], d[1].name) for d in diff if isinstance(d, tuple)]
+    assert ("add_table", "autotune_tokens") in [(d[0], d[1].name) for d in diff
+                                                if isinstance(d, tuple) and d[0] == "add_table"]
 
 
 def test_a_database_made_by_create_all_is_adopted(empty_db_url: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -125,16 +126,58 @@ def test_a_database_made_by_create_all_is_adopted(empty_db_url: str, caplog: pyt
     legacy = [t for name, t in Base.metadata.tables.items() if name not in ("autotune_tokens", "autotune_service")]
     Base.metadata.create_all(engine, tables=legacy)  # what the service did before migrations
     with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE autotune_leases DROP COLUMN token"))  # a lease token's column came with 0004
         conn.execute(StudyRow.__table__.insert().values(name="old", spec={}, space={}, hardware="cpu",
                                                          state="running", created_at=utcnow()))
     engine.dispose()
 
     with caplog.at_level("WARNING", logger="api.db"):
-        assert upgrade_schema(empty_db_url) == (LEGACY_REVISION, "0003")
+        assert upgrade_schema(empty_db_url) == (LEGACY_REVISION, "0004")
     assert "predate migrations" in caplog.text and f"revision {LEGACY_REVISION}" in caplog.text
     assert "autotune_tokens" in table_names(empty_db_url)
     assert scalar(empty_db_url, "SELECT name FROM autotune_studies") == "old"
     assert schema_diff(empty_db_url) == []
+
+
+def test_lease_tokens_upgrade_keeps_old_leases_without_one_and_downgrade_keeps_the_indexes(
+        empty_db_url: str) -> None:
+    """0004 adds autotune_leases.token: a lease made before it keeps NULL ("from before tokens");
+    the downgrade drops the column and leaves the table's indexes (one active lease per worker) as 0003 made them."""
+    upgrade_schema(empty_db_url, "0003")
+    indexes = {i["name"]: i["unique"] for i in _leases_indexes(empty_db_url)}
+    engine = create_engine(empty_db_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(StudyRow.__table__.insert().values(name="old", spec={}, space={}, hardware="cpu",
+                                                         state="running", created_at=utcnow()))
+        conn.execute(text("INSERT INTO autotune_leases (trial_id, study_name, trial_number, worker_id, state, "
+                          "leased_at, heartbeat_at) VALUES (1, 'old', 0, 'w', 'active', :t, :t)"), {"t": utcnow()})
+    engine.dispose()
+    assert upgrade_schema(empty_db_url) == ("0003", "0004")
+    assert scalar(empty_db_url, "SELECT count(*) FROM autotune_leases WHERE token IS NULL") == 1
+    assert schema_diff(empty_db_url) == []
+    assert downgrade_schema(empty_db_url, "0003") == ("0004", "0003")
+    assert "token" not in {c["name"] for c in _leases_columns(empty_db_url)}
+    assert {i["name"]: i["unique"] for i in _leases_indexes(empty_db_url)} == indexes
+    assert indexes["uq_autotune_leases_active_worker"]
+    assert scalar(empty_db_url, "SELECT worker_id FROM autotune_leases WHERE trial_id = 1") == "w"
+
+
+def _leases_indexes(url: str) -> list[Any]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return list(inspect(conn).get_indexes("autotune_leases"))
+    finally:
+        engine.dispose()
+
+
+def _leases_columns(url: str) -> list[Any]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return list(inspect(conn).get_columns("autotune_leases"))
+    finally:
+        engine.dispose()
 
 
 def _upgrade_after(barrier: Any, url: str, results: Any) -> None:
@@ -156,7 +199,7 @@ def test_concurrent_upgrades_from_several_processes_take_turns(empty_db_url: str
     outcomes = sorted(results.get(timeout=60) for _ in procs)
     for proc in procs:
         proc.join(timeout=30)
-    assert outcomes == sorted([str((None, "0003"))] + [str(("0003", "0003"))] * (processes - 1)), outcomes
+    assert outcomes == sorted([str((None, "0004"))] + [str(("0004", "0004"))] * (processes - 1)), outcomes
     assert scalar(empty_db_url, f"SELECT count(*) FROM {VERSION_TABLE}") == 1
 
 
@@ -177,19 +220,19 @@ def test_autotune_db_upgrade_works_from_any_directory(tmp_path: Path) -> None:
     elsewhere.mkdir()
     done = run_cli("db", "upgrade", "--db", url, cwd=elsewhere)
     assert done.returncode == 0, done.stderr
-    assert "→ 0003" in done.stdout
-    assert current_schema_revision(url) == "0003"
+    assert "→ 0004" in done.stdout
+    assert current_schema_revision(url) == "0004"
     done = run_cli("db", "current", "--db", url, cwd=elsewhere)
-    assert done.returncode == 0 and done.stdout.strip() == "0003 (head)", done.stdout + done.stderr
+    assert done.returncode == 0 and done.stdout.strip() == "0004 (head)", done.stdout + done.stderr
 
 
 def test_autotune_db_downgrade_current_and_errors(empty_db_url: str) -> None:
     runner = CliRunner()
     assert runner.invoke(cli_app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
     result = runner.invoke(cli_app, ["db", "downgrade", "0001", "--db", empty_db_url])
-    assert result.exit_code == 0 and "0003 → 0001" in result.stdout, result.output
+    assert result.exit_code == 0 and "0004 → 0001" in result.stdout, result.output
     result = runner.invoke(cli_app, ["db", "current", "--db", empty_db_url])
-    assert "0001 (newest: 0003; run `autotune db upgrade`)" in result.stdout
+    assert "0001 (newest: 0004; run `autotune db upgrade`)" in result.stdout
     result = runner.invoke(cli_app, ["db", "downgrade", "nope", "--db", empty_db_url])
     assert result.exit_code == 1 and "Can't locate revision identified by 'nope'" in result.stderr
     result = runner.invoke(cli_app, ["db", "downgrade", "base", "--db", empty_db_url])

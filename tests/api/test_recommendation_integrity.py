@@ -75,7 +75,7 @@ def test_a_search_trial_that_draws_the_baseline_config_is_a_repeat_of_the_baseli
         app: FastAPI, client: TestClient, make_study: StudyFactory) -> None:
     """The grid holds the baseline's own config: the search trial that draws it measures (or is
     told) the baseline again. It is marked so, it is never a candidate even when it measures
-    fastest, and Optuna is told the worst case for it (so the dashboard's front leaves it out)."""
+    fastest; Optuna holds what it measured (a real run of the baseline's config)."""
     make_study("s", space=ONE_KNOB, sampler="grid", n_trials=4, baseline={"batch_size": 4})
     base = lease(client, "b")
     assert base is not None and base["params"] == {"batch_size": 4}  # a baseline carries its params
@@ -96,10 +96,10 @@ def test_a_search_trial_that_draws_the_baseline_config_is_a_repeat_of_the_baseli
     assert best["uncertified"]["config"]["batch_size"] in (8, 16)
     assert repeat["number"] not in [t["number"] for t in client.get("/v1/studies/s/pareto").json()["data"]]
     stored = {t.number: t for t in _service(app).bridge.trials("s")}
-    assert stored[repeat["number"]].values == [0.0, 10.0]  # the worst case: never on the dashboard's front
-    # the measurement is kept: its own when a worker ran it, else the baseline's it was told
-    measured = 300.0 if repeat["number"] in ran else 100.0
-    assert stored[repeat["number"]].user_attrs["throughput_samples_per_s"] == measured
+    if repeat["number"] in ran:  # a worker ran it: Optuna holds its own measurement
+        assert stored[repeat["number"]].values == [300.0, 0.1]
+    else:  # told, not run: no values
+        assert stored[repeat["number"]].state == "PRUNED" and stored[repeat["number"]].values is None
 
 
 def test_a_baseline_seed_that_measures_fastest_is_not_recommended_after_remeasurement(
@@ -230,36 +230,57 @@ def test_without_a_baseline_remeasurement_quality_is_not_judged_and_every_view_s
         assert view["feasible"] is None and view["feasibility_note"].startswith("quality not yet decided")
 
 
-def test_optuna_holds_the_same_front_and_best_as_the_service(app: FastAPI, client: TestClient,
-                                                             make_study: StudyFactory) -> None:
-    """What the stock optuna-dashboard computes from the stored trials (its own Pareto-front
-    function) is the service's front, at the re-measured values, with the pick on it; baseline
-    and re-measurement trials carry their params."""
+def test_optuna_holds_what_was_measured_and_the_verdict(app: FastAPI, client: TestClient,
+                                                      make_study: StudyFactory) -> None:
+    """Read with Optuna's own API, as the dashboard reads it: every COMPLETE trial's values are
+    what its probe measured (baseline seeds and re-measurements included, their role in user
+    attrs, feasibility as Optuna constraints), no value is a placeholder or overwritten, the
+    dashboard's own Pareto computation holds only measured points, and the service's verdict
+    is stored beside them; baseline and re-measurement trials carry their params."""
+    import optuna
+
     make_study("s", space=ONE_KNOB, sampler="grid", n_trials=4, baseline={"batch_size": 4}, seed=0,
                remeasure={"top_k": 2, "windows": 5, "rounds": 2})
     base = lease(client, "b")
     assert base is not None
+    sent_by_trial = {base["trial_id"]: (100.0, 0.10)}
     _finish(client, base, "b", 100.0, 0.10)
     speeds = {8: (300.0, 0.105), 16: (250.0, 0.104), 4: (120.0, 0.10)}
     numbers = {}
     while (got := lease(client, "w")) is not None and got["role"] == "search":
         size = got["config"]["batch_size"]
+        sent_by_trial[got["trial_id"]] = speeds[size]
         numbers[size] = _finish(client, got, "w", *speeds[size])["number"]
     assert got is not None and got["role"] == "remeasure"  # the search is done: round 0 began
-    assert {8, 16} <= set(numbers)
+    sent_by_trial[got["trial_id"]] = (200.0, 0.105)
     _finish(client, got, "w", 200.0, 0.105)  # round 0 starts with the fastest search config
-    assert _trial(client, got["trial_id"])["remeasure_of"] == numbers[8]
     # the 300 config regresses to 200 when re-measured, the 250 one holds
-    sent = _remeasure_all(client, {numbers[8]: (200.0, 0.105), numbers[16]: (240.0, 0.104), 0: (100.0, 0.10)})
-    best = client.get("/v1/studies/s/best").json()
+    _remeasure_all(client, {numbers[8]: (200.0, 0.105), numbers[16]: (240.0, 0.104), 0: (100.0, 0.10)})
+    best = client.get("/v1/studies/s/best?format=json").json()
     assert best["certified"] is True and best["trial_number"] == numbers[16]
-    service_front = {t["number"]: t["values"] for t in client.get("/v1/studies/s/pareto").json()["data"]}
-    assert service_front == {numbers[16]: [pytest.approx(_geomean(sent[numbers[16]])), pytest.approx(0.104)]}
-    storage = _service(app).bridge._rdb  # uncached, as the dashboard reads it (optuna_dashboard: RDBStorage)
-    stored = storage.get_all_trials(storage.get_study_id_from_name("s"), deepcopy=False)
+    study = optuna.load_study(study_name="s", storage=_service(app).bridge.storage.url)  # stock Optuna
+    stored = study.get_trials(deepcopy=False)
+    listed = {t["number"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
+    for t in stored:
+        if t.state.name != "COMPLETE":
+            assert t.values is None
+            continue
+        measured = t.user_attrs["measurement"]
+        assert t.values == [measured["throughput_samples_per_s"], measured["quality"]]
+        info = listed[t.number]
+        assert t.values == [info["throughput_samples_per_s"], info["quality"]]
+        if info["trial_id"] in sent_by_trial:
+            assert t.values == list(sent_by_trial[info["trial_id"]])
+        assert t.user_attrs["role"] in ("baseline", "search", "remeasure")
+        assert len(t.constraints) == 1  # feasibility as Optuna's own constraint
+    roles = {t.user_attrs["role"] for t in stored if t.state.name == "COMPLETE"}
+    assert roles == {"baseline", "search", "remeasure"}
+    # the dashboard's own front: measured points only (each a trial's own values)
     dashboard_front = get_pareto_front_trials(stored, [StudyDirection.MAXIMIZE, StudyDirection.MINIMIZE])
-    assert {t.number for t in dashboard_front} == set(service_front)
-    assert [list(t.values) for t in dashboard_front] == list(service_front.values())
+    assert dashboard_front and all(t.values == [t.user_attrs["measurement"]["throughput_samples_per_s"],
+                                                t.user_attrs["measurement"]["quality"]] for t in dashboard_front)
+    assert study.user_attrs["autotune_recommendation"]["trial_number"] == best["trial_number"]
+    assert study.user_attrs["autotune_recommendation"]["certified"] is True
     remeasures = [t for t in stored if t.user_attrs.get("role") == "remeasure"]
     assert len(remeasures) == 3 * best["rounds_run"] == 6  # 2 configs and the baseline, 2 rounds
     for t in remeasures:
