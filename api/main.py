@@ -159,11 +159,32 @@ def check_listen(host: str, settings: Settings) -> None:
                            "127.0.0.1 only")
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before the database is touched (uvicorn would
+    find out only after the service had created and migrated it)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServeRefused(f"cannot listen on {host}: {e.strerror}; pass --host with an address of this "
+                           "machine (127.0.0.1, 0.0.0.0)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no clash
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ServeRefused(f"cannot listen on {host}:{port}: {e.strerror} (another `autotune serve`, or another "
+                               f"server, holds it: `ss -ltnp 'sport = :{port}'` names it); pass another --port, "
+                               "or stop that process") from None
+
+
 def run_server(db_url: str | None = None, host: str = "127.0.0.1", port: int = 8000,
                auth: bool | None = None) -> None:
     """Serve the API with uvicorn until interrupted (`db_url` None: AUTOTUNE_DB_URL or the default;
     `auth` None: AUTOTUNE_AUTH or on). Raises ServeRefused before starting anything when auth
-    is off and `host` is not a loopback address."""
+    is off and `host` is not a loopback address, or when the port is taken."""
     overrides: dict[str, Any] = {}
     if db_url is not None:
         overrides["db_url"] = db_url
@@ -171,6 +192,7 @@ def run_server(db_url: str | None = None, host: str = "127.0.0.1", port: int = 8
         overrides["auth"] = auth
     settings = Settings(**overrides)
     check_listen(host, settings)
+    check_port(host, port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # the CLI configured WARNING: the service says more
         logging.getLogger("api").setLevel(logging.INFO)

@@ -64,6 +64,7 @@ from api.results import (
     baseline_summary,
     completed,
     counts_by_state,
+    current,
     failures_by_kind,
     front_infos,
     gate_nrmse,
@@ -354,6 +355,7 @@ class TuningService:
             if state != "running":
                 message = str(e)
         return StudyInfo(name=record.name, state=state, spec=ctx.spec, counts=counts_by_state(trials),
+                         remeasures=sum(role(t) == "remeasure" for t in current(trials)),
                          failures=failures_by_kind(trials), retried=len(retried_as(trials)), best=best,
                          message=message)
 

@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 import sys
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -303,7 +304,8 @@ def serve(
 
     Upgrades the database tables first (`autotune db upgrade`). Writes need bearer tokens
     (`autotune token create`) unless --no-auth. Exit status 2 when asked to serve without
-    auth on a non-loopback address; 1 when the database cannot be reached or migrated.
+    auth on a non-loopback address or on a port another process holds (checked before the
+    database is touched); 1 when the database cannot be reached or migrated.
     """
     server = service(app=True).main
     try:
@@ -743,9 +745,14 @@ def status(
             return
         info = client.get_study(study)
         trials = client.trials(study).data
-    counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(info.counts.items())) or "no trials yet"
-    console.print(f"study [bold]{info.name}[/]: {info.state} · {counts} of {info.spec.n_trials} · hardware "
-                  f"{info.spec.hardware}", highlight=False, soft_wrap=True)
+    # the baseline seeds and search trials count against n_trials; the verdict's re-measurements come on top
+    searched = [t for t in trials if t.role != "remeasure" and t.retried_as is None]
+    by_state = Counter(t.state for t in searched)
+    counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(by_state.items())) or "no trials yet"
+    remeasured = [t for t in trials if t.role == "remeasure" and t.retried_as is None]
+    rounds = f" · {len(remeasured)} re-measure run(s)" if remeasured else ""
+    console.print(f"study [bold]{info.name}[/]: {info.state} · {len(searched)} of {info.spec.n_trials} trials "
+                  f"({counts}){rounds} · hardware {info.spec.hardware}", highlight=False, soft_wrap=True)
     if info.message:
         console.print(f"[yellow]{rich_escape(info.message)}[/]", highlight=False, soft_wrap=True)
     if info.failures:
@@ -755,6 +762,26 @@ def status(
     console.print(verdict_line(info), highlight=False, soft_wrap=True)
     if info.best and info.best.get("configs"):
         console.print(verdict_table(_recommendation(info.best)))
+
+
+@app.command()
+def stop(
+    study: Annotated[str, typer.Argument(help="The study to stop.")],
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+    token_file: TokenFileOption = None,
+) -> None:
+    """Stop a study: no more trials are leased, running probes are told to stop at their next
+    heartbeat, and everything measured is kept (`autotune status` and `autotune best` still
+    answer). Needs an admin token where the service has auth. Stopping a stopped study changes
+    nothing."""
+    with service_client(api, resolve_token(token, token_file)) as client:
+        info = client.stop_study(study)
+    done = sum(n for state, n in info.counts.items() if state != "RUNNING")
+    running = info.counts.get("RUNNING", 0)
+    print(f"study {info.name}: {info.state} · {done} trial(s) finished"
+          + (f", {running} running told to stop at their next heartbeat" if running else "")
+          + "; its data is kept (`autotune status`, `autotune best`)")
 
 
 @app.command()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from autotune.protocol import (
     CompleteRequest,
@@ -85,6 +85,17 @@ class ApiError(ClientError):
 
 class NotFound(ApiError):
     pass
+
+
+class NotAutotune(ApiError):
+    """What answered at the URL is not an autotune service (HTML, or JSON of another shape)."""
+
+    def __init__(self, base_url: str, response: httpx.Response, method: str, path: str, why: str) -> None:
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        super().__init__(response.status_code, f"{base_url} is not an autotune service: {method} {path} answered "
+                                                f"HTTP {response.status_code} with {why} ({kind}). Check --api (or "
+                                                "AUTOTUNE_API): the URL `autotune serve` prints at start, e.g. "
+                                                "http://127.0.0.1:8000", method, path)
 
 
 class Conflict(ApiError):
@@ -208,20 +219,44 @@ class Client:
             delay = min(delay * 2, self.max_backoff_s)
 
     def _error(self, response: httpx.Response, method: str, path: str) -> ApiError:
+        try:
+            body = response.json()
+        except ValueError:  # every error of the service is JSON ({"detail": ...}): something else answered
+            return NotAutotune(self.base_url, response, method, path, "a body that is not JSON")
+        if not (isinstance(body, dict) and "detail" in body):
+            return NotAutotune(self.base_url, response, method, path, "JSON without the service's error detail")
         cls = _ERRORS.get(response.status_code, ApiError)
-        return cls(response.status_code, _detail(response), method, path)
+        return cls(response.status_code, body["detail"], method, path)
+
+    def _model(self, response: httpx.Response, model: type[ModelT], method: str, path: str) -> ModelT:
+        """`response`'s body as `model`; NotAutotune when it is not JSON of that shape."""
+        try:
+            body = response.json()
+        except ValueError:
+            raise NotAutotune(self.base_url, response, method, path, "a body that is not JSON") from None
+        try:
+            return model.model_validate(body, context=STORED)
+        except ValidationError as e:
+            raise NotAutotune(self.base_url, response, method, path,
+                              f"JSON that is not a {model.__name__} ({e.error_count()} field error(s))") from None
 
     def _get(self, path: str, model: type[ModelT], **kw: Any) -> ModelT:
-        return model.model_validate(self.request("GET", path, **kw).json(), context=STORED)
+        return self._model(self.request("GET", path, **kw), model, "GET", path)
 
     def _post(self, path: str, body: BaseModel, model: type[ModelT], **kw: Any) -> ModelT:
         response = self.request("POST", path, json_body=body.model_dump(mode="json"), **kw)
-        return model.model_validate(response.json(), context=STORED)
+        return self._model(response, model, "POST", path)
 
     # --- the routes ------------------------------------------------------------------------------
 
     def health(self, **kw: Any) -> dict[str, Any]:
-        data: dict[str, Any] = self.request("GET", "/v1/health", **kw).json()
+        response = self.request("GET", "/v1/health", **kw)
+        try:
+            data = response.json()
+        except ValueError:
+            raise NotAutotune(self.base_url, response, "GET", "/v1/health", "a body that is not JSON") from None
+        if not (isinstance(data, dict) and "version" in data and "db" in data):
+            raise NotAutotune(self.base_url, response, "GET", "/v1/health", "JSON that is not the service's health")
         return data
 
     def create_study(self, spec: StudySpec, **kw: Any) -> StudyInfo:
@@ -234,7 +269,8 @@ class Client:
         return self._get(f"/v1/studies/{name}", StudyInfo, **kw)
 
     def stop_study(self, name: str, **kw: Any) -> StudyInfo:
-        return StudyInfo.model_validate(self.request("DELETE", f"/v1/studies/{name}", **kw).json(), context=STORED)
+        return self._model(self.request("DELETE", f"/v1/studies/{name}", **kw), StudyInfo, "DELETE",
+                           f"/v1/studies/{name}")
 
     def trials(self, name: str, **kw: Any) -> TrialList:
         return self._get(f"/v1/studies/{name}/trials", TrialList, **kw)
@@ -253,7 +289,7 @@ class Client:
         response = self.request("POST", "/v1/trials/lease", json_body=request.model_dump(mode="json"), **kw)
         if response.status_code == 204 or not response.content:
             return None
-        return TrialLease.model_validate(response.json())
+        return self._model(response, TrialLease, "POST", "/v1/trials/lease")
 
     # `lease_token`: the lease's (TrialLease.lease_token); the service then takes the call only for that lease
 
@@ -279,5 +315,7 @@ def _detail(response: httpx.Response) -> Any:
     try:
         body = response.json()
     except ValueError:
+        if "html" in response.headers.get("content-type", ""):  # a proxy's or another server's page
+            return f"an HTML page ({response.reason_phrase}), not the service's JSON"
         return response.text.strip()[:500] or response.reason_phrase
     return body.get("detail", body) if isinstance(body, dict) else body

@@ -155,7 +155,7 @@ def wait_for_health(client: Client, serve: subprocess.Popen[bytes], log_path: Pa
 def progress_text(info: StudyInfo) -> str:
     c = info.counts
     parts = [f"{c.get('COMPLETE', 0)} complete", f"{c.get('PRUNED', 0)} pruned", f"{c.get('FAIL', 0)} failed",
-             f"{c.get('RUNNING', 0)} running"]
+             *([f"{c['REPEAT']} repeated (not run)"] if c.get("REPEAT") else []), f"{c.get('RUNNING', 0)} running"]
     best = info.best or {}
     if best.get("certified") and best.get("speedup") is not None:
         parts.append(f"certified {best['speedup']:.2f}× the baseline (trial {best['trial_number']})")
@@ -269,6 +269,7 @@ def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, con
     c = info.counts
     console.print(f"\nstudy {info.name} {info.state} in {elapsed_s:.0f} s: {c.get('COMPLETE', 0)} complete, "
                   f"{c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed"
+                  + (f", {c['REPEAT']} repeated (not run)" if c.get("REPEAT") else "")
                   + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else ""))
     pareto = client.pareto(info.name).data
     pareto.sort(key=lambda t: -(t.throughput_samples_per_s or 0.0))

@@ -377,6 +377,8 @@ class StudyInfo(BaseModel):
     state: Literal["running", "stopped", "finished"]
     spec: StudySpec
     counts: dict[str, int] = Field(default_factory=dict, description="trials by state")
+    remeasures: int = Field(0, description="of the trials in counts, the verdict's re-measurements (on top of "
+                                           "spec.n_trials, which counts the baseline seeds and search trials)")
     failures: dict[str, int] = Field(default_factory=dict, description="failed trials by failure kind")
     retried: int = Field(0, description="lost trials re-run as a new trial (not in counts nor failures: "
                                         "their retry stands for them)")

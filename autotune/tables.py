@@ -64,7 +64,10 @@ def studies_table(studies: list[StudyInfo]) -> Table:
             shown = f"{energy:.2f}× energy"
         if best and not best.get("certified"):
             shown = "keep baseline" if best.get("outcome") != "not_judged" else "not judged"
-        table.add_row(s.name, s.state, s.spec.hardware, f"{sum(c.values())}/{s.spec.n_trials}", outcomes, shown)
+        searched = f"{sum(c.values()) - s.remeasures}/{s.spec.n_trials}"  # baseline seeds and search trials
+        if s.remeasures:
+            searched += f" +{s.remeasures} re-measures"
+        table.add_row(s.name, s.state, s.spec.hardware, searched, outcomes, shown)
     return table
 
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from autotune.cli import app
 
-VERBS = ["serve", "worker", "submit", "status", "best", "report", "probe", "demo"]
+VERBS = ["serve", "worker", "submit", "status", "stop", "best", "report", "probe", "demo"]
 
 
 def invoke(*args: str) -> Any:
@@ -164,6 +164,7 @@ def test_status_lists_studies_and_a_studys_trials(live: tuple[LiveService, str])
     result = invoke("status", study, "--api", service.url)
     assert result.exit_code == 0, result.output
     out = result.stdout
+    assert f"study {study}: finished · 3 of 3 trials (" in out  # baseline seeds and search against n_trials
     assert f"study {study}: finished" in out
     for header in ("state", "samples/s", "NRMSE", "feasible", "failure", "params"):
         assert header in out
@@ -249,3 +250,63 @@ def test_report_writes_html_and_valid_pngs(live: tuple[LiveService, str], tmp_pa
 
     result = invoke("report", "nope", "--out", str(tmp_path / "x"), "--api", service.url)
     assert result.exit_code == 1 and "no study named 'nope'" in result.stderr
+
+
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
+def test_stop_stops_a_study_and_keeps_its_data(live: tuple[LiveService, str]) -> None:
+    service, _ = live
+    service.submit(small_spec("stopme", n_trials=3))
+    token = service.admin_token
+    result = invoke("stop", "stopme", "--api", service.url, "--token", token)
+    assert result.exit_code == 0, result.output
+    assert "study stopme: stopped" in result.stdout and "its data is kept" in result.stdout
+    assert service.get("/v1/studies/stopme")["state"] == "stopped"
+    again = invoke("stop", "stopme", "--api", service.url, "--token", token)  # stopping a stopped study: no change
+    assert again.exit_code == 0 and "stopped" in again.stdout
+    missing = invoke("stop", "nope", "--api", service.url, "--token", token)
+    assert missing.exit_code == 1 and "no study named 'nope'" in missing.stderr
+    unauthorised = invoke("stop", "stopme", "--api", service.url)
+    assert unauthorised.exit_code == 1 and unauthorised.stderr
+
+
+@pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
+def test_serve_on_a_busy_port_fails_before_touching_the_database(live: tuple[LiveService, str],
+                                                                   tmp_path: Path) -> None:
+    service, _ = live
+    port = service.url.rsplit(":", 1)[1]
+    db = tmp_path / "new.db"
+    result = invoke("serve", "--db", f"sqlite:///{db}", "--port", port, "--no-auth")
+    assert result.exit_code == 2, result.output
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+    assert not db.exists()  # neither created nor migrated
+
+
+def test_a_url_that_is_not_an_autotune_service_says_so(tmp_path: Path) -> None:
+    """--api pointing at another web server: a message naming the problem and the fix, no HTML."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status = 200 if self.path.startswith("/v1/studies") else 404
+            body = b"<html><body><h1>Some other app</h1></body></html>"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for args in (("status",), ("status", "s"), ("best", "s")):
+            result = invoke(*args, "--api", url)
+            assert result.exit_code == 1, result.output
+            assert "is not an autotune service" in result.stderr and "--api" in result.stderr, result.stderr
+            assert "<html" not in result.output and "Traceback" not in result.output
+    finally:
+        server.shutdown()

@@ -194,10 +194,11 @@ def test_the_demo_runs_a_study_and_stops_everything_it_started(tmp_path: Path, t
     out = proc.stdout
     # a progress line as trials finish, then the counts: every baseline seed and search trial finished
     assert re.search(r"^\[ *\d+/\d+\] \d+ complete", out, flags=re.MULTILINE), out[-3000:]
-    counts = re.search(r"finished in \d+ s: (\d+) complete, (\d+) pruned, (\d+) failed", out)
+    counts = re.search(r"finished in \d+ s: (\d+) complete, (\d+) pruned, (\d+) failed"
+                       r"(?:, (\d+) repeated \(not run\))?", out)
     assert counts, out[-3000:]
-    complete, pruned, failed = map(int, counts.groups())
-    assert failed == 0 and complete >= BASELINE_SEEDS and complete + pruned >= BASELINE_SEEDS + trials, \
+    complete, pruned, failed, repeated = (int(n or 0) for n in counts.groups())
+    assert failed == 0 and complete >= BASELINE_SEEDS and complete + pruned + repeated >= BASELINE_SEEDS + trials, \
         counts.group(0)
     assert "Pareto front" in out
     # the verdict: a certified pick, or keep the baseline (e.g. every search trial pruned): both are answers
