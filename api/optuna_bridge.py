@@ -355,8 +355,10 @@ class OptunaBridge:
         return [_record(t, self._id(study_id, t.number)) for t in frozen]
 
     def n_trials(self, name: str) -> int:
-        """Every trial the study ever created, whatever its state."""
-        return len(self._frozen(name))
+        """Every trial the study ever created, whatever its state, less WAITING ones (enqueued and
+        never asked: what a service killed between the two left, `_ask_starting_point`)."""
+        return len(self._frozen(name, (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED,
+                                       TrialState.FAIL)))
 
     def n_finished(self, name: str) -> int:
         """The study's finished trials (COMPLETE, PRUNED or FAIL)."""
@@ -388,9 +390,10 @@ class OptunaBridge:
         """Create the next trial. With `baseline_config` (a fixed config), nothing is suggested (its
         values may lie outside the space) and the trial's role is `role` (default baseline:
         user attr is_baseline=True). Otherwise a search trial: with `params` (the retry of a
-        lost search trial, or a user's starting point) those values are enqueued and suggested
-        again, so the trial has the same params and config, and it runs whatever it repeats;
-        without, the space is sampled (grid: the next grid configuration).
+        lost search trial, or a user's starting point) the trial is made with those params in
+        one commit (`_create_search`), so it has the same params and config, and it runs
+        whatever it repeats; without, the space is sampled (grid: the next grid configuration,
+        made the same way).
 
         No duplicate probes: a sampled (or grid) draw whose config is one the study has
         measured, is measuring, or saw fail for a reason of its own (`_twins`: configs compared
@@ -409,49 +412,117 @@ class OptunaBridge:
         knows it. A config that fails the knob rules is told as a failed trial ("unsupported":
         Optuna FAIL) and SpaceError is raised."""
         handle = self._handle(ctx)
-        study = handle.study
         if baseline_config is not None:
             return self._create_fixed(ctx, handle, dict(baseline_config), role or "baseline", attrs)
         role = "search"
-        check = params is None  # the sampler's draw or the grid's next configuration (may repeat one)
-        twins: dict[str, tuple[str, FrozenTrial]] = {}
-        preset: dict[str, Any] = {}
-        if check:
-            twins, preset = self._twins(ctx, self._frozen(ctx.name))
+        drawn_attrs = {"is_baseline": False, "role": role}  # a repeat's: no worker, none of the lease's attrs
+        base_attrs = {**(attrs or {}), **drawn_attrs}
+        if params is not None:  # a retry or a starting point: those params, whatever they repeat
+            try:
+                config, drawn = self._config_of(ctx, handle, params, base_attrs)
+            except _Missing:
+                if "starting_point" in base_attrs:  # a user's point: the sampler draws the rest
+                    return self._ask_starting_point(ctx, handle, params, base_attrs)
+                # the retry of a trial the sampler never finished drawing: a new draw
+            else:
+                return self._create_search(ctx, handle, drawn, {**base_attrs, "config": config},
+                                           TrialState.RUNNING)
+        twins, preset = self._twins(ctx, self._frozen(ctx.name))
         configs = self.n_trials(ctx.name) if created is None else created
         # draws this ask may spend on repeats: each counts toward n_trials
         allowed = min(MAX_REPEATS, self.max_trials(ctx) - configs)
         repeats = 0
         while True:
-            if params is not None:
-                study.enqueue_trial(dict(params))
-            elif ctx.spec.sampler == "grid":
-                grid = self._grid(ctx, handle)
+            if ctx.spec.sampler == "grid":
                 # the first baseline_seeds trials are the baseline; each repeat used one configuration
                 index = configs + repeats - ctx.spec.baseline_seeds
-                study.enqueue_trial(grid[index % len(grid)], user_attrs={"grid_index": index})
-            trial = study.ask()
-            trial_id = self._id(handle.study_id, trial.number)
-            try:
-                config = suggest(ctx.space, trial)
-            except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
-                self.finish(ctx, trial_id, "FAIL", None, {**(attrs or {}), "role": role, "is_baseline": False,
-                                                          **failed_attrs("unsupported", str(e))})
-                raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
-            twin = twins.get(_config_key(config, preset)) if check else None
-            if twin is None:
-                break
-            self._tell_repeat(ctx, trial_id, trial.number, twin, config)
+                grid = self._grid(ctx, handle)
+                grid_attrs = {**base_attrs, "grid_index": index}
+                config, drawn = self._config_of(ctx, handle, grid[index % len(grid)], grid_attrs)
+                twin = twins.get(_config_key(config, preset))
+                if twin is None:
+                    return self._create_search(ctx, handle, drawn, {**grid_attrs, "config": config},
+                                               TrialState.RUNNING)
+                self._create_search(ctx, handle, drawn, {**drawn_attrs, "grid_index": index,
+                                                         **_repeat_attrs(twin, config)}, TrialState.PRUNED)
+                _log_repeat(ctx, twin)
+            else:
+                trial = handle.study.ask()  # the sampler's draw: one trial, its params set as drawn
+                trial_id = self._id(handle.study_id, trial.number)
+                try:
+                    config = suggest(ctx.space, trial)
+                except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
+                    self.finish(ctx, trial_id, "FAIL", None, {**base_attrs, **failed_attrs("unsupported", str(e))})
+                    raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
+                twin = twins.get(_config_key(config, preset))
+                if twin is None:
+                    self.set_user_attrs(trial_id, {**base_attrs, "config": config})
+                    return AskedTrial(trial_id=trial_id, number=trial.number, params=dict(trial.params),
+                                      config=config, is_baseline=False, role=role)
+                self.finish(ctx, trial_id, "PRUNED", None, {**drawn_attrs, **_repeat_attrs(twin, config)})
+                _log_repeat(ctx, twin)
             repeats += 1
-            if repeats >= allowed:
-                break
-        if twin is not None:  # the last draw allowed repeated one too
-            log.info("study %s: %d draw(s) repeated a config measured or in flight; nothing to hand out now",
-                     ctx.name, repeats)
-            return None
-        self.set_user_attrs(trial_id, {**(attrs or {}), "is_baseline": False, "role": role, "config": config})
-        return AskedTrial(trial_id=trial_id, number=trial.number, params=dict(trial.params),
-                          config=config, is_baseline=False, role=role)
+            if repeats >= allowed:  # the last draw allowed repeated one too: nothing to hand out now
+                log.info("study %s: %d draw(s) repeated a config measured or in flight; nothing to hand out now",
+                         ctx.name, repeats)
+                return None
+
+    def _ask_starting_point(self, ctx: StudyContext, handle: _Handle, params: Mapping[str, Any],
+                            attrs: Mapping[str, Any]) -> AskedTrial:
+        """A starting point that leaves params to the sampler: Optuna's enqueue_trial (a WAITING
+        trial with those params) and ask (which takes it and draws the rest). They are two
+        commits: a service killed in between leaves the WAITING trial, which is not counted
+        (`n_trials`), so the restarted service plans the same point again and takes that trial
+        instead of enqueueing another."""
+        point = attrs["starting_point"]
+        waiting = [t for t in self._frozen(ctx.name, (TrialState.WAITING,))
+                   if t.user_attrs.get("starting_point") == point]
+        if not waiting:
+            handle.study.enqueue_trial(dict(params), user_attrs={"starting_point": point})
+        trial = handle.study.ask()
+        trial_id = self._id(handle.study_id, trial.number)
+        try:
+            config = suggest(ctx.space, trial)
+        except ValueError as e:
+            self.finish(ctx, trial_id, "FAIL", None, {**attrs, **failed_attrs("unsupported", str(e))})
+            raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
+        self.set_user_attrs(trial_id, {**attrs, "config": config})
+        return AskedTrial(trial_id=trial_id, number=trial.number, params=dict(trial.params), config=config,
+                          is_baseline=False, role="search")
+
+    def _config_of(self, ctx: StudyContext, handle: _Handle, params: Mapping[str, Any],
+                   attrs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The config and the params the space draws from fixed `params`; _Missing when they leave
+        an active parameter out; params that break a knob rule make a failed trial
+        ("unsupported") and raise SpaceError."""
+        fixed = _Fixed(params)
+        try:
+            config = suggest(ctx.space, fixed)
+        except ValueError as e:
+            self._create_search(ctx, handle, {}, {**attrs, **failed_attrs("unsupported", str(e))}, TrialState.FAIL)
+            raise SpaceError("space", f"a config that breaks a knob rule: {e}") from e
+        return config, dict(fixed.params)
+
+    def _create_search(self, ctx: StudyContext, handle: _Handle, params: Mapping[str, Any],
+                       attrs: Mapping[str, Any], state: TrialState) -> AskedTrial:
+        """Create a search trial of known params in one commit (Optuna's create_new_trial from a
+        template: params, user attrs and state together): RUNNING for a retry, a starting point
+        or a grid configuration, PRUNED for a grid draw that repeats a config, FAIL for params
+        that break a knob rule. (Optuna's enqueue_trial + ask take two commits: a service killed
+        in between left a WAITING trial that a later draw took, spending a configuration.)"""
+        finished = state != TrialState.RUNNING
+        now = datetime.now()
+        template = FrozenTrial(number=0, trial_id=0, state=state, value=None, datetime_start=now,
+                               datetime_complete=now if finished else None, params=dict(params),
+                               distributions={name: _distribution(ctx.space.params[name]) for name in params},
+                               user_attrs={key: json_safe(value) for key, value in attrs.items()},
+                               system_attrs={}, intermediate_values={})
+        trial_id = self.storage.create_new_trial(handle.study_id, template_trial=template)
+        number = self.storage.get_trial_number_from_id(trial_id)
+        self._ids[(handle.study_id, number)] = trial_id
+        config = attrs.get("config")
+        return AskedTrial(trial_id=trial_id, number=number, params=dict(params),
+                          config=dict(config) if isinstance(config, dict) else {}, is_baseline=False, role="search")
 
     def _create_fixed(self, ctx: StudyContext, handle: _Handle, config: dict[str, Any], role: str,
                       attrs: Mapping[str, Any] | None) -> AskedTrial:
@@ -518,22 +589,6 @@ class OptunaBridge:
             if key not in found or rank[kind] < rank[found[key][0]]:
                 found[key] = (kind, t)
         return found, preset
-
-    def _tell_repeat(self, ctx: StudyContext, trial_id: int, number: int, twin: tuple[str, FrozenTrial],
-                     config: Mapping[str, Any]) -> None:
-        """Finish a drawn trial that repeats the config of `twin` (its kind and trial) without
-        running it: PRUNED, no values (nothing was measured for it), user attr repeat_of (and
-        baseline_repeat_of when the twin is a baseline seed). No GPU time goes into a
-        configuration measured or in flight (re-measurement is the `remeasure` phase's job)."""
-        kind, trial = twin
-        attrs: dict[str, Any] = {"role": "search", "is_baseline": False, "config": dict(config),
-                                 "repeat_of": trial.number}
-        if kind == "baseline":
-            attrs["baseline_repeat_of"] = trial.number
-        self.finish(ctx, trial_id, "PRUNED", None, attrs)
-        what = {"baseline": "the baseline's config", "measured": "the config", "running": "the config in flight",
-                "failed": "the failed config"}[kind]
-        log.info("study %s: trial %d drew %s of trial %d: not run", ctx.name, number, what, trial.number)
 
     def set_user_attrs(self, trial_id: int, attrs: Mapping[str, Any],
                        stored: Mapping[str, Any] | None = None) -> None:
@@ -642,6 +697,55 @@ class OptunaBridge:
     def trials(self, name: str) -> list[TrialRecord]:
         """Every trial of the study, by number."""
         return self._records(name, self._frozen(name))
+
+
+class _Missing(KeyError):
+    """Fixed params that leave out a parameter the space draws."""
+
+
+class _Fixed:
+    """A trial whose every suggestion is given (`autotune.space.suggest` over known params)."""
+
+    def __init__(self, given: Mapping[str, Any]) -> None:
+        self._given = dict(given)
+        self.params: dict[str, Any] = {}
+
+    def _get(self, name: str) -> Any:
+        if name not in self._given:
+            raise _Missing(name)
+        self.params[name] = self._given[name]
+        return self._given[name]
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:
+        return self._get(name)
+
+    def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int:
+        value: int = self._get(name)
+        return value
+
+    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None,
+                      log: bool = False) -> float:
+        value: float = self._get(name)
+        return value
+
+
+def _repeat_attrs(twin: tuple[str, FrozenTrial], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The user attrs of a draw that repeats the config of `twin` (its kind and trial): never run,
+    PRUNED without values (nothing was measured for it), repeat_of its twin (and
+    baseline_repeat_of when the twin is a baseline seed). No GPU time goes into a configuration
+    measured or in flight (re-measurement is the `remeasure` phase's job)."""
+    kind, trial = twin
+    attrs: dict[str, Any] = {"config": dict(config), "repeat_of": trial.number}
+    if kind == "baseline":
+        attrs["baseline_repeat_of"] = trial.number
+    return attrs
+
+
+def _log_repeat(ctx: StudyContext, twin: tuple[str, FrozenTrial]) -> None:
+    kind, trial = twin
+    what = {"baseline": "the baseline's config", "measured": "a config measured", "running": "a config in flight",
+            "failed": "a config that failed"}[kind]
+    log.info("study %s: a draw repeated %s (trial %d): not run", ctx.name, what, trial.number)
 
 
 def _config_key(config: Mapping[str, Any], preset: Mapping[str, Any]) -> str:

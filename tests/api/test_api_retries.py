@@ -384,3 +384,65 @@ def test_a_refused_or_interrupted_trial_is_not_taught_to_the_sampler_and_is_reru
     assert trials[first["number"]]["retried_as"] == again["number"]
     info = client.get("/v1/studies/s").json()
     assert info["counts"].get("COMPLETE") == 1 and info["failures"] == {} and info["retried"] == 1
+
+
+def test_a_retry_and_a_grid_draw_are_made_in_one_commit(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retry of a lost search trial (and a grid configuration) is one trial row set in one
+    commit, never Optuna's enqueue + ask (two commits: a service killed in between left a
+    WAITING trial that a later draw took, spending a configuration of the budget on a repeat)."""
+    monkeypatch.setattr(optuna.Study, "enqueue_trial", lambda *_a, **_k: pytest.fail("enqueue + ask: two commits"))
+    for sampler in ("random", "grid"):
+        name = f"s-{sampler}"
+        with TestClient(create_app(make_settings(db_url))) as client:
+            spec = {"name": name, "baseline_seeds": 1, "n_trials": 3, "sampler": sampler, "seed": 0,
+                    "space": {"params": {"batch_size": {"choices": [8, 16, 32]}}}, "remeasure": {"top_k": 0}}
+            assert client.post("/v1/studies", json=spec).status_code == 201
+            base = lease(client, "w0", study=name)
+            assert base is not None
+            complete(client, base, "w0")
+            lost = lease(client, "w1", study=name)
+            assert lost is not None and lost["role"] == "search"
+            assert _reap(client.app) == [lost["trial_id"]]  # type: ignore[arg-type]
+            retry = lease(client, "w2", study=name)
+            assert retry is not None and retry["config"] == lost["config"] and retry["params"] == lost["params"]
+            assert _trials(client, name)[retry["number"]]["retry_of"] == lost["number"]
+            complete(client, retry, "w2")
+            while (got := lease(client, "w3", study=name)) is not None:
+                complete(client, got, "w3")
+            states = [t["state"] for t in _trials(client, name).values()]
+            assert states.count("REPEAT") == 0 and "WAITING" not in states, states
+
+
+def test_a_crash_between_enqueue_and_ask_of_a_starting_point_spends_nothing(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's starting point leaves params to the sampler: Optuna's enqueue + ask. A service
+    killed between the two leaves a WAITING trial; the restarted service plans the same point,
+    takes that trial instead of enqueueing another, and the study's budget is spent on runs."""
+    spec = {"name": "s", "baseline_seeds": 1, "n_trials": 3, "sampler": "random", "seed": 0, "space": "cpu",
+            "starting_points": [{"batch_size": 32}], "remeasure": {"top_k": 0}, "pruning": {"enabled": False}}
+    old = create_app(make_settings(db_url))
+    with TestClient(old) as client:
+        assert client.post("/v1/studies", json=spec).status_code == 201
+        base = lease(client, "w0")
+        assert base is not None
+        complete(client, base, "w0")
+
+        def die(*_a: Any, **_k: Any) -> Any:
+            raise _Crash
+
+        monkeypatch.setattr(optuna.Study, "ask", die)
+        with pytest.raises(_Crash):
+            lease(client, "w1")
+        monkeypatch.undo()
+        assert [t["state"] for t in _trials(client).values()] == ["COMPLETE", "WAITING"]
+    with TestClient(create_app(make_settings(db_url))) as client:
+        point = lease(client, "w1")
+        assert point is not None and point["config"]["batch_size"] == 32
+        assert _trials(client)[point["number"]]["starting_point"] == 0 and point["number"] == 1  # the WAITING one
+        complete(client, point, "w1")
+        while (got := lease(client, "w2")) is not None:
+            complete(client, got, "w2")
+        trials = _trials(client)
+        assert [t["state"] for t in trials.values()].count("WAITING") == 0
+        assert sum(t["state"] in ("COMPLETE", "REPEAT") for t in trials.values()) == 3
+        assert [t["starting_point"] for t in trials.values()].count(0) == 1
