@@ -592,6 +592,8 @@ class TuningService:
                         log.exception("study %s: could not draw a config; trial failed", ctx.name)
                         continue
                     if asked is None:  # every draw repeated a config measured or in flight: told, none to run
+                        if self.bridge.n_trials(ctx.name) >= self.bridge.max_trials(ctx):
+                            self._publish_front(ctx)  # repeats used up the search: the verdict may be in
                         continue
                     try:
                         token = crud.add_lease(session, asked.trial_id, ctx.name, asked.number, request.worker_id,
@@ -789,8 +791,8 @@ class TuningService:
             if summary is not None and told:  # a repair (told before a crash) is in the summary already
                 with self._locks_guard:
                     self._learn(ctx, summary, trial, gate)
-            if trial_role == "remeasure" and told:
-                self._publish_front(ctx)
+            if told and (trial_role == "remeasure" or self.bridge.n_trials(ctx.name) >= self.bridge.max_trials(ctx)):
+                self._publish_front(ctx)  # the search is done: the verdict may be in
             with self.db.transaction() as session:
                 crud.finish_lease(session, trial_id, "completed", now)
                 crud.see_worker(session, request.worker_id, now)
