@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -55,7 +55,14 @@ from api import crud
 from api.db import Database, as_naive_utc, utcnow
 from api.errors import Conflict, Invalid, NotFound, ServiceError
 from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, TrialRecord, check_sampler_fits
-from api.outcome import config_differences, config_key_problems, config_to_store, preset_values, probe_outcome
+from api.outcome import (
+    PRESET_KNOBS,
+    config_differences,
+    config_key_problems,
+    config_to_store,
+    preset_values,
+    probe_outcome,
+)
 from api.pruning import StudySummary, TrialReports, curve_of, decide
 from api.results import (
     NoRecommendation,
@@ -180,6 +187,18 @@ def _not_yours(trial_id: int, lease: crud.LeaseRecord | None, worker_id: str, ve
     else:
         return None
     return Conflict(f"cannot {verb} trial {trial_id}: {why}; stop running it and lease a new trial")
+
+
+PRESET_RAN_ATTR = "preset_ran"  # user attr of a plugin study's baseline: the preset's knobs as it ran them
+
+
+def _preset_knobs_ran(leased: Mapping[str, Any] | None, reported: Any) -> dict[str, Any]:
+    """The knobs the lease left to the preset (PRESET_KNOBS, None or absent in `leased`), as the
+    probe reported running them."""
+    if not isinstance(reported, Mapping):
+        return {}
+    leased = leased or {}
+    return {k: reported[k] for k in PRESET_KNOBS if leased.get(k) is None and reported.get(k) is not None}
 
 
 def _another_lease(trial_id: int, lease: crud.LeaseRecord | None, token: str | None, verb: str) -> Conflict | None:
@@ -714,12 +733,10 @@ class TuningService:
             raise Invalid("result.config", f"result.config: {'; '.join(problems)}. A config holds the knobs "
                           f"(autotune.config: {', '.join(KNOBS)}) and the derived effective_batch: send the "
                           "probe's config as it reported it, or leave config out")
-        leased = self._leased_configs.get(trial_id)
-        if leased is None:
-            trial = self.bridge.get_trial(trial_id)
-            config = trial.user_attrs.get("config") if trial is not None else None
-            leased = config if isinstance(config, dict) else {}
+        leased = self._leased_config(trial_id)
         preset = preset_values(ctx.spec.workload, ctx.spec.preset)
+        if preset is None:  # a plugin workload: what its first completed baseline ran with the preset's knobs
+            preset = self._preset_ran(ctx)
         differences = config_differences(leased, reported, preset)
         if differences:
             raise Invalid("result.config", f"result.config: not the config trial {trial_id} was leased with: it "
@@ -727,6 +744,26 @@ class TuningService:
                           "(TrialLease.config; knobs it leaves out are at their defaults, batch_size, accum_steps "
                           f"and lr at the preset's: {ctx.spec.workload}/{ctx.spec.preset}), or leave config out")
         return config_to_store(leased, reported, preset)
+
+    def _leased_config(self, trial_id: int) -> dict[str, Any]:
+        """The config `trial_id` was leased with (kept by this process, else its user attr)."""
+        leased = self._leased_configs.get(trial_id)
+        if leased is None:
+            trial = self.bridge.get_trial(trial_id)
+            config = trial.user_attrs.get("config") if trial is not None else None
+            leased = config if isinstance(config, dict) else {}
+        return leased
+
+    def _preset_ran(self, ctx: StudyContext) -> dict[str, Any] | None:
+        """A plugin workload's preset values of the knobs a lease leaves to the preset (batch_size,
+        accum_steps, lr), as its first completed baseline seed ran them (user attr
+        PRESET_RAN_ATTR); None before one is in. The service never imports a plugin, so this is
+        the only way it knows them; every later result is held to them."""
+        for trial in self.bridge.trials(ctx.name):
+            ran = trial.user_attrs.get(PRESET_RAN_ATTR)
+            if role(trial) == "baseline" and completed(trial) and isinstance(ran, dict) and ran:
+                return dict(ran)
+        return None
 
     def complete(self, trial_id: int, request: CompleteRequest) -> TrialInfo:
         """Finish the trial with the worker's ProbeResult (see api/outcome.py for the mapping).
@@ -768,15 +805,19 @@ class TuningService:
                 if refusal is not None:
                     raise refusal
                 pruned_because = crud.prune_reason(session, trial_id) if request.result.stopped_early else None
-            config = self._check_config(ctx, trial_id, result.get("config"))
+            reported = result.get("config")
+            config = self._check_config(ctx, trial_id, reported)
             if config is not None:
                 result["config"] = config
+            ran = _preset_knobs_ran(self._leased_config(trial_id), reported)
             # a trial finished already (a crash between tell and the lease update) is left as it is: repair
             trial_role = self._role_of(trial_id)
             gate = self._gate(ctx)
             outcome = probe_outcome(result, ctx.spec, request.worker_id, gate, baseline=trial_role == "baseline")
             if outcome.state == "PRUNED":
                 outcome.attrs["prune_reason"] = pruned_because or "stopped early by the worker"
+            if ran and trial_role == "baseline" and preset_values(ctx.spec.workload, ctx.spec.preset) is None:
+                outcome.attrs[PRESET_RAN_ATTR] = ran  # what a plugin's preset is: later results must match it
             trial, told = self.bridge.finish_once(ctx, trial_id, outcome.state, outcome.values, outcome.attrs)
             log.info("trial %d of %s (%s): %s", trial.number, ctx.name, trial_role, trial.state)
             metric = result.get("quality_metric")

@@ -3,8 +3,9 @@
 * D3: a trial's stored config feeds later leases (the baseline's re-measurement, the starting
   points) and best.yaml, so a result cannot put anything into it that was not leased: keys
   that are not knobs are refused, and so is a knob the lease left to the preset at another
-  value than the preset's (a lease of ``{accum_steps: 1}`` completed with ``lr: 5.0``). Where
-  the service cannot know the preset's values (a plugin workload), such knobs are not kept.
+  value than the preset's (a lease of ``{accum_steps: 1}`` completed with ``lr: 5.0``). A
+  plugin workload's preset values are what its study's first completed baseline ran; until
+  that one is in, such knobs are not kept.
 * D6: no speedup in the verdict is infinite or NaN: extreme throughputs within the bounds,
   runs spread too widely for a finite interval, and out-of-bound numbers stored before the
   service refused them.
@@ -253,3 +254,20 @@ def test_out_of_bound_throughputs_stored_before_give_no_infinite_speedup(app: Fa
     _drive(client, lambda got: 1.7e308 if got["config"].get("fused_optimizer") else 1e-300, send)
     best = _finite_verdict(client)
     assert best.get("certified") is not True
+
+
+def test_a_plugins_preset_knobs_are_held_to_what_its_first_baseline_ran(client: TestClient,
+                                                                        make_study: StudyFactory,
+                                                                        plugin_known: None) -> None:
+    """The service never imports a plugin, so its first completed baseline says what the preset's
+    batch size, accumulation and lr are; every later result of the study is held to them."""
+    make_study("p", workload="toyplug", preset="x", quality={"metric": "val_nrmse"}, baseline_seeds=2)
+    body = {"worker_id": "w", "hardware": "cpu", "workloads": ["toyplug"]}
+    first = client.post("/v1/trials/lease", json=body).json()
+    second = client.post("/v1/trials/lease", json={**body, "worker_id": "w2"}).json()
+    ran = {"batch_size": 16, "accum_steps": 2, "lr": 1e-3}
+    assert _complete(client, first, {**ran, "precision": "fp32"}, worker_id="w").status_code == 200
+    r = _complete(client, second, {**ran, "lr": 5.0, "precision": "fp32"}, worker_id="w2")
+    assert r.status_code == 422 and "lr (leased null: the preset's 0.001, reported 5.0)" in r.text, r.text
+    r = _complete(client, second, {**ran, "precision": "fp32"}, worker_id="w2")
+    assert r.status_code == 200 and r.json()["config"]["lr"] == 1e-3, r.text  # checked, so kept
