@@ -2,8 +2,10 @@
 
 ``autotune.apply(config, model, optimizer=..., train_loader=..., loss_fn=...)`` applies a
 recommended config to your own training loop, and ``autotune.load_config("best.yaml")``
-reads one (autotune/apply.py). Both are imported on first use: ``import autotune`` does not
-import torch (the service and the worker read the package without it).
+reads one (autotune/apply.py). ``autotune.tune(spec)`` tunes a study on this machine and
+returns its verdict (autotune/local.py, `autotune tune`). They are imported on first use:
+``import autotune`` does not import torch (the service and the worker read the package
+without it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("tune", "TuneError"):
+        from autotune import local  # tunes on this machine: service, workers, verdict (autotune tune)
+
+        return getattr(local, name)
     if name in ("apply", "load_config", "Prepared", "ApplyError"):
         import importlib
 

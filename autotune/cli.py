@@ -664,22 +664,9 @@ def _worker_command(info: StudyInfo, api: str) -> tuple[str, list[str]]:
     return " ".join(parts), notes
 
 
-@app.command()
-def submit(
-    spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Study spec: a YAML or JSON file.")],
-    api: ApiOption = DEFAULT_API,
-    token: TokenOption = None,
-    token_file: TokenFileOption = None,
-    name: Annotated[str | None, typer.Option(help="Override the spec's study name.")] = None,
-) -> None:
-    """Create a study from a YAML/JSON spec (autotune.protocol.StudySpec) and print it, with a
-    worker command that takes its trials.
-
-    A spec without `hardware` is a CPU study (said so); one whose preset or knobs need a GPU
-    is refused until `hardware` is set.
-
-    Exit status: 0 created, 1 service unreachable or the name is taken, 2 invalid spec.
-    """
+def _load_spec(spec_file: Path, name: str | None, check_cpu: bool = True) -> tuple[Any, bool]:
+    """The StudySpec in `spec_file` (YAML or JSON; `name` overrides its name) and whether it
+    leaves `hardware` out; a usage error naming the file and the field otherwise."""
     import yaml
     from pydantic import ValidationError
 
@@ -696,12 +683,59 @@ def submit(
     if name is not None:
         data["name"] = name
     implicit_cpu = "hardware" not in data
-    if implicit_cpu:
+    if implicit_cpu and check_cpu:
         _implicit_cpu_check(spec_file, data)
     try:
-        spec = StudySpec.model_validate(data)
+        return StudySpec.model_validate(data), implicit_cpu
     except ValidationError as e:
         raise usage_error(f"{spec_file}: {spec_errors(e)}") from None
+
+
+@app.command()
+def tune(
+    spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Study spec: a YAML or JSON file.")],
+    workdir: Annotated[Path, typer.Option(help="Work directory: the study's database, tokens and logs (run "
+                                               "the command again with it to resume).")] = Path("autotune-work"),
+    workers: Annotated[int | None, typer.Option(help="Workers: default one per GPU; on a CPU host 2 (they split "
+                                                     "the cores).", min=1)] = None,
+    out: Annotated[Path, typer.Option(help="Where to write the verdict's config (YAML).")] = Path("best.yaml"),
+    allow_workload: Annotated[list[str] | None, typer.Option(
+        "--allow-workload", help="A workload of your own for the workers, as for `autotune worker`: NAME, or "
+                                 "NAME=module:attr (repeatable).")] = None,
+    name: Annotated[str | None, typer.Option(help="Override the spec's study name.")] = None,
+    port: Annotated[int, typer.Option(help="Service port (0: a free one).", min=0, max=65535)] = 0,
+) -> None:
+    """Tune a study on this machine in one command: an embedded service on SQLite, local
+    workers (one per GPU, or CPU workers), live progress, the verdict, best.yaml.
+
+    Ctrl-C stops cleanly; the same command again resumes the study. Python: autotune.tune(spec).
+    Exit status: 0 a certified pick in best.yaml; 1 finished without one (best.yaml holds the
+    baseline's config: keep it); 2 bad input; 3 the study could not finish; 130 interrupted.
+    """
+    from autotune.local import run_tune
+
+    spec, _ = _load_spec(spec_file, name, check_cpu=False)  # the host decides: its GPUs, else the CPU
+    code, _ = run_tune(spec, workdir, workers=workers, out=out, allow_workloads=allow_workload or (), port=port)
+    raise typer.Exit(code=code)
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[Path, typer.Argument(metavar="SPEC", help="Study spec: a YAML or JSON file.")],
+    api: ApiOption = DEFAULT_API,
+    token: TokenOption = None,
+    token_file: TokenFileOption = None,
+    name: Annotated[str | None, typer.Option(help="Override the spec's study name.")] = None,
+) -> None:
+    """Create a study from a YAML/JSON spec (autotune.protocol.StudySpec) and print it, with a
+    worker command that takes its trials.
+
+    A spec without `hardware` is a CPU study (said so); one whose preset or knobs need a GPU
+    is refused until `hardware` is set.
+
+    Exit status: 0 created, 1 service unreachable or the name is taken, 2 invalid spec.
+    """
+    spec, implicit_cpu = _load_spec(spec_file, name)
     with service_client(api, resolve_token(token, token_file)) as client:
         try:
             info = client.create_study(spec)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from autotune.cli import app
 
-VERBS = ["serve", "worker", "submit", "status", "stop", "best", "report", "probe", "demo"]
+VERBS = ["serve", "worker", "submit", "status", "stop", "best", "report", "probe", "demo", "tune"]
 
 
 def invoke(*args: str) -> Any:

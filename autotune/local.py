@@ -1,0 +1,206 @@
+"""`autotune tune SPEC`: one command that tunes on one machine, and `autotune.tune(spec)`.
+
+It runs what a cluster runs, on this host: the service on a SQLite file in the work
+directory (with its own tokens, kept there 0600), one worker per GPU (`--device cuda:N`;
+on a CPU host `workers` CPU workers splitting the cores), a live progress view (trials done
+of the budget, where the verdict stands), then the verdict, and best.yaml written.
+
+Ctrl-C (or SIGTERM) stops the workers (their running trials are failed as interrupted, to be
+re-run) and the service; running the same command again resumes the study: same work
+directory, same database, the study found by its name. A study of that name with another
+spec is refused (give another --name or --workdir).
+
+Exit status: 0 a certified pick (best.yaml holds it); 1 the study finished without one
+(best.yaml holds the baseline's config: keep it); 2 bad input (the spec, the options); 3 the
+study could not finish (the service or every worker stopped: see the logs named); 130
+interrupted (run it again to resume).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from autotune.client import ApiError, Client, NotFound, ServiceUnavailable
+from autotune.demo import DemoError, Processes, follow, free_port, report, sigterm_as_interrupt, wait_for_health
+from autotune.protocol import Recommendation, StudySpec
+
+CERTIFIED, KEEP_BASELINE, BAD_INPUT, DID_NOT_FINISH, INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class TuneError(Exception):
+    """The tuning run could not be done as asked; `code` is its exit status."""
+
+    def __init__(self, message: str, code: int = BAD_INPUT) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Where the local workers run: `devices` (one worker each) and the study's hardware class."""
+
+    devices: tuple[str, ...]
+    hardware: str
+
+
+def local_devices(spec_hardware: str | None, workers: int | None) -> Devices:
+    """One worker per CUDA device when this host has any (the hardware class: its GPU's name),
+    else `workers` CPU workers (default 2). A spec naming a hardware class this host does not
+    have is refused (its workers would never get a trial)."""
+    import torch
+
+    if spec_hardware not in (None, "cpu") or (spec_hardware is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise TuneError(f"the spec's hardware is {spec_hardware!r}, and this host has no CUDA GPU: tune on a host "
+                            "with that GPU, or set hardware: cpu")
+        count = torch.cuda.device_count() if workers is None else min(workers, torch.cuda.device_count())
+        name = torch.cuda.get_device_properties(0).name
+        if spec_hardware is not None and spec_hardware != name:
+            raise TuneError(f"the spec's hardware is {spec_hardware!r}, and this host's GPU is {name!r}: set "
+                            f"hardware: {name} (a study's hardware is the GPU its numbers hold for)")
+        return Devices(tuple(f"cuda:{i}" for i in range(count)), name)
+    return Devices(("cpu",) * (workers or 2), "cpu")
+
+
+def _tokens(cli: list[str], workdir: Path, db_url: str) -> tuple[str, str]:
+    """The work directory's admin and worker tokens: kept in admin.token / worker.token (0600)
+    and reused on a rerun; made (`autotune token create`, which also makes the tables) when absent."""
+    from autotune.demo import create_token
+
+    out = []
+    for role in ("admin", "worker"):
+        path = workdir / f"{role}.token"
+        if not path.exists():
+            token = create_token(cli, db_url, role, f"tune-{role}-{os.getpid()}")
+            path.touch(mode=0o600)
+            path.write_text(token + "\n")
+        out.append(path.read_text().strip())
+    return out[0], out[1]
+
+
+def _same_spec(stored: StudySpec, given: StudySpec) -> bool:
+    return stored.model_dump(mode="json") == given.model_dump(mode="json")
+
+
+def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out: Path | None = Path("best.yaml"),
+             allow_workloads: Sequence[str] = (), port: int = 0, console: Console | None = None,
+             idle_exit_s: float = 30.0) -> tuple[int, Recommendation | None]:
+    """Tune `spec` on this machine (see the module docstring); (exit status, the verdict or None)."""
+    from autotune.workloads import parse_workload_option
+
+    console = console or Console(highlight=False, soft_wrap=True)
+    names = []
+    for option in allow_workloads:
+        try:
+            names.append(parse_workload_option(option)[0])
+        except ValueError as e:
+            raise TuneError(str(e)) from None
+    devices = local_devices(spec.hardware if "hardware" in spec.model_fields_set else None, workers)
+    if spec.hardware != devices.hardware:
+        spec = spec.model_copy(update={"hardware": devices.hardware})
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    db_path = workdir / "autotune.db"
+    db_url = f"sqlite:///{db_path}"
+    port = port or free_port()
+    api = f"http://127.0.0.1:{port}"
+    cli = [sys.executable, "-m", "autotune.cli"]
+    processes = Processes()
+    client: Client | None = None
+    started = time.monotonic()
+    service_env = {"AUTOTUNE_AUTH": "true", **({"AUTOTUNE_WORKLOADS": ",".join(names)} if names else {})}
+    try:
+        with sigterm_as_interrupt():
+            console.print(f"[bold]autotune tune[/] {spec.name} in {workdir}")
+            admin, worker_token = _tokens(cli, workdir, db_url)
+            client = Client(api, admin, retry_for_s=10.0)
+            serve_log = workdir / "serve.log"
+            serve = processes.start("service", [*cli, "serve", "--db", db_url, "--port", str(port)], serve_log,
+                                    env=service_env)
+            problem = wait_for_health(client, serve, serve_log)
+            if problem:
+                raise TuneError(problem, DID_NOT_FINISH)
+            try:
+                info = client.get_study(spec.name)
+            except NotFound:
+                info = client.create_study(spec)
+                console.print(f"study     {spec.name}: created ({spec.workload}/{spec.preset}, {spec.n_trials} trials, "
+                              f"sampler {spec.sampler}, hardware {spec.hardware})")
+            else:
+                if not _same_spec(info.spec, spec):
+                    raise TuneError(f"{db_path} holds a study {spec.name!r} with another spec: give this one another "
+                                    "name (--name) or another --workdir, or run the same spec again to resume")
+                console.print(f"study     {spec.name}: resumed ({info.state})")
+            if info.state == "running":
+                threads = max(1, (os.cpu_count() or 1) // len(devices.devices))
+                worker_procs = []
+                for i, device in enumerate(devices.devices):
+                    argv = [*cli, "worker", "--api", api, "--study", spec.name, "--device", device, "--idle-exit",
+                            str(idle_exit_s), *(["--threads", str(threads)] if device == "cpu" else [])]
+                    for option in allow_workloads:
+                        argv += ["--allow-workload", option]
+                    worker_procs.append(processes.start(f"worker-{i + 1}", argv, workdir / f"worker-{i + 1}.log",
+                                                        env={"AUTOTUNE_TOKEN": worker_token}))
+                console.print(f"workers   {len(worker_procs)} on {', '.join(devices.devices)} (logs worker-N.log)")
+                finished = follow(client, spec.name, spec.n_trials, worker_procs, serve, console)
+                if finished is None:
+                    raise TuneError(f"the study did not finish; see {workdir}/serve.log and worker-N.log",
+                                    DID_NOT_FINISH)
+                info = finished
+            report(client, info, db_path, time.monotonic() - started, console)
+            try:
+                verdict = client.best(spec.name)
+            except NotFound as e:
+                raise TuneError(f"no verdict: {e.message}", DID_NOT_FINISH) from None
+            if out is not None:
+                out.write_text(client.best_yaml(spec.name))
+                what = "the certified pick" if verdict.certified else "the baseline's config (keep it)"
+                console.print(f"wrote     {out} ({what}); apply it with autotune.apply(\"{out}\", model, ...)")
+            return (CERTIFIED if verdict.certified else KEEP_BASELINE), verdict
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: the workers and the service are stopped; run the same command again "
+                      "to resume[/]")
+        return INTERRUPTED, None
+    except TuneError as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return e.code, None
+    except ServiceUnavailable as e:
+        console.print(f"[bold red]error:[/] {e}; see {workdir / 'serve.log'}")
+        return DID_NOT_FINISH, None
+    except (DemoError, ApiError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return BAD_INPUT if isinstance(e, ApiError) and e.status_code == 422 else DID_NOT_FINISH, None
+    finally:
+        if client is not None:
+            client.close()
+        processes.stop_all()
+
+
+def tune(spec: StudySpec | dict[str, Any] | str | Path, *, workdir: str | Path = "autotune-work",
+         workers: int | None = None, out: str | Path | None = "best.yaml",
+         allow_workloads: Sequence[str] = ()) -> Recommendation:
+    """Tune a study on this machine (`autotune tune`): `spec` a StudySpec, its dict, or a YAML/JSON
+    file. Returns the verdict (`Recommendation`: `.certified`, `.config`, `.speedup`, ...);
+    raises TuneError when the study could not finish, KeyboardInterrupt when interrupted
+    (calling it again resumes)."""
+    if isinstance(spec, (str, Path)):
+        import yaml
+
+        spec = yaml.safe_load(Path(spec).read_text())
+    if not isinstance(spec, StudySpec):
+        spec = StudySpec.model_validate(spec)
+    code, verdict = run_tune(spec, Path(workdir), workers=workers, out=None if out is None else Path(out),
+                             allow_workloads=allow_workloads)
+    if code == INTERRUPTED:
+        raise KeyboardInterrupt
+    if verdict is None:
+        raise TuneError(f"tuning {spec.name} did not finish (exit status {code}); see {workdir}", code)
+    return verdict

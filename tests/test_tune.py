@@ -1,0 +1,91 @@
+"""`autotune tune SPEC`: one command tunes on one machine (embedded service, local workers,
+progress, verdict, best.yaml); Ctrl-C stops it cleanly and the same command resumes the study;
+a study of that name with another spec is refused; `autotune.tune(spec)` returns the verdict."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+SPEC: dict[str, Any] = {
+    "name": "tiny-tune", "sampler": "grid", "seed": 0, "n_trials": 3, "baseline_seeds": 1,
+    "space": {"params": {"batch_size": {"choices": [4, 8]}}, "fixed": {"accum_steps": 1}},
+    "baseline": {"batch_size": 4, "accum_steps": 1},
+    "probe": {"samples": 160, "windows": 5, "warmup_steps": 5}, "remeasure": {"top_k": 1, "max_rounds": 3},
+}
+CLI = [sys.executable, "-m", "autotune.cli", "tune"]
+
+
+def _tune(tmp_path: Path, *args: str, log: str = "tune.log") -> subprocess.Popen[bytes]:
+    with open(tmp_path / log, "wb") as out:
+        return subprocess.Popen([*CLI, "spec.yaml", "--workers", "1", *args], cwd=tmp_path, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _leased(workdir: Path) -> list[str]:
+    """Every "▶ trial" line the workers of every run printed (one per lease)."""
+    return [line for log in sorted(workdir.glob("worker-*.log")) for line in log.read_text().splitlines()
+            if "▶ trial" in line]
+
+
+@pytest.mark.slow  # ~70 s on 2 cores: real probes, interrupted once and resumed
+def test_tune_runs_is_interrupted_resumes_and_answers(tmp_path: Path) -> None:
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    first = _tune(tmp_path)
+    deadline = time.monotonic() + 180
+    while not re.search(r"^\[ *[1-9]\d*/\d+\] [1-9]", (tmp_path / "tune.log").read_text(), flags=re.MULTILINE):
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "tune.log").read_text()
+        time.sleep(0.3)
+    os.killpg(first.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole group
+    assert first.wait(timeout=60) == 130, (tmp_path / "tune.log").read_text()
+    assert "run the same command again to resume" in (tmp_path / "tune.log").read_text()
+    assert not (tmp_path / "best.yaml").exists()
+    workdir = tmp_path / "autotune-work"
+    assert (workdir / "admin.token").stat().st_mode & 0o077 == 0  # the tokens kept for the rerun are private
+    leased_before = _leased(workdir)
+
+    second = _tune(tmp_path, log="resume.log")
+    code = second.wait(timeout=400)
+    out = (tmp_path / "resume.log").read_text()
+    assert "study     tiny-tune: resumed (running)" in out, out
+    best = (tmp_path / "best.yaml").read_text()
+    assert best.startswith("# autotune verdict for study tiny-tune: ")
+    certified = "verdict: CERTIFIED" in out
+    assert code == (0 if certified else 1), out  # 0 only for a certified pick
+    assert ("CERTIFIED" in best.splitlines()[0]) == certified
+    leases = _leased(workdir)
+    assert len(leases) > len(leased_before)  # the resumed run ran the rest
+    ids = [re.search(r"\(id (\d+)\)", line).group(1) for line in leases]  # type: ignore[union-attr]
+    interrupted = len(ids) - len(set(ids))
+    assert interrupted <= 1, leases  # only a trial interrupted by the Ctrl-C runs again (as its retry, a new id)
+
+    # finished: the same command answers at once, the same way
+    third = _tune(tmp_path, log="again.log")
+    assert third.wait(timeout=120) == code
+    assert "resumed (finished)" in (tmp_path / "again.log").read_text()
+    assert _leased(workdir) == leases
+
+    # the same name with another spec is refused, naming the fix
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({**SPEC, "n_trials": 4}))
+    other = _tune(tmp_path, log="other.log")
+    assert other.wait(timeout=120) == 2
+    assert "with another spec: give this one another name (--name) or another --workdir" in \
+        (tmp_path / "other.log").read_text()
+
+    # the Python API: the finished study's verdict
+    (tmp_path / "spec0.yaml").write_text(yaml.safe_dump(SPEC))
+    done = subprocess.run([sys.executable, "-c", "import autotune, yaml; "
+                           "v = autotune.tune(yaml.safe_load(open('spec0.yaml')), workers=1, out=None); "
+                           "print('VERDICT', v.certified, v.study)"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"VERDICT {certified} tiny-tune" in done.stdout
