@@ -26,6 +26,27 @@ probes take time, i.e. the latency a worker sees when the service is not the bot
         --out bench/results/service_load_paced.json
     python bench/service_load.py --server instrumented --out bench/results/service_load_profile.json
 
+While a worker "probes" (--probe-ms > 0, and always with --kills) it heartbeats its trial
+(POST /v1/trials/{id}/heartbeat) every --heartbeat-s, the first beat at a random point within
+one interval (a fleet's heartbeat clocks are not aligned with its leases), one try per beat as
+the worker's courier does; heartbeat calls, their errors and latency percentiles are reported.
+
+``--kills`` (see its section below and bench/README.md) adds crash recovery under load:
+simulated workers that die mid-probe (the reaper re-leases their trials after the lease
+grace); ``--mismatch-rate`` workers that first complete with a config other than the leased
+one (a knob changed, an unknown key added, or lr changed: the preset's on a baseline lease,
+which leaves lr to the preset), which must be refused (4xx) before their correct complete
+goes in, and none of whose values may be stored; and ``--kill-service N``: N kill -9 of the
+service's process group at seeded moments, each restarted on the same database and port
+after a seeded downtime, while the workers retry as the real worker does (backoff, and a
+result whose complete did not get through waits in a per-slot spool and is re-sent: no
+measurement is ever dropped). Afterwards: lost, duplicated and discarded (a measurement a
+worker made that the database does not hold) must all be 0, and the recovery from each
+restart (to the first lease, the first complete, the fleet's lease rate back) is measured.
+
+    python bench/service_load.py --kills --workers 32 --trials 500 --kill-service 3 \
+        --out bench/results/service_load_chaos_pg.json
+
 ``--server instrumented`` runs the same service (``api.main.run_server``) from this file
 with timers patched around the service's per-study locks, its methods, the Optuna bridge, the
 samplers and every SQL statement/commit, so each call's server time can be split into
@@ -44,6 +65,7 @@ import contextlib
 import contextvars
 import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -63,6 +85,12 @@ from pathlib import Path
 from typing import Any
 
 from studylib import free_port, http, pyplot
+
+# the real worker's retry budgets (autotune/worker.py), which the simulated workers of --kills follow
+from autotune.worker import COMPLETE_RETRY_S, LEASE_RETRY_S, SPOOL_RETRY_S
+
+# a mismatched complete is retried through an outage until the service answers it (a 422 is its verdict)
+MISMATCH_RETRY_S = 120.0
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -90,8 +118,9 @@ def proc_cpu_s(pid: int) -> float | None:
 class Server:
     """The service in its own process (own session), its log in a file."""
 
-    def __init__(self, db_url: str, mode: str, log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, db_url: str, mode: str, log_path: Path, env: dict[str, str] | None = None,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()  # a port: a restart of a killed service on the same address
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         if mode == "cli":
@@ -215,6 +244,7 @@ class Level:
     leases: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # trial_id → workers
     completed: dict[int, str] = field(default_factory=dict)  # trial_id → worker that completed it
     gave_up: list[str] = field(default_factory=list)
+    heartbeat_replies: Counter[str] = field(default_factory=Counter)  # "continue", "stop", "409"
 
 
 def fake_result(lease: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -222,6 +252,14 @@ def fake_result(lease: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     return {"workload": lease["workload"], "preset": lease["preset"], "config": lease["config"], "device": "cpu",
             "torch_version": "bench", "throughput_samples_per_s": rng.uniform(50.0, 500.0),
             "val_nrmse": rng.uniform(0.05, 0.2), "failure": None, "stopped_early": False}
+
+
+def lease_token_of(lease: dict[str, Any]) -> dict[str, str]:
+    """{"lease_token": T} when the lease carried a token (a service with lease tokens), else {}: a
+    worker sends it back with the trial's heartbeats, reports and complete, as the real worker
+    does (a service without tokens refuses the unknown field)."""
+    token = lease.get("lease_token")
+    return {"lease_token": token} if isinstance(token, str) and token else {}
 
 
 async def timed_post(client: Any, stats: Level | Chaos, call: str, path: str,
@@ -244,8 +282,36 @@ async def timed_post(client: Any, stats: Level | Chaos, call: str, path: str,
     return response
 
 
+async def heartbeat_loop(client: Any, stats: Level | Chaos, trial_id: int, worker_id: str, interval_s: float,
+                         rng: random.Random, stop: asyncio.Event, token: dict[str, str] | None = None) -> str | None:
+    """Heartbeat `trial_id` every `interval_s` until `stop` is set, the first beat at a random
+    point within one interval (a fleet's heartbeat clocks are not aligned with its leases). One
+    try per beat: a beat that gets no answer is counted (timed_post) and the next one comes at
+    the interval, as the worker's courier does. Returns "409" when the service answered that the
+    trial is no longer this worker's, "stop" on a stop reply (both end the loop), else None.
+    `token`: {"lease_token": ...} when the lease carried one (`lease_token_of`), sent with each beat."""
+    wait = rng.uniform(0, interval_s)
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=wait)
+            return None
+        except asyncio.TimeoutError:
+            pass
+        r = await timed_post(client, stats, "heartbeat", f"/v1/trials/{trial_id}/heartbeat",
+                             {"worker_id": worker_id, **(token or {})})
+        if r is not None and r.status_code == 409:
+            stats.heartbeat_replies["409"] += 1
+            return "409"
+        if r is not None and r.status_code == 200:
+            action = str(r.json().get("action"))
+            stats.heartbeat_replies[action] += 1
+            if action == "stop":
+                return "stop"
+        wait = interval_s
+
+
 async def run_worker(index: int, base_url: str, level: Level, rng: random.Random, probe_s: float,
-                     max_errors: int = 50, headers: dict[str, str] | None = None) -> None:
+                     max_errors: int = 50, headers: dict[str, str] | None = None, heartbeat_s: float = 0.0) -> None:
     import httpx
 
     worker_id = f"bench-w{index:03d}"
@@ -278,15 +344,23 @@ async def run_worker(index: int, base_url: str, level: Level, rng: random.Random
             lease_ms = level.latencies["lease"][-1]
             lease = r.json()
             trial_id = lease["trial_id"]
+            token = lease_token_of(lease)
             level.leases[trial_id].append(worker_id)
             if probe_s > 0:
                 t0 = time.perf_counter()
+                stop = asyncio.Event()
+                beats = (asyncio.create_task(heartbeat_loop(client, level, trial_id, worker_id, heartbeat_s,
+                                                            random.Random(rng.getrandbits(32)), stop, token))
+                         if heartbeat_s > 0 else None)
                 await asyncio.sleep(probe_s)
+                stop.set()
+                if beats is not None:
+                    await beats
                 slept = time.perf_counter() - t0
             result = fake_result(lease, rng)
             t0 = time.perf_counter()
             r = await post(client, "report", f"/v1/trials/{trial_id}/report",
-                           {"worker_id": worker_id, "step": 0,
+                           {"worker_id": worker_id, "step": 0, **token,
                             "metrics": {"loss": rng.uniform(0.1, 1.0),
                                         "throughput_samples_per_s": result["throughput_samples_per_s"]}})
             report_ms = (time.perf_counter() - t0) * 1e3 if r is not None and r.status_code == 200 else None
@@ -294,7 +368,7 @@ async def run_worker(index: int, base_url: str, level: Level, rng: random.Random
             for attempt in range(10):  # complete is idempotent for the same worker
                 t0 = time.perf_counter()
                 r = await post(client, "complete", f"/v1/trials/{trial_id}/complete",
-                               {"worker_id": worker_id, "result": result})
+                               {"worker_id": worker_id, "result": result, **token})
                 if r is not None and r.status_code == 200:
                     complete_ms = (time.perf_counter() - t0) * 1e3
                     break
@@ -315,8 +389,9 @@ async def run_worker(index: int, base_url: str, level: Level, rng: random.Random
 
 
 async def drive(base_url: str, workers: int, level: Level, seed: int, probe_s: float,
-                headers: dict[str, str] | None = None) -> None:
-    await asyncio.gather(*(run_worker(i, base_url, level, random.Random(seed * 1000 + i), probe_s, headers=headers)
+                headers: dict[str, str] | None = None, heartbeat_s: float = 0.0) -> None:
+    await asyncio.gather(*(run_worker(i, base_url, level, random.Random(seed * 1000 + i), probe_s, headers=headers,
+                                      heartbeat_s=heartbeat_s)
                            for i in range(workers)))
 
 
@@ -372,7 +447,8 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
             level = Level()
             cpu_server0, cpu_client0 = server.cpu_s(), time.process_time()
             t0 = time.perf_counter()
-            asyncio.run(drive(base, workers, level, args.seed, args.probe_ms / 1e3, bearer(tokens, "worker")))
+            asyncio.run(drive(base, workers, level, args.seed, args.probe_ms / 1e3, bearer(tokens, "worker"),
+                              heartbeat_s=args.heartbeat_s))
             wall = time.perf_counter() - t0
             cpu_server = (server.cpu_s() or 0.0) - (cpu_server0 or 0.0)
             cpu_client = time.process_time() - cpu_client0
@@ -404,9 +480,13 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
         "backend": backend, "sampler": sampler, "workers": workers, "n_trials": n_trials, "server": args.server,
         "probe_ms": args.probe_ms, "wall_s": round(wall, 3),
         "trials_per_s": round(len(level.completed) / wall, 3) if wall > 0 else None,
-        "calls_per_s": round(sum(len(level.latencies[c]) for c in (*CALLS[:3], "lease_204")) / wall, 3)
+        "calls_per_s": round(sum(len(level.latencies[c]) for c in (*CALLS[:3], "lease_204", "heartbeat")) / wall, 3)
         if wall > 0 else None,
-        "latency_ms": {c: percentiles(level.latencies[c]) for c in (*CALLS, "lease_204")},
+        "latency_ms": {c: percentiles(level.latencies[c]) for c in (*CALLS, "lease_204", "heartbeat")},
+        "heartbeats": {"interval_s": args.heartbeat_s if args.probe_ms > 0 else None,
+                       "answered": len(level.latencies["heartbeat"]),
+                       "errors": sum(v for k, v in level.errors.items() if k.startswith("heartbeat:")),
+                       "replies": dict(level.heartbeat_replies)},
         "errors": dict(sorted(level.errors.items())), "errors_total": sum(level.errors.values()),
         "database_locked": {"responses": level.locked_in_responses, "server_log": log.count(LOCKED)},
         "server_log": {"errors": sum(" ERROR " in line for line in log.splitlines()),
@@ -435,6 +515,11 @@ def run_level(backend: str, sampler: str, workers: int, n_trials: int, args: arg
 # --- crash recovery under load (--kills) ----------------------------------------------------------
 
 KILLS_OUT = RESULTS / "service_load_kills_pg.json"
+# the kinds of mismatched config a --mismatch-rate worker sends first, in rotation (`mismatched_config`)
+MISMATCH_KINDS = ("knob", "unknown_key", "lr")
+THROUGHPUT_BACK = 0.8  # the fleet's lease rate is "back" at this fraction of its rate before the kill
+THROUGHPUT_WINDOW_S = 5.0  # over this window (forward from each candidate moment)
+PRE_KILL_WINDOW_S = 10.0  # the rate before a service kill: over this window before it
 
 
 @dataclass
@@ -449,73 +534,207 @@ class Chaos:
     errors: Counter[str] = field(default_factory=Counter)
     done_times: list[float] = field(default_factory=list)  # unix time of every successful complete
     workers_started: int = 0
+    lease_times: list[float] = field(default_factory=list)  # unix time of every successful lease (200)
+    lease_configs: dict[int, dict[str, Any]] = field(default_factory=dict)  # trial_id → the config its lease gave
+    heartbeat_replies: Counter[str] = field(default_factory=Counter)  # "continue", "stop", "409"
+    # mismatched completes: {trial_id, worker, kind, config, status (None: never answered)}
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    # what the workers measured: (trial_id, worker) → the throughput in the result they made
+    measurements: dict[tuple[int, str], float] = field(default_factory=dict)
+    # per worker slot, results whose complete got no answer yet (the worker's spool; a replacement inherits it)
+    spools: dict[int, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    spooled: int = 0  # results that went to a spool
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # one per kill -9 of the service
+    spool_deadline: float | None = None  # monotonic: after the study, spooled results are offered until then
+
+
+def mismatched_config(config: dict[str, Any], kind: str) -> tuple[dict[str, Any], str]:
+    """A config that is not `config` (a lease's), and what was changed: "knob" changes batch_size,
+    "unknown_key" adds a key no config has, "lr" changes lr: where the lease leaves lr to the
+    preset (the baselines) to a value no preset has, else the leased lr × 1.5."""
+    if kind == "knob":
+        return {**config, "batch_size": 16 if config.get("batch_size") == 4 else 4}, "knob batch_size changed"
+    if kind == "unknown_key":
+        return {**config, "bench_not_a_knob": 1}, "unknown key added"
+    if kind != "lr":
+        raise ValueError(f"unknown mismatch kind {kind!r}")
+    lr = config.get("lr")
+    if lr is None:
+        return {**config, "lr": 0.0123}, "preset-left lr set"
+    return {**config, "lr": float(lr) * 1.5}, "leased lr changed"
 
 
 async def chaos_worker(slot: int, generation: int, base_url: str, headers: dict[str, str], chaos: Chaos,
                        rng: random.Random, args: argparse.Namespace, done: asyncio.Event,
                        spawn: Callable[[int, int], None]) -> None:
-    """One simulated worker: lease → "probe" (sleep) with one report → complete, until the study
-    is finished. With probability args.kill_rate per trial it dies mid-probe: it never calls
-    again, and a replacement with a new worker id starts in its slot."""
+    """One simulated worker: lease → "probe" (sleep, heartbeating) with one report → complete,
+    until the study is finished. With probability args.kill_rate per trial it dies mid-probe:
+    it never calls again, and a replacement with a new worker id starts in its slot.
+
+    As the real worker (autotune/worker.py, autotune/client.py): a call that gets no answer
+    (connection refused or reset, a timeout) or a 5xx is retried with exponential backoff from
+    0.25 s capped at args.max_backoff_s, a lease for LEASE_RETRY_S at a time, a complete for
+    COMPLETE_RETRY_S; a result whose complete got no answer goes to the slot's spool, which
+    is handed in first at every turn of the lease loop (SPOOL_RETRY_S a try) and after the
+    study finished. No measurement is dropped. A 409 (heartbeat, report or complete) means
+    the trial is no longer the worker's: it stops and leases the next (counted as refused).
+    A worker drawn by args.mismatch_rate (and every baseline lease, the only ones that leave
+    lr to the preset, when the rate is above 0) first completes with `mismatched_config`,
+    then with the leased config."""
     import httpx
 
     worker_id = f"bench-w{slot:03d}-g{generation}"
     chaos.workers_started += 1
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    limits = httpx.Limits(max_connections=2, max_keepalive_connections=2)  # a heartbeat beside the main call
+    spool = chaos.spools[slot]
 
-    async def post(client: httpx.AsyncClient, call: str, path: str, body: dict[str, Any]) -> httpx.Response | None:
-        return await timed_post(client, chaos, call, path, body)
+    async def call(client: httpx.AsyncClient, name: str, path: str, body: dict[str, Any],
+                   budget_s: float) -> httpx.Response | None:
+        """POST until an answer below 500, retrying the rest with backoff; None past `budget_s`."""
+        delay, t0 = 0.25, time.monotonic()
+        while True:
+            r = await timed_post(client, chaos, name, path, body)
+            if r is not None and r.status_code < 500:
+                return r
+            if time.monotonic() - t0 + delay > budget_s:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, args.max_backoff_s)
+
+    async def deliver(client: httpx.AsyncClient, entry: dict[str, Any], budget_s: float) -> bool:
+        """Complete entry's trial with its result: True once the service answered (taken or refused)."""
+        trial_id = entry["trial_id"]
+        r = await call(client, "complete", f"/v1/trials/{trial_id}/complete", entry["body"], budget_s)
+        if r is None:
+            return False
+        if r.status_code == 200:
+            chaos.completed[trial_id].append(entry["worker"])
+            chaos.done_times.append(time.time())
+        else:  # 409: no longer the worker's (the measurement is discarded); 422: its (leased) config refused
+            chaos.refused.append({"worker": entry["worker"], "trial_id": trial_id, "call": "complete",
+                                  "status": r.status_code, "detail": r.text[:300]})
+        return True
+
+    async def deliver_spool(client: httpx.AsyncClient, budget_s: float) -> None:
+        for entry in list(spool):
+            if not await deliver(client, entry, budget_s):
+                return  # the service is away: the rest waits too
+            spool.remove(entry)
+
+    async def probe_wait(seconds: float, beats: asyncio.Task[str | None] | None) -> str | None:
+        """Sleep `seconds` of the probe; returns early with the heartbeat's "409"/"stop"."""
+        if beats is None:
+            await asyncio.sleep(seconds)
+            return None
+        finished, _ = await asyncio.wait({beats}, timeout=seconds)
+        return beats.result() if finished else None
 
     lo, hi = args.probe_range
+    mismatches_sent = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits, verify=False,
                                  headers=headers) as client:
         if generation == 0:
             await asyncio.sleep(rng.uniform(0, hi))  # a fleet does not start in lockstep
         while not done.is_set():
-            r = await post(client, "lease", "/v1/trials/lease", {"worker_id": worker_id, "hardware": HARDWARE})
-            if r is None or r.status_code not in (200, 204):
-                await asyncio.sleep(0.2)
+            if spool:  # the spool first, as the worker's lease loop
+                await deliver_spool(client, SPOOL_RETRY_S)
+            r = await call(client, "lease", "/v1/trials/lease", {"worker_id": worker_id, "hardware": HARDWARE},
+                           LEASE_RETRY_S)
+            if r is None:
                 continue
             if r.status_code == 204:  # nothing now (baselines running, retries not reaped yet): poll again
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(done.wait(), timeout=rng.uniform(0.3, 0.7))
                 continue
+            if r.status_code != 200:  # a 4xx: counted by timed_post; should not happen
+                await asyncio.sleep(0.5)
+                continue
             lease = r.json()
             trial_id = lease["trial_id"]
+            token = lease_token_of(lease)
             chaos.leases[trial_id].append(worker_id)
+            chaos.lease_times.append(time.time())
+            chaos.lease_configs[trial_id] = dict(lease["config"])
             probe_s = rng.uniform(lo, hi)
-            if rng.random() < args.kill_rate:
+            killed = rng.random() < args.kill_rate
+            mismatch = None
+            if args.mismatch_rate > 0 and (lease["role"] == "baseline" or rng.random() < args.mismatch_rate):
+                mismatch = "lr" if lease["role"] == "baseline" else \
+                    MISMATCH_KINDS[(slot + generation + mismatches_sent) % len(MISMATCH_KINDS)]
+            stop = asyncio.Event()
+            beats = (asyncio.create_task(heartbeat_loop(client, chaos, trial_id, worker_id, args.heartbeat_s,
+                                                        random.Random(rng.getrandbits(32)), stop, token))
+                     if args.heartbeat_s > 0 else None)
+            if killed:
                 await asyncio.sleep(rng.uniform(0, probe_s))  # killed mid-probe: no call ever again
+                if beats is not None:
+                    beats.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await beats
                 chaos.kills.append({"worker": worker_id, "trial_id": trial_id, "number": lease["number"],
                                     "role": lease["role"], "at": time.time()})
                 spawn(slot, generation + 1)
                 return
-            await asyncio.sleep(probe_s / 2)
-            result = fake_result(lease, rng)
-            r = await post(client, "report", f"/v1/trials/{trial_id}/report",
-                           {"worker_id": worker_id, "step": 0, "metrics": {"loss": rng.uniform(0.1, 1.0)}})
-            if r is not None and r.status_code == 409:
-                chaos.refused.append({"worker": worker_id, "trial_id": trial_id, "call": "report", "detail": r.text})
+            lost = await probe_wait(probe_s / 2, beats)
+            if lost is None:
+                r = await timed_post(client, chaos, "report", f"/v1/trials/{trial_id}/report",
+                                     {"worker_id": worker_id, "step": 0, "metrics": {"loss": rng.uniform(0.1, 1.0)},
+                                      **token})
+                if r is not None and r.status_code == 409:
+                    lost = "report 409"
+            if lost is None:
+                lost = await probe_wait(probe_s / 2, beats)
+            stop.set()
+            if beats is not None:
+                await beats
+            if lost is not None:  # the trial is not this worker's any more: stop, lease the next
+                chaos.refused.append({"worker": worker_id, "trial_id": trial_id, "call": f"probe ({lost})"})
                 continue
-            await asyncio.sleep(probe_s / 2)
-            for attempt in range(20):  # complete is idempotent for the same worker: retry what did not answer
-                r = await post(client, "complete", f"/v1/trials/{trial_id}/complete",
-                               {"worker_id": worker_id, "result": result})
-                if r is not None and r.status_code in (200, 409):
-                    break
-                await asyncio.sleep(0.1 * (attempt + 1))
-            if r is not None and r.status_code == 200:
-                chaos.completed[trial_id].append(worker_id)
-                chaos.done_times.append(time.time())
-            elif r is not None and r.status_code == 409:
-                chaos.refused.append({"worker": worker_id, "trial_id": trial_id, "call": "complete",
-                                      "detail": r.text})
+            result = fake_result(lease, rng)
+            chaos.measurements[(trial_id, worker_id)] = result["throughput_samples_per_s"]
+            path = f"/v1/trials/{trial_id}/complete"
+            if mismatch is not None:
+                config, what = mismatched_config(lease["config"], mismatch)
+                mismatches_sent += 1
+                # retried until answered, outages included: every mismatched complete gets its verdict
+                r = await call(client, "complete_mismatch", path,
+                               {"worker_id": worker_id, "result": {**result, "config": config}, **token},
+                               MISMATCH_RETRY_S)
+                chaos.mismatches.append({"trial_id": trial_id, "worker": worker_id, "kind": what, "config": config,
+                                         "status": None if r is None else r.status_code})
+            entry = {"trial_id": trial_id, "worker": worker_id,
+                     "body": {"worker_id": worker_id, "result": result, **token}}
+            if not await deliver(client, entry, COMPLETE_RETRY_S):
+                spool.append(entry)
+                chaos.spooled += 1
+        # what still waits in the spool goes in, however late (a refusal then counts it discarded)
+        while spool and (chaos.spool_deadline is None or time.monotonic() < chaos.spool_deadline):
+            await deliver_spool(client, COMPLETE_RETRY_S)
+
+
+def service_kill_plan(kills: int, n_trials: int, seed: int, down_range: tuple[float, float],
+                      jitter_s: float) -> list[dict[str, Any]]:
+    """When to kill -9 the service and for how long to leave it down, seeded: the k-th kill
+    (k = 1..kills) once about k/(kills+1) of the trials are complete (± a quarter step), then
+    after a further 0..jitter_s s (a moment within the calls in flight); down for a draw from
+    down_range seconds before the restart."""
+    rng = random.Random(seed * 7919 + 17)
+    plan = []
+    for k in range(kills):
+        fraction = (k + 1 + rng.uniform(-0.25, 0.25)) / (kills + 1)
+        plan.append({"after_completes": max(1, round(fraction * n_trials)),
+                     "delay_s": round(rng.uniform(0, jitter_s), 3),
+                     "down_s": round(rng.uniform(*down_range), 3)})
+    return plan
 
 
 async def drive_chaos(base_url: str, study: str, tokens: dict[str, str], args: argparse.Namespace,
-                      chaos: Chaos) -> bool:
+                      chaos: Chaos, service_kills: list[dict[str, Any]] | None = None,
+                      restart: Callable[[int, float], dict[str, Any]] | None = None) -> bool:
     """Run args.workers slots of simulated workers until the study is finished (True) or
-    args.timeout_s passes (False)."""
+    args.timeout_s passes (False). With `service_kills` (`service_kill_plan`) the service is
+    killed and restarted by `restart(k, down_s)` (blocking: run on a thread) at each planned
+    moment; its records go to chaos.restarts."""
     import httpx
 
     done = asyncio.Event()
@@ -527,20 +746,38 @@ async def drive_chaos(base_url: str, study: str, tokens: dict[str, str], args: a
         task = asyncio.create_task(chaos_worker(slot, generation, base_url, headers, chaos, rng, args, done, spawn))
         tasks.add(task)
 
+    async def killer() -> None:
+        assert restart is not None
+        for k, step in enumerate(service_kills or []):
+            while len(chaos.done_times) < step["after_completes"]:
+                if done.is_set():
+                    return
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(step["delay_s"])
+            if done.is_set():
+                return
+            chaos.restarts.append({**await asyncio.to_thread(restart, k, step["down_s"]), "plan": step})
+
     for slot in range(args.workers):
         spawn(slot, 0)
+    killing = asyncio.create_task(killer()) if service_kills else None
     deadline = time.monotonic() + args.timeout_s
     finished = False
     async with httpx.AsyncClient(base_url=base_url, timeout=60.0, verify=False) as client:
         while time.monotonic() < deadline:
             await asyncio.sleep(1.0)
-            with contextlib.suppress(httpx.HTTPError):
+            if killing is not None and killing.done() and killing.exception() is not None:
+                break  # a restart failed: the run cannot go on
+            with contextlib.suppress(httpx.HTTPError, ValueError):
                 info = (await client.get(f"/v1/studies/{study}")).json()
                 if info.get("state") == "finished":
                     finished = True
                     break
+    chaos.spool_deadline = time.monotonic() + 60.0
     done.set()
     await asyncio.gather(*tasks)
+    if killing is not None:
+        await killing  # raises what a failed restart raised
     return finished
 
 
@@ -555,7 +792,8 @@ def db_rows(db_url: str, study: str) -> dict[str, Any]:
         attrs = conn.execute(
             "SELECT a.trial_id, a.key, a.value_json FROM trial_user_attributes a JOIN trials t "
             "ON t.trial_id = a.trial_id JOIN studies s ON s.study_id = t.study_id WHERE s.study_name = %s AND a.key "
-            "IN ('retry_of', 'attempt', 'failure_kind', 'failure_message', 'role', 'worker_id', 'remeasure_of')",
+            "IN ('retry_of', 'attempt', 'failure_kind', 'failure_message', 'role', 'worker_id', 'remeasure_of', "
+            "'config', 'measurement', 'is_baseline', 'repeat_of')",
             (study,)).fetchall()
         leases = conn.execute(
             "SELECT trial_id, trial_number, worker_id, state, outcome, leased_at, finished_at FROM autotune_leases "
@@ -567,24 +805,99 @@ def db_rows(db_url: str, study: str) -> dict[str, Any]:
                                         for tid, n, st in trials}
     for tid, key, value in attrs:
         by_id[tid]["attrs"][key] = json.loads(value)
+    for t in by_id.values():  # the measured fields (throughput, ...) live in one attr: read beside the others
+        measurement = t["attrs"].pop("measurement", None)  # as api/optuna_bridge.py's _flatten
+        for key, value in (measurement if isinstance(measurement, dict) else {}).items():
+            t["attrs"].setdefault(key, value)
     return {"trials": by_id, "leases": {r[0]: {"trial_id": r[0], "number": r[1], "worker": r[2], "state": r[3],
                                                "outcome": r[4], "leased_at": r[5], "finished_at": r[6]}
                                         for r in leases},
             "trials_with_two_lease_rows": int(lease_rows_per_trial[0]) if lease_rows_per_trial else -1}
 
 
-def overlapping_leases(leases: list[dict[str, Any]]) -> int:
+def overlapping_lease_pairs(leases: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Pairs of one worker's leases that overlap in time (a worker holding two trials at once)."""
     by_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for lease in leases:
         by_worker[lease["worker"]].append(lease)
-    overlaps = 0
+    pairs = []
     for rows in by_worker.values():
         rows.sort(key=lambda r: r["leased_at"])
         for a, b in itertools.pairwise(rows):
             if a["finished_at"] is None or b["leased_at"] < a["finished_at"]:
-                overlaps += 1
-    return overlaps
+                pairs.append((a, b))
+    return pairs
+
+
+def overlapping_leases(leases: list[dict[str, Any]]) -> int:
+    """How many pairs of one worker's leases overlap in time (`overlapping_lease_pairs`)."""
+    return len(overlapping_lease_pairs(leases))
+
+
+def same_config(a: Any, b: Any) -> bool:
+    """Two configs are one: the same keys, equal values (floats to 1e-12, relative)."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or set(a) != set(b):
+        return False
+    for k, va in a.items():
+        vb = b[k]
+        if isinstance(va, float) or isinstance(vb, float):
+            if isinstance(va, bool) or isinstance(vb, bool) or not isinstance(va, (int, float)) \
+                    or not isinstance(vb, (int, float)) or not math.isclose(va, vb, rel_tol=1e-12, abs_tol=0.0):
+                return False
+        elif va != vb or type(va) is not type(vb):
+            return False
+    return True
+
+
+def config_checks(trials: dict[int, dict[str, Any]], lease_configs: dict[int, dict[str, Any]],
+                  mismatches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every stored trial's config (user attr "config") against the config its lease gave, and
+    what the mismatched completes got: refused (4xx; by status), accepted (2xx: a product bug),
+    unanswered; stored (a trial holding a mismatched complete's config: must be 0)."""
+    differs = [{"trial_id": tid, "leased": cfg, "stored": trials[tid]["attrs"].get("config")}
+               for tid, cfg in sorted(lease_configs.items())
+               if tid in trials and not same_config(trials[tid]["attrs"].get("config"), cfg)]
+    missing = sorted(tid for tid in lease_configs if tid not in trials)
+    stored = [m for m in mismatches if m["trial_id"] in trials
+              and same_config(trials[m["trial_id"]]["attrs"].get("config"), m["config"])]
+    statuses = Counter(str(m["status"]) for m in mismatches)
+    return {"configs_checked": len(lease_configs) - len(missing), "leased_trials_missing": len(missing),
+            "stored_config_differs_from_lease": len(differs), "differs_examples": differs[:5],
+            "mismatched_sent": len(mismatches),
+            "mismatched_refused": sum(1 for m in mismatches if m["status"] is not None and 400 <= m["status"] < 500),
+            "mismatched_accepted": sum(1 for m in mismatches if m["status"] is not None and m["status"] < 400),
+            "mismatched_unanswered": sum(1 for m in mismatches if m["status"] is None),
+            "mismatched_by_status": dict(sorted(statuses.items())),
+            "mismatched_by_kind": dict(sorted(Counter(m["kind"] for m in mismatches).items())),
+            "mismatched_stored": len(stored), "stored_examples": stored[:5]}
+
+
+def discarded_measurements(trials: dict[int, dict[str, Any]],
+                           measurements: dict[tuple[int, str], float]) -> list[dict[str, Any]]:
+    """The measurements a worker made that the database does not hold: its trial is not
+    COMPLETE, or completed by another worker, or with another throughput."""
+    out = []
+    for (tid, worker), throughput in sorted(measurements.items()):
+        t = trials.get(tid)
+        stored = t["attrs"].get("throughput_samples_per_s") if t is not None else None
+        held = (t is not None and t["state"] == "COMPLETE" and t["attrs"].get("worker_id") == worker
+                and isinstance(stored, (int, float)) and math.isclose(stored, throughput, rel_tol=1e-12))
+        if not held:
+            out.append({"trial_id": tid, "worker": worker, "throughput": throughput,
+                        "state": t["state"] if t is not None else None,
+                        "stored_worker": t["attrs"].get("worker_id") if t is not None else None})
+    return out
+
+
+def trial_role(t: dict[str, Any]) -> str:
+    """A trial's role as the service reads it (api/results.py `role`): its "role" attr, else
+    baseline when is_baseline, else search. A search trial whose service was killed between
+    Optuna's ask and writing its attrs has none of them (baselines and re-measurements are
+    created with theirs in one commit), and the service re-runs it as a search trial."""
+    value = t["attrs"].get("role")
+    if value in ("baseline", "search", "remeasure"):
+        return str(value)
+    return "baseline" if t["attrs"].get("is_baseline") else "search"
 
 
 def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, Any]:
@@ -608,10 +921,20 @@ def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, An
     complete_per_slot = {r: sum(t["state"] == "COMPLETE" for t in ts) for r, ts in slots.items()}
     lost = sorted(t["number"] for t in trials.values()
                   if t["state"] != "COMPLETE" and not (t["state"] == "FAIL" and t["number"] in retried))
-    configs = [r for r in slots if by_number[r]["attrs"].get("role") in ("baseline", "search")]
+    configs = [r for r in slots if trial_role(by_number[r]) in ("baseline", "search")]
     two_workers = {tid: ws for tid, ws in chaos.leases.items() if len(set(ws)) > 1}
     completed_twice = {tid: ws for tid, ws in chaos.completed.items() if len(set(ws)) > 1}
+    # a trial the service created but never leased (killed in between): the reaper fails it as lost
+    # after one grace from the restart, and a retry re-runs it
     never_leased = sorted(t["number"] for t in trials.values() if t["trial_id"] not in leases)
+    # A lease the service committed whose answer never reached the worker (the service killed in
+    # between) is an orphan: the worker, not knowing it, leases again, so its two lease rows
+    # overlap until the reaper ends the orphan. Not a trial held twice; counted apart.
+    seen = {(tid, w) for tid, ws in chaos.leases.items() for w in ws}
+    orphans = sorted(tid for tid, x in leases.items() if (tid, x["worker"]) not in seen)
+    pairs = overlapping_lease_pairs(list(leases.values()))
+    overlaps = [(a["trial_id"], b["trial_id"], a["worker"]) for a, b in pairs
+                if (a["trial_id"], a["worker"]) in seen and (b["trial_id"], b["worker"]) in seen]
 
     recoveries = []
     unrecovered = []
@@ -640,6 +963,9 @@ def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, An
             if retry_lease else None,
             "kill_to_completed_s": round((winner_lease["finished_at"] - killed_at).total_seconds(), 3)
             if winner_lease and winner_lease["finished_at"] else None})
+    discarded = discarded_measurements(trials, chaos.measurements)
+    configs_check = config_checks(trials, chaos.lease_configs, chaos.mismatches)
+    server_errors = {k: v for k, v in chaos.errors.items() if k.rsplit(":", 1)[-1].startswith("5")}
     checks = {
         "trials": len(trials), "configurations": len(configs), "n_trials": n_trials,
         "slots_without_a_complete_trial": sum(1 for c in complete_per_slot.values() if c == 0),
@@ -647,20 +973,82 @@ def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, An
         "lost_trials": len(lost), "lost_examples": lost[:10],
         "trials_with_two_lease_rows": db["trials_with_two_lease_rows"],
         "trials_leased_to_two_workers": len(two_workers), "trials_completed_by_two_workers": len(completed_twice),
-        "overlapping_leases_of_one_worker": overlapping_leases(list(leases.values())),
+        "overlapping_leases_of_one_worker": len(overlaps), "overlap_examples": overlaps[:5],
+        "orphan_leases": len(orphans), "orphan_lease_overlaps": len(pairs) - len(overlaps),
         "never_leased": len(never_leased),
+        # a draw the service told REPEAT (PRUNED, repeat_of: never run) takes one configuration of the
+        # budget; the space's float lr makes a real repeat all but impossible, so here it is counted lost
+        "repeats": sum(1 for t in trials.values() if t["attrs"].get("repeat_of") is not None),
+        "repeat_examples": [{"number": t["number"], "repeat_of": t["attrs"]["repeat_of"], "state": t["state"]}
+                            for t in trials.values() if t["attrs"].get("repeat_of") is not None][:5],
+        "never_leased_examples": [{"number": n, "state": by_number[n]["state"], "attrs": sorted(by_number[n]["attrs"])}
+                                  for n in never_leased[:5]],
         "kills": len(chaos.kills), "kills_recovered": len(recoveries), "kills_unrecovered": len(unrecovered),
         "unrecovered_examples": unrecovered[:5],
         "retries": len(retried), "lost_leases": sum(1 for x in leases.values() if x["outcome"] == "lost"),
         "live_workers_refused": len(chaos.refused), "refused_examples": chaos.refused[:5],
         "still_active_leases": sum(1 for x in leases.values() if x["state"] == "active"),
+        "measurements": len(chaos.measurements), "measurements_spooled": chaos.spooled,
+        "measurements_still_spooled": sum(len(s) for s in chaos.spools.values()),
+        "measurements_discarded": len(discarded), "discarded_examples": discarded[:5],
+        "server_errors_5xx": sum(server_errors.values()),
+        **configs_check,
     }
-    checks["ok"] = (checks["slots_without_a_complete_trial"] == 0 and checks["slots_completed_twice"] == 0
-                    and checks["lost_trials"] == 0 and checks["trials_with_two_lease_rows"] == 0
-                    and checks["trials_leased_to_two_workers"] == 0 and checks["trials_completed_by_two_workers"] == 0
-                    and checks["overlapping_leases_of_one_worker"] == 0 and checks["kills_unrecovered"] == 0
-                    and len(configs) == n_trials and checks["still_active_leases"] == 0)
+    # configurations lost: none of its attempts COMPLETE, or one of them failed and was never retried
+    lost_slots = {r for r, c in complete_per_slot.items() if c == 0} | {root(by_number[n]) for n in lost}
+    checks["lost"] = len(lost_slots)
+    checks["duplicated"] = (checks["slots_completed_twice"] + max(0, checks["trials_with_two_lease_rows"])
+                            + checks["trials_leased_to_two_workers"] + checks["trials_completed_by_two_workers"]
+                            + checks["overlapping_leases_of_one_worker"])
+    checks["ok"] = (checks["lost"] == 0 and checks["duplicated"] == 0 and checks["trials_with_two_lease_rows"] == 0
+                    and checks["kills_unrecovered"] == 0 and len(configs) == n_trials
+                    and checks["still_active_leases"] == 0 and checks["measurements_discarded"] == 0
+                    and checks["stored_config_differs_from_lease"] == 0 and checks["leased_trials_missing"] == 0
+                    and checks["mismatched_stored"] == 0 and checks["mismatched_accepted"] == 0
+                    and checks["mismatched_unanswered"] == 0 and checks["server_errors_5xx"] == 0)
     return {"checks": checks, "recoveries": recoveries}
+
+
+def first_after(times: list[float], t: float) -> float | None:
+    return min((x for x in times if x >= t), default=None)
+
+
+def service_recoveries(restarts: list[dict[str, Any]], lease_times: list[float],
+                       done_times: list[float]) -> list[dict[str, Any]]:
+    """Per kill -9 of the service: seconds from the restart (the new process started) and from
+    ready (/v1/health answers) to the first successful lease and complete, and to the fleet's
+    lease rate being back: the first lease after the restart from which the leases of the next
+    THROUGHPUT_WINDOW_S reach THROUGHPUT_BACK of the rate over the PRE_KILL_WINDOW_S before the
+    kill (None when it never is, or nothing was leased before the kill)."""
+    leases = sorted(lease_times)
+    out = []
+    previous_ready = min(leases, default=0.0)
+    for r in restarts:
+        killed, restarted, ready = r["killed_at"], r["restarted_at"], r["ready_at"]
+        since = max(killed - PRE_KILL_WINDOW_S, previous_ready)
+        before = sum(1 for x in leases if since <= x < killed)
+        rate_before = before / (killed - since) if killed > since else 0.0
+        back = None
+        if rate_before > 0:
+            need = THROUGHPUT_BACK * rate_before * THROUGHPUT_WINDOW_S
+            for x in (x for x in leases if x >= restarted):
+                if sum(1 for y in leases if x <= y < x + THROUGHPUT_WINDOW_S) >= need:
+                    back = x
+                    break
+        first_lease, first_done = first_after(leases, restarted), first_after(done_times, restarted)
+
+        def after(t: float | None, since: float) -> float | None:
+            return None if t is None else round(t - since, 3)
+
+        out.append({"down_s": round(restarted - killed, 3), "start_s": round(ready - restarted, 3),
+                    "restart_to_first_lease_s": after(first_lease, restarted),
+                    "restart_to_first_complete_s": after(first_done, restarted),
+                    "ready_to_first_lease_s": after(first_lease, ready),
+                    "ready_to_first_complete_s": after(first_done, ready),
+                    "lease_rate_before_per_s": round(rate_before, 2),
+                    "restart_to_throughput_back_s": after(back, restarted)})
+        previous_ready = ready
+    return out
 
 
 def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -673,63 +1061,115 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     workers, n_trials = int(args.workers), int(args.trials)
     args.workers = workers
     print(f"== kills: {backend}/{sampler}, {workers} workers, {n_trials} trials, kill rate {args.kill_rate}, "
-          f"grace {args.grace_s} s", flush=True)
+          f"grace {args.grace_s} s, reaper {args.reaper_interval_s} s, heartbeat {args.heartbeat_s} s, "
+          f"mismatch rate {args.mismatch_rate}, service kills {args.kill_service}", flush=True)
     env = {"AUTOTUNE_LEASE_GRACE_S": str(args.grace_s), "AUTOTUNE_REAPER_INTERVAL_S": str(args.reaper_interval_s)}
     study = f"kills-{sampler}-{workers}w"
+    plan = service_kill_plan(args.kill_service, n_trials, args.seed, tuple(args.down_range), args.probe_range[1])
     with fresh_database(backend, workdir) as db_url:
         tokens = create_tokens(db_url)
-        server = Server(db_url, args.server, workdir / "kills.log", env=env)
+        servers = [Server(db_url, args.server, workdir / "kills.log", env=env)]
+        cpu = [0.0]
         chaos = Chaos()
+
+        def restart(k: int, down_s: float) -> dict[str, Any]:
+            """kill -9 the service's process group; after down_s, start it again on the same
+            database and port; return when it answers /v1/health."""
+            old = servers[-1]
+            cpu[0] += (old.cpu_s() or 0.0) - (cpu0 if len(servers) == 1 else 0.0)
+            os.killpg(old.proc.pid, signal.SIGKILL)
+            killed_at = time.time()
+            old.proc.wait(timeout=30)
+            old.stop()  # closes its log (the process is gone)
+            time.sleep(down_s)
+            new = Server(db_url, args.server, workdir / f"kills-restart{k + 1}.log", env=env, port=old.port)
+            restarted_at = time.time()
+            servers.append(new)
+            new.wait_ready(timeout=120)
+            print(f"   service killed at {killed_at - t0:.1f} s, restarted after {restarted_at - killed_at:.1f} s, "
+                  f"ready {time.time() - restarted_at:.1f} s later", flush=True)
+            return {"killed_at": killed_at, "restarted_at": restarted_at, "ready_at": time.time(),
+                    "completes_before": len(chaos.done_times)}
+
         try:
-            server.wait_ready()
+            servers[0].wait_ready()
             spec = {"name": study, "space": SPACE, "hardware": HARDWARE, "n_trials": n_trials, "sampler": sampler,
                     "seed": args.seed, "baseline": {"batch_size": 8, "accum_steps": 1},
                     "max_retries": args.max_retries}
-            r = http().post(f"{server.url}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
+            r = http().post(f"{servers[0].url}/v1/studies", json=spec, timeout=60, headers=bearer(tokens, "admin"))
             if r.status_code != 201:
                 raise RuntimeError(f"creating the study failed: {r.status_code} {r.text}")
-            cpu0 = server.cpu_s()
+            cpu0 = servers[0].cpu_s() or 0.0
             t0 = time.time()
-            finished = asyncio.run(drive_chaos(server.url, study, tokens, args, chaos))
+            finished = asyncio.run(drive_chaos(servers[0].url, study, tokens, args, chaos, plan, restart))
             wall = time.time() - t0
-            cpu = (server.cpu_s() or 0.0) - (cpu0 or 0.0)
-            info = http().get(f"{server.url}/v1/studies/{study}", timeout=60).json()
+            cpu[0] += (servers[-1].cpu_s() or 0.0) - (cpu0 if len(servers) == 1 else 0.0)
+            info = http().get(f"{servers[-1].url}/v1/studies/{study}", timeout=60).json()
         finally:
-            server.stop()
-        log = server.log_text()
+            servers[-1].stop()
+        log = "\n".join(s.log_text() for s in servers)
         db = db_rows(db_url, study)
     judged = kill_checks(db, chaos, n_trials)
     checks = judged["checks"]
     checks["study_finished"] = finished
     checks["study_counts"] = info.get("counts")
     checks["study_retried"] = info.get("retried")
-    checks["ok"] = checks["ok"] and finished
+    checks["service_kills"] = len(chaos.restarts)
+    checks["ok"] = checks["ok"] and finished and len(chaos.restarts) == args.kill_service
     recoveries = judged["recoveries"]
     reaped_s = [r["kill_to_reaped_s"] for r in recoveries if r["kill_to_reaped_s"] is not None]
     leased_s = [r["kill_to_retry_leased_s"] for r in recoveries if r["kill_to_retry_leased_s"] is not None]
     completed_s = [r["kill_to_completed_s"] for r in recoveries if r["kill_to_completed_s"] is not None]
+    restarts = service_recoveries(chaos.restarts, chaos.lease_times, chaos.done_times)
+
+    def over(key: str) -> dict[str, float | int | None]:
+        return percentiles([x[key] for x in restarts if x[key] is not None])
+
+    cpu_s = cpu[0]
     run = {
         "backend": backend, "sampler": sampler, "workers": workers, "n_trials": n_trials,
         "kill_rate": args.kill_rate, "probe_s": list(args.probe_range), "lease_grace_s": args.grace_s,
         "reaper_interval_s": args.reaper_interval_s, "max_retries": args.max_retries,
+        "heartbeat_s": args.heartbeat_s, "mismatch_rate": args.mismatch_rate, "max_backoff_s": args.max_backoff_s,
+        "service_kills_planned": plan, "service_down_s": list(args.down_range),
         "wall_s": round(wall, 1), "configs_per_s": round(n_trials / wall, 2) if wall > 0 else None,
         "workers_started": chaos.workers_started, "checks": checks,
+        "counts": {k: checks[k] for k in ("lost", "duplicated", "measurements_discarded", "mismatched_sent",
+                                          "mismatched_refused", "mismatched_stored")},
         "recovery_s": {"kill_to_reaped": percentiles(reaped_s), "kill_to_retry_leased": percentiles(leased_s),
                        "kill_to_completed": percentiles(completed_s)},
-        "latency_ms": {c: percentiles(chaos.latencies[c]) for c in ("lease", "lease_204", "report", "complete")},
+        "service_recovery_s": {k: over(k) for k in ("restart_to_first_lease_s", "restart_to_first_complete_s",
+                                                    "ready_to_first_lease_s", "restart_to_throughput_back_s",
+                                                    "start_s")},
+        "service_restarts": [{**x, "killed_at_s": round(r["killed_at"] - t0, 3),
+                              "ready_at_s": round(r["ready_at"] - t0, 3), "plan": r["plan"],
+                              "completes_before": r["completes_before"]}
+                             for x, r in zip(restarts, chaos.restarts, strict=True)],
+        "latency_ms": {c: percentiles(chaos.latencies[c])
+                       for c in ("lease", "lease_204", "report", "heartbeat", "complete", "complete_mismatch")},
+        "heartbeats": {"answered": len(chaos.latencies["heartbeat"]),
+                       "errors": sum(v for k, v in chaos.errors.items() if k.startswith("heartbeat:")),
+                       "replies": dict(chaos.heartbeat_replies)},
         "errors": dict(sorted(chaos.errors.items())),
-        "server": {"cpu_s": round(cpu, 1), "cpu_util": round(cpu / wall, 3) if wall > 0 else None,
+        "server": {"cpu_s": round(cpu_s, 1), "cpu_util": round(cpu_s / wall, 3) if wall > 0 else None,
+                   "incarnations": len(servers),
                    "log_errors": sum(" ERROR " in line for line in log.splitlines()),
                    "log_tracebacks": log.count("Traceback"),
                    "log_lost_warnings": sum(" lost: " in line for line in log.splitlines())},
         "recoveries": recoveries,
         "kills": [{**k, "at_s": round(k["at"] - t0, 3)} for k in chaos.kills],
+        "mismatches": [{k: v for k, v in m.items()} for m in chaos.mismatches],
         "completions_s": [round(t - t0, 3) for t in sorted(chaos.done_times)],
+        "leases_s": [round(t - t0, 3) for t in sorted(chaos.lease_times)],
     }
     rec = run["recovery_s"]
-    print(f"   {wall:.0f} s, {len(chaos.kills)} kills ({len(recoveries)} recovered), kill→retry leased p50 "
-          f"{rec['kill_to_retry_leased']['p50']} s max {rec['kill_to_retry_leased']['max']} s, "
-          f"lost {checks['lost_trials']}, duplicate leases {checks['trials_leased_to_two_workers']}, "
+    srec = run["service_recovery_s"]
+    print(f"   {wall:.0f} s, {len(chaos.kills)} worker kills ({len(recoveries)} recovered), kill→retry leased p50 "
+          f"{rec['kill_to_retry_leased']['p50']} s max {rec['kill_to_retry_leased']['max']} s; "
+          f"{len(chaos.restarts)} service kills, restart→first lease max {srec['restart_to_first_lease_s']['max']} s; "
+          f"lost {checks['lost']}, duplicated {checks['duplicated']}, discarded {checks['measurements_discarded']}, "
+          f"mismatched {checks['mismatched_sent']} sent / {checks['mismatched_refused']} refused / "
+          f"{checks['mismatched_stored']} stored; heartbeats {run['heartbeats']}; "
           f"checks {'ok' if checks['ok'] else 'FAILED'}", flush=True)
     return run
 
@@ -742,27 +1182,86 @@ def plot_kills(run: dict[str, Any], path: Path) -> None:
     axes[0].plot(done, range(1, len(done) + 1), lw=1.2, label="completed trials")
     for i, k in enumerate(run["kills"]):
         axes[0].axvline(k["at_s"], color="#e76f51", lw=0.6, alpha=0.6, label="worker killed" if i == 0 else None)
-    axes[0].set(xlabel="time (s)", ylabel="completed trials", title=f"{run['n_trials']} trials, {run['workers']} "
-                f"workers, {len(run['kills'])} kills")
+    for i, r in enumerate(run.get("service_restarts", [])):
+        axes[0].axvspan(r["killed_at_s"], r["ready_at_s"], color="#264653", alpha=0.25,
+                        label="service killed → ready again" if i == 0 else None)
+    title = f"{run['n_trials']} trials, {run['workers']} workers, {len(run['kills'])} worker kills"
+    if run.get("service_restarts"):
+        title += f", {len(run['service_restarts'])} service kills"
+    axes[0].set(xlabel="time (s)", ylabel="completed trials", title=title)
     axes[0].legend(fontsize=8)
+    if not run["recoveries"] and run.get("service_restarts"):  # no worker killed: each restart's recovery
+        restarts = run["service_restarts"]
+        keys = (("restart_to_first_lease_s", "restart → first lease"),
+                ("restart_to_first_complete_s", "restart → first complete"),
+                ("restart_to_throughput_back_s", f"restart → lease rate back ({THROUGHPUT_BACK:.0%})"))
+        width = 0.8 / len(keys)
+        for j, (key, label) in enumerate(keys):
+            axes[1].bar([i + j * width for i in range(len(restarts))], [r[key] or 0.0 for r in restarts], width,
+                        label=label)
+        axes[1].set_xticks([i + width for i in range(len(restarts))],
+                           [f"kill {i + 1} (down {r['down_s']:.1f} s)" for i, r in enumerate(restarts)])
+        axes[1].set(ylabel="seconds after the restart", title="recovery from each kill -9 of the service")
+        axes[1].legend(fontsize=8)
+    else:
+        plot_worker_recoveries(axes[1], run)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"autotune service under kills ({run['backend']}, {run['sampler']} sampler, "
+                 f"{environment_cache.get('cpu_count')} CPUs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_worker_recoveries(ax: Any, run: dict[str, Any]) -> None:
+    """Histograms of kill → reaped, → retry leased, → retry completed over the killed workers' trials."""
     reaped = [r["kill_to_reaped_s"] for r in run["recoveries"] if r.get("kill_to_reaped_s") is not None]
     leased = [r["kill_to_retry_leased_s"] for r in run["recoveries"] if r["kill_to_retry_leased_s"] is not None]
     completed = [r["kill_to_completed_s"] for r in run["recoveries"] if r["kill_to_completed_s"] is not None]
     top = max([*reaped, *leased, *completed, run["lease_grace_s"] + run["reaper_interval_s"]]) + 1
     bins = [i * top / 40 for i in range(41)]
-    axes[1].hist(reaped, bins=bins, alpha=0.6, label="kill → trial failed as lost (reaped)")
-    axes[1].hist(leased, bins=bins, alpha=0.6, label="kill → retry leased")
-    axes[1].hist(completed, bins=bins, alpha=0.5, label="kill → retry completed")
-    axes[1].axvline(run["lease_grace_s"], color="grey", ls=":", label=f"lease grace {run['lease_grace_s']:g} s")
-    axes[1].set(xlabel="seconds after the kill", ylabel="killed trials", title="recovery of each killed worker's trial")
-    axes[1].legend(fontsize=8)
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(f"autotune service under worker kills ({run['backend']}, {run['sampler']} sampler, "
-                 f"{environment_cache.get('cpu_count')} CPUs)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.hist(reaped, bins=bins, alpha=0.6, label="kill → trial failed as lost (reaped)")
+    ax.hist(leased, bins=bins, alpha=0.6, label="kill → retry leased")
+    ax.hist(completed, bins=bins, alpha=0.5, label="kill → retry completed")
+    ax.axvline(run["lease_grace_s"], color="grey", ls=":", label=f"lease grace {run['lease_grace_s']:g} s")
+    ax.set(xlabel="seconds after the kill", ylabel="killed trials", title="recovery of each killed worker's trial")
+    ax.legend(fontsize=8)
+
+
+def kills_tables(run: dict[str, Any]) -> str:
+    """The markdown rows of one --kills run (bench/README.md's tables)."""
+    c = run["checks"]
+    rec, srec, lat = run["recovery_s"], run["service_recovery_s"], run["latency_ms"]
+
+    def pair(d: dict[str, Any], a: str = "p50", b: str = "max") -> str:
+        return f"{fmt(d[a])} / {fmt(d[b])}"
+
+    hb = run["heartbeats"]
+    lines = [
+        "| backend | workers | trials | grace / reaper s | worker kills | recovered | kill → retry leased p50 / p90 / "
+        "max s | service kills | restart → first lease / complete, max s | restart → lease rate back, max s | "
+        "lost | duplicated | discarded | mismatched sent / refused / stored | heartbeats (errors) · p50 / p99 ms | "
+        "wall s |",
+        "|---|---:|---:|---|---:|---:|---|---:|---|---|---:|---:|---:|---|---|---:|",
+        f"| {run['backend']} | {run['workers']} | {c['configurations']}/{run['n_trials']} | "
+        f"{run['lease_grace_s']:g} / {run['reaper_interval_s']:g} | {c['kills']} | {c['kills_recovered']} | "
+        f"{fmt(rec['kill_to_retry_leased']['p50'])} / {fmt(rec['kill_to_retry_leased']['p90'])} / "
+        f"{fmt(rec['kill_to_retry_leased']['max'])} | {c['service_kills']} | "
+        f"{fmt(srec['restart_to_first_lease_s']['max'])} / {fmt(srec['restart_to_first_complete_s']['max'])} | "
+        f"{fmt(srec['restart_to_throughput_back_s']['max'])} | {c['lost']} | {c['duplicated']} | "
+        f"{c['measurements_discarded']} | {c['mismatched_sent']} / {c['mismatched_refused']} / "
+        f"{c['mismatched_stored']} | {hb['answered']} ({hb['errors']}) · {pair(lat['heartbeat'], 'p50', 'p99')} | "
+        f"{run['wall_s']} |"]
+    if run["service_restarts"]:
+        lines += ["", "| service kill | at s | down s | start s | restart → first lease s | → first complete s | "
+                      "→ lease rate back s | lease rate before /s |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for i, r in enumerate(run["service_restarts"], 1):
+            lines.append(f"| {i} | {r['killed_at_s']:.1f} | {r['down_s']:.1f} | {r['start_s']:.1f} | "
+                         f"{fmt(r['restart_to_first_lease_s'], '.2f')} | {fmt(r['restart_to_first_complete_s'], '.2f')}"
+                         f" | {fmt(r['restart_to_throughput_back_s'], '.2f')} | {r['lease_rate_before_per_s']} |")
+    return "\n".join(lines)
 
 
 def main_kills(args: argparse.Namespace, png: Path) -> int:
@@ -774,21 +1273,20 @@ def main_kills(args: argparse.Namespace, png: Path) -> int:
             args.keep_logs.mkdir(parents=True, exist_ok=True)
             for log in Path(tmp).glob("*.log"):
                 (args.keep_logs / log.name).write_bytes(log.read_bytes())
-    doc = {"environment": env, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "run": run}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    doc: dict[str, Any] = {"environment": env, "settings": settings, "run": run}
+    if args.append and args.out.exists():  # one more run in the same document: "runs", each with its settings
+        old = json.loads(args.out.read_text())
+        earlier = old.get("runs") or [{"label": old["settings"].get("label"), "settings": old["settings"],
+                                       "run": old["run"]}]
+        doc = {"environment": env, "runs": [*earlier, {"label": args.label, "settings": settings, "run": run}]}
+    elif args.append:
+        doc = {"environment": env, "runs": [{"label": args.label, "settings": settings, "run": run}]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     plot_kills(run, png)
     c = run["checks"]
-    print(f"\n| backend | workers | trials | kills | recovered | kill→retry leased p50 / max s | lost | "
-          f"duplicate leases | completed twice | live workers refused | wall s |\n"
-          f"|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n"
-          f"| {run['backend']} | {run['workers']} | {c['configurations']}/{run['n_trials']} | {c['kills']} | "
-          f"{c['kills_recovered']} | {run['recovery_s']['kill_to_retry_leased']['p50']} / "
-          f"{run['recovery_s']['kill_to_retry_leased']['max']} | {c['lost_trials']} | "
-          f"{c['trials_leased_to_two_workers'] + c['overlapping_leases_of_one_worker']} | "
-          f"{c['slots_completed_twice'] + c['trials_completed_by_two_workers']} | {c['live_workers_refused']} | "
-          f"{run['wall_s']} |")
+    print("\n" + kills_tables(run))
     print(f"\nwrote {args.out} and {png}; checks {'ok' if c['ok'] else 'FAILED'}")
     return 0 if c["ok"] else 1
 
@@ -895,7 +1393,7 @@ def serve_instrumented(db_url: str, port: int) -> None:
         self.lock = _TimedRLock()
         self.lock_factory = _TimedRLock  # the per-study locks (lease, complete, reaper)
         _instrument_engine(self.db.engine, "service")
-        _instrument_engine(self.bridge._rdb.engine, "optuna")
+        _instrument_engine(self.bridge.storage.engine, "optuna")
 
     svc.__init__ = init  # type: ignore[method-assign]
     for op in ("lease_trial", "report", "complete", "heartbeat"):
@@ -1159,7 +1657,24 @@ def main(argv: list[str] | None = None) -> int:
     kills.add_argument("--reaper-interval-s", type=float, default=1.0, help="AUTOTUNE_REAPER_INTERVAL_S")
     kills.add_argument("--max-retries", type=int, default=5, help="the study's max_retries")
     kills.add_argument("--timeout-s", type=float, default=1800.0, help="give up when the study is not finished by then")
+    kills.add_argument("--mismatch-rate", type=float, default=None,
+                       help="probability per trial that a worker first completes with a config other than the "
+                            "leased one (it must be refused; then the right one goes in); above 0, every baseline "
+                            "lease is also mismatched (preset-left lr). Default: 0.05 with --kills, else 0")
+    kills.add_argument("--kill-service", type=int, default=0, metavar="N",
+                       help="kill -9 the service's process group N times at seeded moments and restart it on the "
+                            "same database and port (default 0)")
+    kills.add_argument("--down-range", type=float, nargs=2, default=(1.0, 3.0), metavar=("MIN_S", "MAX_S"),
+                       help="how long the killed service stays down before its restart, uniform (seconds)")
+    kills.add_argument("--max-backoff-s", type=float, default=10.0,
+                       help="the workers' retry backoff cap (the real worker's: 10 s)")
+    kills.add_argument("--append", action="store_true",
+                       help="add this run to --out's document (a list \"runs\", each with its settings and --label)")
+    kills.add_argument("--label", default=None, help="the run's name in an --append document")
     p.add_argument("--probe-ms", type=float, default=0.0, help="simulated probe time between lease and report")
+    p.add_argument("--heartbeat-s", type=float, default=None,
+                   help="heartbeat interval while a trial is probed (0: none). Default: 5 s, the worker's default "
+                        "(with --probe-ms > 0); --kills: min(5, --grace-s / 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server", choices=("cli", "instrumented"), default="cli",
                    help="cli: `python -m autotune.cli serve`; instrumented: the same service with timers")
@@ -1175,6 +1690,10 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in mode_defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.heartbeat_s is None:
+        args.heartbeat_s = min(5.0, args.grace_s / 4) if args.kills else 5.0
+    if args.mismatch_rate is None:
+        args.mismatch_rate = 0.05 if args.kills else 0.0
     if args.kills:
         return main_kills(args, args.png or args.out.with_suffix(".png"))
     backends = [b for b in args.backends.split(",") if b]
