@@ -897,7 +897,10 @@ def report(
         except NotFound:
             recommendation = None  # nothing passes the gate yet: the report says so
     files = write_report(info, trials, recommendation, out, front)
-    Console().print(f"wrote {files.html} and {len(files.figures)} figures", highlight=False)
+    console = Console()
+    console.print(files.headline, highlight=False, markup=False, soft_wrap=True)
+    left = f" ({', '.join(f'{name}.png' for name in files.left_out)} left out: see the page)" if files.left_out else ""
+    console.print(f"wrote {files.html} and {len(files.figures)} figures{left}", highlight=False)
 
 
 @app.command()

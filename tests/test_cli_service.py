@@ -243,10 +243,13 @@ def test_report_writes_html_and_valid_pngs(live: tuple[LiveService, str], tmp_pa
     assert result.exit_code == 0, result.output
     page = (out / "report.html").read_text()
     assert f"autotune report: {study}" in page and "(baseline)" in page
-    for name in ("pareto", "progress", "importances", "failures"):
+    for name in ("pareto", "progress"):
         data = (out / f"{name}.png").read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
         assert f'src="{name}.png"' in page
+    for name in ("importances", "failures"):  # a 3-trial study without failures: no empty axes, a sentence why
+        assert not (out / f"{name}.png").exists() and f"{name}.png is left out" in page
+    assert result.stdout.startswith("Verdict: ")  # the headline first
 
     result = invoke("report", "nope", "--out", str(tmp_path / "x"), "--api", service.url)
     assert result.exit_code == 1 and "no study named 'nope'" in result.stderr

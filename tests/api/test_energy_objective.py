@@ -309,7 +309,8 @@ def test_the_report_shows_energy(client: TestClient, make_study: StudyFactory, t
     front = [TrialInfo.model_validate(t) for t in client.get("/v1/studies/s/pareto").json()["data"]]
     rec = Recommendation.model_validate(client.get("/v1/studies/s/best").json())
     files = write_report(study, trials, rec, tmp_path, front)
-    assert set(files.figures) == {"pareto", "progress", "importances", "failures", "energy"}
+    assert set(files.figures) == {"pareto", "progress", "energy"}  # too few trials for importances, no failure
+    assert set(files.left_out) == {"importances", "failures"}
     assert all(p.stat().st_size > 0 for p in files.figures.values())
     page = files.html.read_text()
     assert "<th>J/sample</th>" in page and "Energy vs quality" in page and 'src="energy.png"' in page
