@@ -629,9 +629,8 @@ class OptunaBridge:
         or told by another service process meanwhile; nothing was changed). The user attrs are
         written first, then `study.tell` (whose sampler hook stores the constraint) sets the
         values and the state: a crash in between leaves the trial RUNNING with its attrs, and
-        the worker's retried complete (or the reaper) finishes it. A search trial that
-        completed with the baseline's config is marked baseline_repeat_of (its values stay
-        its own)."""
+        the worker's retried complete (or the reaper) finishes it. (Whether a search trial ran
+        the baseline's config is the service's one rule, api/results.py `baseline_repeat_of`.)"""
         handle = self._handle(ctx)
         told = TrialState[state]
         values = [float(v) for v in values] if values is not None and told == TrialState.COMPLETE else None
@@ -640,10 +639,6 @@ class OptunaBridge:
             return _record(frozen, trial_id), False
         attrs = dict(attrs or {})
         merged = {**_flatten(frozen.user_attrs), **attrs}
-        if told == TrialState.COMPLETE and merged.get("role", "search") == "search" and "repeat_of" not in merged:
-            base = self._baseline_number(ctx, merged.get("config"))
-            if base is not None:
-                attrs["baseline_repeat_of"] = merged["baseline_repeat_of"] = base
         constraint = merged.get(CONSTRAINT_ATTR)
         try:
             self.set_user_attrs(trial_id, attrs, stored=frozen.user_attrs)
@@ -658,17 +653,6 @@ class OptunaBridge:
             log.info("trial %s of %s finished meanwhile; leaving it as it is (%s)", trial_id, ctx.name, e)
             return _record(finished, trial_id), False
         return _record(self.storage.get_trial(trial_id), trial_id), True
-
-    def _baseline_number(self, ctx: StudyContext, config: Any) -> int | None:
-        """The number of the study's first completed baseline seed when `config` normalises to its
-        config (a search trial that drew the user's own config), else None."""
-        if not isinstance(config, dict):
-            return None
-        for t in self._frozen(ctx.name, (TrialState.COMPLETE,)):
-            config_attr = t.user_attrs.get("config")
-            if t.user_attrs.get("role") == "baseline" and isinstance(config_attr, dict):
-                return t.number if normalised(config_attr) == normalised(config) else None
-        return None
 
     def get_trial(self, trial_id: int) -> TrialRecord | None:
         """The trial with Optuna's global id `trial_id`, or None if there is none."""

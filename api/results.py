@@ -396,7 +396,7 @@ def failures_by_kind(trials: Sequence[TrialRecord]) -> dict[str, int]:
 
 
 def is_repeat(trial: TrialRecord) -> bool:
-    """A drawn trial told an earlier trial's measurement instead of running (OptunaBridge.ask)."""
+    """A draw that repeated a config measured, in flight or failed: never run (OptunaBridge.ask)."""
     return "repeat_of" in trial.user_attrs
 
 
