@@ -15,6 +15,15 @@ repeated report only adds a duplicate data point.
 
 Thread safety: one `Client` may be shared by threads (httpx.Client is thread-safe); the
 retry state is per call.
+
+For a running service from Python (what `autotune submit/status/best/stop` do)::
+
+    from autotune.client import Client
+    with Client("http://127.0.0.1:8000", token=ADMIN_TOKEN) as service:
+        service.submit("study.yaml")           # a StudySpec, its dict, or a YAML/JSON file
+        info = service.status("my-study")      # StudyInfo: state, counts, the verdict so far
+        verdict = service.best("my-study")     # Recommendation (NotFound until there is one)
+        service.stop("my-study")               # no more leases; the data is kept
 """
 
 from __future__ import annotations
@@ -258,6 +267,30 @@ class Client:
         if not (isinstance(data, dict) and "version" in data and "db" in data):
             raise NotAutotune(self.base_url, response, "GET", "/v1/health", "JSON that is not the service's health")
         return data
+
+    def submit(self, spec: StudySpec | dict[str, Any] | str, **kw: Any) -> StudyInfo:
+        """Create a study: a StudySpec, its dict, or the path of a YAML/JSON spec file
+        (Invalid names a bad field before anything is sent)."""
+        if isinstance(spec, str):
+            from pathlib import Path
+
+            import yaml
+
+            spec = yaml.safe_load(Path(spec).read_text())
+        if not isinstance(spec, StudySpec):
+            try:
+                spec = StudySpec.model_validate(spec)
+            except ValidationError as e:
+                raise Invalid(422, [dict(error) for error in e.errors()], "POST", "/v1/studies") from None
+        return self.create_study(spec, **kw)
+
+    def status(self, name: str, **kw: Any) -> StudyInfo:
+        """The study: its state, its trials by state, the verdict so far (`best`)."""
+        return self.get_study(name, **kw)
+
+    def stop(self, name: str, **kw: Any) -> StudyInfo:
+        """Stop leasing the study's trials (`autotune stop`); everything measured is kept."""
+        return self.stop_study(name, **kw)
 
     def create_study(self, spec: StudySpec, **kw: Any) -> StudyInfo:
         return self._post("/v1/studies", spec, StudyInfo, **kw)
