@@ -7,7 +7,7 @@ and its feasibility as Optuna's constraint (the user attr ``constraint`` the sam
 constraints_func reads; ≤ 0 feasible). A probe that failed (OOM, crash, timeout, an
 unsupported combination) has no measurement and is Optuna FAIL with ``failure_kind``; a
 stopped one is PRUNED. No value is a placeholder and none is ever overwritten: the
-re-measured front and the verdict are the service's (api/results.py), stored beside the
+re-measured front and the verdict are the service's (api/study), stored beside the
 trials as the study user attr ``autotune_recommendation``.
 
 No configuration is probed twice by the search: a draw of a config already measured, in
@@ -52,14 +52,14 @@ from optuna.trial import FrozenTrial, TrialState
 
 from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
 from api.outcome import RESULT_ATTRS, failed_attrs, retriable
+from api.study.samplers import CONSTRAINT_ATTR, make_sampler
+from api.study.trials import TrialRecord
 from autotune.config import normalised
 from autotune.protocol import NAME_PATTERN, StudySpec
-from autotune.samplers import CONSTRAINT_ATTR, make_sampler
 from autotune.space import Param, Space, SpaceError, params_of, suggest
 
 log = logging.getLogger(__name__)
 
-FINISHED_STATES = ("COMPLETE", "FAIL", "PRUNED")
 # A grid larger than this is refused at study creation: enumerating it would stall the service.
 MAX_GRID_COMBINATIONS = 1_000_000
 # A drawn search trial whose config is one measured, in flight or the baseline's is not run
@@ -81,30 +81,6 @@ NOT_SEARCH_ROLES = ("baseline", "remeasure")
 
 class StudyExists(Exception):
     """An Optuna study of that name is already in the storage."""
-
-
-@dataclass(frozen=True)
-class TrialRecord:
-    """One Optuna trial, by value (user attrs with the measurement flattened in)."""
-
-    trial_id: int
-    number: int
-    state: str  # TrialState name: RUNNING | WAITING | COMPLETE | PRUNED | FAIL
-    params: dict[str, Any]
-    values: list[float] | None
-    user_attrs: dict[str, Any]
-    datetime_start: datetime | None
-    datetime_complete: datetime | None
-
-    @property
-    def finished(self) -> bool:
-        return self.state in FINISHED_STATES
-
-    @property
-    def duration_s(self) -> float | None:
-        if self.datetime_start is None or self.datetime_complete is None:
-            return None
-        return (self.datetime_complete - self.datetime_start).total_seconds()
 
 
 @dataclass(frozen=True)
@@ -182,7 +158,7 @@ def check_sampler_fits(spec: StudySpec, space: Space) -> None:
 
 
 def build_sampler(spec: StudySpec, seed: int | None) -> BaseSampler:
-    """The sampler the spec names (autotune.samplers.make_sampler: the gate is a constraint
+    """The sampler the spec names (api.study.samplers.make_sampler: the gate is a constraint
     read from the trial's user attr ``constraint``). Grid studies use RandomSampler: their
     configs are enqueued."""
     with warnings.catch_warnings():
@@ -630,7 +606,7 @@ class OptunaBridge:
         written first, then `study.tell` (whose sampler hook stores the constraint) sets the
         values and the state: a crash in between leaves the trial RUNNING with its attrs, and
         the worker's retried complete (or the reaper) finishes it. (Whether a search trial ran
-        the baseline's config is the service's one rule, api/results.py `baseline_repeat_of`.)"""
+        the baseline's config is the service's one rule, api/study `baseline_repeat_of`.)"""
         handle = self._handle(ctx)
         told = TrialState[state]
         values = [float(v) for v in values] if values is not None and told == TrialState.COMPLETE else None

@@ -37,7 +37,7 @@ ignore FAIL trials (Optuna's convention); a draw of a config that failed for a r
 own (oom, unsupported) is not run again (api/optuna_bridge.py `_twins`). Trials *lost* by a
 silent worker, *refused* by a worker that does not run their workload, or *interrupted*
 say nothing about the config: they are re-run (`retriable`). Everything the service shows reads
-the failure attrs (`api.results.service_state`): a failed trial is never feasible and is
+the failure attrs (`api.study.service_state`): a failed trial is never feasible and is
 excluded from the Pareto front and the recommendation. (Studies stored by an older service
 hold failed probes as COMPLETE with worst-case values; the service reads them as failed.)
 
@@ -61,7 +61,6 @@ from typing import Any, Literal
 from autotune.config import KNOBS, ConfigError
 from autotune.gate import constraint_value
 from autotune.protocol import OBJECTIVES, StudySpec
-from autotune.samplers import CONSTRAINT_ATTR
 
 # ProbeResult fields copied verbatim into user attrs
 RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
@@ -97,6 +96,7 @@ def retriable(spec: StudySpec, state: str, attrs: Mapping[str, Any]) -> bool:
 
 
 GIB = 2**30
+CONSTRAINT_ATTR = "constraint"  # the user attr holding the gate constraint the samplers read (api/study/samplers.py)
 
 
 def quality_mismatch(result: Mapping[str, Any], spec: StudySpec) -> str | None:

@@ -32,7 +32,7 @@ lease_grace_s as Optuna FAIL, failure_kind "lost" (FAIL: the samplers ignore it;
 worker says nothing about the config), and ends the lease: the zombie's late calls get
 409, heartbeat included. A lost trial is re-run as a new trial with the same role, config and
 probe (user attrs retry_of, attempt), handed out before anything else, up to
-spec.max_retries times (see api/results.py); retries do not count toward n_trials. All of it
+spec.max_retries times (see api/study); retries do not count toward n_trials. All of it
 is derived from the trials' user attrs, so a restarted service goes on where the old one
 stopped; after a start, every lease gets one full grace period to heartbeat again (a
 service outage is not a worker's silence).
@@ -54,7 +54,7 @@ from sqlalchemy.orm import Session
 from api import crud
 from api.db import Database, as_naive_utc, utcnow
 from api.errors import Conflict, Invalid, NotFound, ServiceError
-from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, TrialRecord, check_sampler_fits
+from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, check_sampler_fits
 from api.outcome import (
     PRESET_KNOBS,
     config_differences,
@@ -63,9 +63,10 @@ from api.outcome import (
     preset_values,
     probe_outcome,
 )
-from api.pruning import StudySummary, TrialReports, curve_of, decide
-from api.results import (
+from api.settings import Settings
+from api.study import (
     NoRecommendation,
+    TrialRecord,
     attempt_of,
     baseline_failed_message,
     baseline_summary,
@@ -87,7 +88,8 @@ from api.results import (
     trial_info,
     trial_infos,
 )
-from api.settings import Settings
+from api.study.prune_rules import Decision
+from api.study.pruning import StudySummary, TrialReports, curve_of, decide
 from autotune.config import KNOBS
 from autotune.protocol import (
     ANOTHER_LEASE,
@@ -104,7 +106,6 @@ from autotune.protocol import (
     TrialInfo,
     TrialLease,
 )
-from autotune.pruning import Decision
 from autotune.space import SpaceError, parse_space
 from autotune.starting import MAX_POINTS
 from autotune.starting import resolve as resolve_starting_points
@@ -266,7 +267,7 @@ class TuningService:
         return ctx
 
     def _gate(self, ctx: StudyContext) -> float | None:
-        """The study's quality gate (see api/results.py). Cached once every baseline seed has
+        """The study's quality gate (see api/study). Cached once every baseline seed has
         finished (finished trials never change); until then read from the study (the baseline
         phase is short: a few trials)."""
         if ctx.name in self._gates:

@@ -16,13 +16,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("tune", "TuneError"):
-        from autotune import local  # tunes on this machine: service, workers, verdict (autotune tune)
+    import importlib
 
-        return getattr(local, name)
+    if name in ("tune", "TuneError"):  # tunes on this machine: service, workers, verdict (autotune tune)
+        return getattr(importlib.import_module("autotune.local"), name)
     if name in ("apply", "load_config", "Prepared", "ApplyError"):
-        import importlib
-
         module = importlib.import_module("autotune.apply")  # callable: autotune.apply(...) is apply(...)
         return module if name == "apply" else getattr(module, name)
     raise AttributeError(f"module 'autotune' has no attribute {name!r}")

@@ -158,7 +158,7 @@ class GateSpec(Strict):
 
 
 class PruningSpec(Strict):
-    """Early stopping of running trials (autotune.pruning.PruneRules)."""
+    """Early stopping of running trials (api.study.prune_rules.PruneRules)."""
 
     enabled: StrictBool = True
     rho: Number = Field(0.5, gt=0, le=1, description="prune when slower than rho × the best feasible (and not better)")

@@ -113,7 +113,7 @@ def _completed(trials: list[TrialInfo]) -> list[TrialInfo]:
 
 def candidates(trials: list[TrialInfo]) -> list[TrialInfo]:
     """The trials the front and the recommendation are made of: feasible search trials that ran,
-    less any that drew the baseline's config (api/results.py `candidates`)."""
+    less any that drew the baseline's config (api/study `candidates`)."""
     return [t for t in _completed(trials) if t.role == "search" and not t.is_baseline and t.feasible
             and t.repeat_of is None and t.baseline_repeat_of is None]
 
@@ -139,7 +139,7 @@ def pareto_front(trials: list[TrialInfo], direction: str = "minimize",
 
 def chosen_by(study: StudyInfo, recommendation: Recommendation | None = None) -> str:
     """What picks the study's recommendation: "energy" ([energy, quality]) or "throughput"
-    (api/results.py `chosen_by`)."""
+    (api/study `chosen_by`)."""
     if recommendation is not None:
         return recommendation.chosen_by
     objectives = study.spec.objectives
@@ -215,7 +215,7 @@ def _geomean(values: list[float]) -> float:
 def remeasured_points(study: StudyInfo, trials: list[TrialInfo],
                       recommendation: Recommendation | None = None) -> list[RemeasuredPoint]:
     """Every config the verdict re-measured, aggregated the way the verdict aggregates
-    (api/results.py `remeasurement`): throughput the geometric mean and quality the mean of a
+    (api/study `remeasurement`): throughput the geometric mean and quality the mean of a
     config's completed re-measurements; the baseline's runs are its re-measurements and, at the
     search's budget (remeasure.samples_factor 1), its seeds. Where the recommendation carries the
     verdict's inputs (`configs`) their numbers are taken as they are, with their status. The

@@ -24,7 +24,7 @@ A candidate is *certified* when both halves hold at the same sample budget:
 
 A candidate is *rejected* when either half is shown the other way (the speedup's interval
 lies below 1, or the quality difference's lower bound exceeds Δ), and *undecided* otherwise:
-the study then measures it again (api/results.py `verdict_state`).
+the study then measures it again (api/study `verdict_state`).
 
 Error rates. The study may look at its candidates after every round (sequential
 re-measurement) and tests up to top_k candidates, so each test runs at a level spent from

@@ -890,7 +890,7 @@ def discarded_measurements(trials: dict[int, dict[str, Any]],
 
 
 def trial_role(t: dict[str, Any]) -> str:
-    """A trial's role as the service reads it (api/results.py `role`): its "role" attr, else
+    """A trial's role as the service reads it (api/study `role`): its "role" attr, else
     baseline when is_baseline, else search. A search trial whose service was killed between
     Optuna's ask and writing its attrs has none of them (baselines and re-measurements are
     created with theirs in one commit), and the service re-runs it as a search trial."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import autotune.probe as probe_module
+from api.study.prune_rules import PruneRules, Reference, decide
 from autotune.gpu_telemetry import (
     ENERGY_METHODS,
     NVML_CALLS,
@@ -24,7 +25,6 @@ from autotune.gpu_telemetry import (
 )
 from autotune.probe import ProbeResult, ProbeSettings, run_probe
 from autotune.protocol import StudySpec, TrialResult
-from autotune.pruning import PruneRules, Reference, decide
 
 # --- the arithmetic ------------------------------------------------------------------------------
 
@@ -295,10 +295,14 @@ def test_an_energy_study_prunes_a_wasteful_trial_not_a_slow_one() -> None:
 
 def test_the_energy_benchmark_analyzes_its_committed_runs_again(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/energy.py analyze, on the raw documents inside bench/results/energy_h100.json (the
-    GPU steps need a GPU): the summary it writes is the committed one, and it draws the PNG."""
+    GPU steps need a GPU; its raw fields are in energy_h100.raw.json.gz, bench/resultfiles.py):
+    the summary it writes is the committed one, and it draws the PNG."""
     from helpers import ROOT, run_bench
 
-    committed = json.loads((ROOT / "bench" / "results" / "energy_h100.json").read_text())
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from resultfiles import load  # a bench module (bench/ is not a package)
+
+    committed = load(ROOT / "bench" / "results" / "energy_h100.json")
     (tmp_path / "counter.json").write_text(json.dumps(committed["counter"]))
     (tmp_path / "probes.json").write_text(json.dumps(committed["probes"]))
     dirs = []
@@ -314,7 +318,6 @@ def test_the_energy_benchmark_analyzes_its_committed_runs_again(tmp_path: Any, m
     assert again["probe_summary"] == committed["probe_summary"]
     assert [s["summary"] for s in again["studies"]] == [s["summary"] for s in committed["studies"]]
     assert (tmp_path / "out.png").stat().st_size > 0
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from energy import fast_stack  # the bench script (bench/ is not a package)
 
     assert fast_stack() == committed["probes"]["configs"]["fast-stack"]

@@ -8,9 +8,9 @@ import statistics
 import optuna
 import pytest
 
+from api.study.prune_rules import PruneRules, Reference, decide, loss_at
+from api.study.samplers import CONSTRAINT_ATTR, make_sampler, stored_constraint
 from autotune.gate import FAILED_CONSTRAINT, BaselineStats, Estimate, Gate, constraint_value, is_feasible
-from autotune.pruning import PruneRules, Reference, decide, loss_at
-from autotune.samplers import CONSTRAINT_ATTR, make_sampler, stored_constraint
 
 # -- gate ---------------------------------------------------------------------------------
 
@@ -109,7 +109,7 @@ def test_the_objectives_decide_what_a_slow_trial_is_worth() -> None:
     worse = [(100, 0.95), (200, 0.75)]
     assert not decide(worse, [300.0, 320.0], REF, PruneRules(throughput_counts=False)).prune
     # through the service's rules: a study's objectives set both switches
-    from api.pruning import rules_for
+    from api.study.pruning import rules_for
     from autotune.protocol import StudySpec
 
     only_speed = rules_for(StudySpec(name="s", objectives=["throughput"]))

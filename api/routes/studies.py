@@ -10,8 +10,8 @@ from typing import Any, Literal
 from fastapi import APIRouter, Path, Query, Response, status
 
 from api.deps import AdminAuth, ServiceDep
-from api.results import recommendation_yaml
 from autotune.protocol import NAME_PATTERN, Recommendation, StudyInfo, StudyList, StudySpec, TrialList
+from autotune.recommendation import recommendation_yaml
 
 router = APIRouter(prefix="/studies", tags=["studies"])
 

@@ -1,4 +1,4 @@
-"""Pruning on report: api.pruning.decide over a per-trial report cache and a per-study summary,
+"""Pruning on report: api.study.pruning.decide over a per-trial report cache and a per-study summary,
 and the decision stored on the report row and the trial."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from service_helpers import StudyFactory, complete, lease, probe_result
 from sqlalchemy import select
 
 from api.db import ReportRow
-from api.pruning import StudySummary, TrialReports, decide
 from api.service import TuningService
+from api.study.pruning import StudySummary, TrialReports, decide
 from autotune.protocol import StudySpec
 
 SPEC = StudySpec(name="s", probe={"samples": 1000})

@@ -24,7 +24,7 @@ from typing import Any
 import optuna
 from optuna.samplers import BaseSampler, NSGAIISampler, RandomSampler, TPESampler
 
-CONSTRAINT_ATTR = "constraint"  # the user attr holding the gate constraint value
+from api.outcome import CONSTRAINT_ATTR  # the user attr holding the gate constraint value
 
 ConstraintsFunc = Callable[[optuna.trial.FrozenTrial], Sequence[float]]
 

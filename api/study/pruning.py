@@ -1,7 +1,7 @@
 """Whether a running trial should stop early, from what its worker reported.
 
 Optuna's `Trial.report`/`should_prune` raise for multi-objective studies, so the decision
-is ours: `decide` delegates to `autotune.pruning.decide` (diverged · cannot reach the front ·
+is ours: `decide` delegates to `api.study.prune_rules.decide` (diverged · cannot reach the front ·
 predicts a gate failure) with a `Reference` built from a cheap per-study summary
 (`StudySummary`) that the service keeps in memory and updates when a trial completes: the
 best feasible throughput and its loss curve (and energy per sample), the lowest feasible
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune import pruning as rules_
+from api.study import prune_rules as rules_
 from autotune.protocol import StudySpec
 
 KEEP = rules_.KEEP

@@ -1,0 +1,86 @@
+"""Candidates (feasible search trials that ran, not the baseline's config again) and their ranking."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from api.study.feasibility import is_feasible
+from api.study.trials import (
+    TrialRecord,
+    baseline_repeat_of,
+    baseline_target,
+    first_attempts,
+    is_repeat,
+    knob_config,
+    metric,
+    retries,
+    role,
+)
+from autotune.protocol import StudySpec
+
+
+def candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
+    """The trials a recommendation may name: feasible search trials that ran (not a repeat of
+    another trial, not the baseline's config drawn again). Baseline seeds never are: a
+    baseline that happens to measure fastest is the baseline, not a finding."""
+    return [t for t in trials if role(t) == "search" and not is_repeat(t) and is_feasible(t, spec, gate)
+            and baseline_repeat_of(t, trials) is None]
+
+
+def search_done(spec: StudySpec, trials: Sequence[TrialRecord], max_trials: int) -> bool:
+    """Every baseline and search configuration the study may have is created and settled
+    (finished, and no lost one waits for a retry; retries do not count toward max_trials)."""
+    first = [t for t in trials if role(t) != "remeasure"]
+    state = retries(spec, first)
+    return len(first_attempts(first)) >= max_trials and all(t.finished for t in first) and not state.pending
+
+
+def remeasure_key(trial: TrialRecord) -> tuple[int, int] | None:
+    """(the trial re-measured, the round) of a remeasure trial; None for other trials. A trial
+    from before rounds existed is round 0."""
+    of, round_ = trial.user_attrs.get("remeasure_of"), trial.user_attrs.get("remeasure_round", 0)
+    if role(trial) != "remeasure" or not isinstance(of, int) or not isinstance(round_, int):
+        return None
+    return of, round_
+
+
+def chosen_by(spec: StudySpec) -> Literal["throughput", "energy"]:
+    """What ranks the candidates for re-measurement and the recommendation: throughput, unless
+    the study minimizes energy and does not optimise throughput (see the module docstring)."""
+    return "energy" if "energy" in spec.objectives and "throughput" not in spec.objectives else "throughput"
+
+
+RANK_METRIC = {"throughput": "throughput_samples_per_s", "energy": "energy_j_per_sample"}
+
+
+def ranked_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None
+                      ) -> list[tuple[float, TrialRecord]]:
+    """(score, trial) of the candidates that have the ranking metric (`chosen_by`), best first:
+    the fastest, or the lowest energy per sample; ties by trial number."""
+    by = chosen_by(spec)
+    sign = -1.0 if by == "throughput" else 1.0
+    ranked = [(v, t) for t in candidates(spec, trials, gate) if (v := metric(t, spec, RANK_METRIC[by])) is not None]
+    return sorted(ranked, key=lambda c: (sign * c[0], c[1].number))
+
+
+def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
+    """The configs to re-measure: the top_k *distinct* candidates by throughput, fastest first
+    (by energy per sample, lowest first, where energy picks: `chosen_by`; a config drawn twice
+    is re-measured once, for its first trial), then the baseline (its first completed seed), so
+    that every re-measured config is compared with the baseline at the same sample budget, in
+    the same interleaved rounds. Nothing when no candidate is feasible."""
+    if spec.remeasure.top_k <= 0 or gate is None:
+        return []
+    targets: list[TrialRecord] = []
+    seen: list[dict[str, Any] | None] = []
+    for _, t in ranked_candidates(spec, trials, gate):
+        config = knob_config(t)
+        if config is not None and config in seen:
+            continue
+        seen.append(config)
+        targets.append(t)
+        if len(targets) == spec.remeasure.top_k:
+            break
+    base = baseline_target(trials)
+    return [*targets, base] if targets and base is not None else targets

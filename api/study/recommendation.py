@@ -1,0 +1,285 @@
+"""The study's verdict: the certified pick, or the baseline's own config with the reason."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from api.study.feasibility import baseline_summary, gate_quality
+from api.study.front import chosen_by, ranked_candidates, search_done
+from api.study.remeasure import (
+    Remeasurement,
+    geomean,
+    judged_metric,
+    pooled_energy,
+    remeasurement,
+    run_values,
+    windows_of,
+)
+from api.study.trials import (
+    TrialRecord,
+    baseline_target,
+    baselines,
+    completed,
+    knob_config,
+    metric,
+    quality_name,
+    retries,
+)
+from autotune.config import KNOBS
+from autotune.gate import Estimate
+from autotune.protocol import ConfigVerdict, Recommendation, StudySpec
+from autotune.verdict import Judgement, Sample, t_ppf, welch
+
+
+class NoRecommendation(Exception):
+    """There is nothing to recommend yet; the message says why and what to wait for."""
+
+
+def baseline_failed_message(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> str | None:
+    """A message when every baseline seed finished without a result (the gate cannot be set)."""
+    summary = baseline_summary(spec, trials)
+    if summary.finished and summary.quality is None:
+        return (f"study {study_name!r} cannot recommend anything: every baseline run failed "
+                f"({'; '.join(summary.failures)}); the quality gate needs the baseline's "
+                f"{quality_name(spec, trials)}. "
+                "Fix the baseline config (spec.baseline) and submit a new study")
+    return None
+
+
+def _config_verdict(spec: StudySpec, target: TrialRecord, runs: Sequence[TrialRecord], role_: str, status: str,
+                    judgement: Judgement | None, reason: str = "") -> ConfigVerdict:
+    """One row of the verdict's inputs (Recommendation.configs)."""
+    thr = run_values(runs, spec, "throughput_samples_per_s")
+    qual = run_values(runs, spec, "quality")
+    logs = [math.log(v) for v in thr]
+    j = judgement
+    return ConfigVerdict(
+        trial_number=target.number, role=role_, status=status, reason=reason or (j.reason if j else ""),  # type: ignore[arg-type]
+        config=knob_config(target) or {}, n=len(thr), throughput_samples_per_s=geomean(thr),
+        throughput_sd_log=statistics.stdev(logs) if len(logs) > 1 else None, throughputs=thr,
+        quality_mean=statistics.fmean(qual) if qual else None,
+        quality_sd=statistics.stdev(qual) if len(qual) > 1 else None, qualities=qual,
+        speedup=j.ratio if j else None, speedup_ci_low=j.ratio_low if j else None,
+        speedup_ci_high=j.ratio_high if j else None, quality_diff=j.quality_diff if j else None,
+        quality_diff_ci_high=j.quality_high if j else None, quality_margin=j.margin if j else None,
+        alpha=j.alpha if j else None)
+
+
+def verdict_rows(spec: StudySpec, trials: Sequence[TrialRecord], rm: Remeasurement) -> list[ConfigVerdict]:
+    """The decision rule's inputs, the baseline first, then the candidates in rank order."""
+    rows = []
+    base = next((t for t in rm.targets if t.number == rm.baseline), None)
+    if base is not None:
+        rows.append(_config_verdict(spec, base, rm.base_runs, "baseline", "baseline", None,
+                                    f"{len(rm.base_runs)} runs at the judged budget"))
+    for t in rm.targets:
+        if t.number == rm.baseline:
+            continue
+        status = rm.status.get(t.number, "undecided")
+        why = rm.dropped.get(t.number, "") if status == "failed" else \
+            ("slower than a certified config: no longer measured" if status == "stopped" else "")
+        rows.append(_config_verdict(spec, t, rm.runs.get(t.number, []), "candidate", status,
+                                    rm.judgements.get(t.number), why))
+    return rows
+
+
+def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> Recommendation:
+    """The study's verdict once its re-measurement has finished: the fastest certified candidate
+    (the lowest energy per sample where energy picks: `chosen_by`), or, when none was
+    certified, the baseline's own config with certified False and the fastest uncertified
+    candidate beside it. With re-measurement off (remeasure.top_k 0) nothing is judged: the
+    baseline's config again, the search's fastest candidate as the uncertified one. Raises
+    NoRecommendation while there is nothing to say yet, or when the baseline failed."""
+    runs = baselines(trials)
+    if not runs:
+        raise NoRecommendation(f"study {study_name!r} has no recommendation yet: its baseline trial has not been "
+                               "leased; start a worker with the study's hardware class")
+    failed = baseline_failed_message(study_name, spec, trials)
+    if failed:
+        raise NoRecommendation(failed)
+    summary = baseline_summary(spec, trials)
+    if not summary.finished:
+        state = retries(spec, trials)
+        waiting = [t.number for t in runs if not t.finished or state.is_pending(t)]
+        raise NoRecommendation(f"study {study_name!r} has no recommendation yet: the baseline runs "
+                               f"({len(runs)}/{spec.baseline_seeds} started; waiting for trials {waiting}) have not "
+                               f"all finished; the quality gate needs their {quality_name(spec, trials)}")
+    assert summary.quality is not None
+    gate = gate_quality(spec, trials)
+    by = chosen_by(spec)
+    _, higher = judged_metric(spec)
+    scored_pool = ranked_candidates(spec, trials, gate)
+    search_over = search_done(spec, trials, spec.n_trials)
+    if not scored_pool and not search_over:
+        what = "a throughput" if by == "throughput" else "an energy per sample"
+        raise NoRecommendation(f"study {study_name!r} has no feasible search trial with {what} yet "
+                               "(baseline seeds are the reference, never a recommendation)")
+    rm = remeasurement(spec, trials, gate)
+    qname = quality_name(spec, trials)
+    if scored_pool and rm.pending:
+        score0, first = scored_pool[0]
+        so_far = (f"the fastest search trial so far is trial {first.number} at {score0:,.1f} samples/s"
+                  if by == "throughput" else
+                  f"the search trial with the lowest energy so far is trial {first.number} at {score0:.4g} J/sample")
+        raise NoRecommendation(
+            f"study {study_name!r} has no verdict yet: its top configs and the baseline are being re-measured "
+            f"(round {rm.rounds_done + 1} of at most {rm.round_limit}; {rm.probes} re-measurements so far); {so_far}")
+    base = baseline_target(trials)
+    assert base is not None
+    rows = verdict_rows(spec, trials, rm)
+    base_runs = rm.base_runs or [t for t in runs if completed(t) and not retries(spec, trials).superseded(t)]
+    certified = [r for r in rows if r.status == "certified"]
+    sign = 1.0 if higher else -1.0
+    caveats: list[str] = []
+    if certified:
+        pick_row = max(certified, key=lambda r: (sign * (r.throughput_samples_per_s or 0.0)
+                                                 if higher else sign * _energy_of(rm, r, spec), -r.trial_number))
+        outcome = "certified"
+        reason = (f"trial {pick_row.trial_number} is certified: {rm.judgements[pick_row.trial_number].reason} "
+                  f"(after {rm.rounds_done} round{'s' if rm.rounds_done != 1 else ''})")
+    else:
+        pick_row = None
+        if spec.remeasure.top_k <= 0:
+            outcome = "not_judged"
+            reason = ("nothing was judged: re-measurement is off (remeasure.top_k 0), so no config was shown faster "
+                      "beyond the noise; keep the baseline config, or turn re-measurement on")
+        elif not scored_pool:
+            outcome = "no_win"
+            reason = (f"no search trial kept the baseline's {qname} (none passed the quality gate); keep the baseline "
+                      "config, or widen the search")
+        elif any(r.status == "undecided" for r in rows):
+            outcome = "undecided"
+            reason = (f"no config was certified within the re-measure budget ({rm.rounds_done} rounds of at most "
+                      f"{rm.round_limit}): the fastest was neither shown faster and no worse nor shown otherwise; keep "
+                      "the baseline config, or raise remeasure.max_rounds or measure on a quieter host")
+        else:
+            outcome = "no_win"
+            whys = "; ".join(f"trial {r.trial_number}: {r.reason}" for r in rows if r.role == "candidate")
+            reason = f"no config beat the baseline: {whys}; keep the baseline config"
+    # the fastest uncertified candidate (what --uncertified prints)
+    others = [r for r in rows if r.role == "candidate" and r.status != "certified" and r.n > 0]
+    uncertified = max(others, key=lambda r: sign * (r.throughput_samples_per_s or 0.0)) if others else None
+    if uncertified is None and pick_row is None and scored_pool:
+        _, top = scored_pool[0]
+        uncertified = _config_verdict(spec, top, [top], "candidate", "undecided", None,
+                                      "not re-measured: the search's own measurement, flattered by being the fastest "
+                                      "of many (winner's curse)")
+    chosen = next(t for t in trials if t.number == (pick_row.trial_number if pick_row else base.number))
+    pick_runs = rm.runs.get(chosen.number, []) if pick_row else base_runs
+    base_row = rows[0] if rows and rows[0].role == "baseline" else _config_verdict(
+        spec, base, base_runs, "baseline", "baseline", None)
+    j = rm.judgements.get(chosen.number) if pick_row else None
+    thr = (pick_row.throughput_samples_per_s if pick_row else base_row.throughput_samples_per_s) \
+        or metric(chosen, spec, "throughput_samples_per_s") or 0.0
+    base_thr = base_row.throughput_samples_per_s
+    ci = _run_interval(run_values(pick_runs, spec, "throughput_samples_per_s"))
+    if ci is None:  # one run: the interval over its windows (which leaves out the run-to-run spread)
+        windows = [w for r in pick_runs for w in windows_of(r)]
+        ci = Estimate.for_rate(windows) if len(windows) >= 2 else None
+    run = pick_runs[-1] if pick_runs else chosen
+    notes = [str(n) for n in run.user_attrs.get("measurement_notes") or []]
+    energy = _energy_ratio(pick_runs, base_runs, spec) if pick_row else None
+    saves = None if energy is None or energy[2] is None else energy[2] < 1.0
+    methods = sorted({str(m) for r in [*pick_runs, *base_runs] if (m := r.user_attrs.get("energy_method"))})
+    peak = run.user_attrs.get("peak_mem_reserved_bytes")
+    quality = (pick_row.quality_mean if pick_row else base_row.quality_mean)
+    base_quality = base_row.quality_mean if base_row.quality_mean is not None else summary.quality.mean
+    base_sd = base_row.quality_sd if base_row.quality_sd is not None else summary.quality.std
+    margin = j.margin if j is not None and j.margin is not None else None
+    qsign = 1.0 if spec.quality_direction == "minimize" else -1.0
+    gate_used = base_quality + qsign * margin if margin is not None else gate
+    nrmse = qname == "val_nrmse"
+    config = chosen.user_attrs.get("config") or {}
+    if spec.remeasure.top_k <= 0 and scored_pool:
+        caveats.append("not re-measured (remeasure.top_k is 0): the search's own measurements, and the fastest of many "
+                       "noisy measurements is flattered by its luck (winner's curse)")
+    return Recommendation(
+        study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=chosen.number,
+        throughput_samples_per_s=thr, val_nrmse=quality if nrmse else None,
+        baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=base_quality if nrmse else None,
+        speedup=j.ratio if j and higher else (1.0 if pick_row is None else _ratio_of(thr, base_thr)),
+        gate_nrmse=gate_used if nrmse else None,
+        quality_metric=qname, quality_direction=spec.quality_direction, quality=quality,
+        baseline_quality=base_quality, baseline_quality_std=base_sd, gate_quality=gate_used,
+        peak_mem_reserved_bytes=int(peak) if isinstance(peak, (int, float)) and not isinstance(peak, bool) else None,
+        throughput_ci_low=ci.low if ci else None, throughput_ci_high=ci.high if ci else None,
+        remeasured=bool(pick_row), remeasure_rounds=len(pick_runs) if pick_row else 0,
+        round_throughputs=run_values(pick_runs, spec, "throughput_samples_per_s") if pick_row else [],
+        baseline_val_nrmse_std=base_sd if nrmse else None, baseline_seeds=len(base_runs),
+        measurement_notes=notes, caveats=caveats,
+        speedup_ci_low=j.ratio_low if j and higher else None, speedup_ci_high=j.ratio_high if j and higher else None,
+        beats_baseline=bool(pick_row) if higher else None,
+        verdict=_verdict_sentence(outcome, reason, j if higher else None),
+        quality_budget="remeasure" if spec.remeasure.samples_factor > 1 else "search",
+        search_quality=metric(chosen, spec, "quality"), search_gate_quality=gate,
+        search_throughput_samples_per_s=metric(chosen, spec, "throughput_samples_per_s"),
+        baseline_remeasured=rm.baseline is not None and bool(rm.runs.get(rm.baseline)),
+        chosen_by=by, energy_j_per_sample=pooled_energy(pick_runs, spec) if pick_row else None,
+        baseline_energy_j_per_sample=pooled_energy(base_runs, spec),
+        energy_ratio=energy[0] if energy else None, energy_ratio_ci_low=energy[1] if energy else None,
+        energy_ratio_ci_high=energy[2] if energy else None, saves_energy=saves,
+        energy_method=" + ".join(methods) or None,
+        energy_verdict=_energy_sentence(energy, saves) if energy else "",
+        certified=bool(pick_row), outcome=outcome, reason=reason, configs=rows,  # type: ignore[arg-type]
+        rounds_run=rm.rounds_done, max_rounds=rm.round_limit, remeasure_probes=rm.probes, uncertified=uncertified,
+    )
+
+
+def _ratio_of(pick: float | None, base: float | None) -> float | None:
+    """The pick's throughput over the baseline's (an energy-picked verdict's speedup, no interval)."""
+    return pick / base if pick and base else None
+
+
+def _run_interval(throughputs: Sequence[float]) -> Estimate | None:
+    """The 95 % interval of a config's throughput from its runs (the unit of replication):
+    Student t on the mean log throughput, around the geometric mean; None with fewer than 2 runs."""
+    if len(throughputs) < 2:
+        return None
+    logs = Sample.of([math.log(v) for v in throughputs])
+    half = t_ppf(0.975, logs.n - 1) * logs.sd / math.sqrt(logs.n)
+    return Estimate(math.exp(logs.mean), math.exp(logs.mean - half), math.exp(logs.mean + half), logs.n)
+
+
+def _energy_of(rm: Remeasurement, row: ConfigVerdict, spec: StudySpec) -> float:
+    return geomean(run_values(rm.runs.get(row.trial_number, []), spec, "energy_j_per_sample")) or math.inf
+
+
+def _energy_ratio(pick: Sequence[TrialRecord], base: Sequence[TrialRecord], spec: StudySpec
+                  ) -> tuple[float, float | None, float | None] | None:
+    """The pick's energy per sample over the baseline's (geometric means) with a Welch 95 % interval."""
+    p, b = run_values(pick, spec, "energy_j_per_sample"), run_values(base, spec, "energy_j_per_sample")
+    if not p or not b:
+        return None
+    ratio = (geomean(p) or 0.0) / (geomean(b) or 1.0)
+    if len(p) < 2 or len(b) < 2:
+        return ratio, None, None
+    d = welch(Sample.of([math.log(v) for v in p]), Sample.of([math.log(v) for v in b]))
+    low, high = d.bounds(0.025)
+    try:
+        return ratio, math.exp(low), math.exp(high)
+    except OverflowError:  # the runs spread too widely for a finite interval: the ratio alone
+        return ratio, None, None
+
+
+def _energy_sentence(energy: tuple[float, float | None, float | None], saves: bool | None) -> str:
+    ratio, low, high = energy
+    if low is None or high is None:
+        return f"{ratio:.2f}× the baseline's energy per sample; no confidence interval (fewer than 2 runs a side)"
+    interval = f"{ratio:.2f}× (95 % CI {low:.2f}–{high:.2f}×) the baseline's energy per sample"
+    if saves:
+        return f"{interval}: less energy beyond the noise"
+    if low > 1.0:
+        return f"{interval}: more energy beyond the noise"
+    return f"{interval}: not told apart from the baseline's beyond the noise"
+
+
+def _verdict_sentence(outcome: str, reason: str, j: Judgement | None) -> str:
+    """One sentence: the speedup with its interval and whether it is certified."""
+    if outcome == "certified" and j is not None and j.ratio is not None:
+        return (f"{j.ratio:.2f}× (interval {j.ratio_low:.2f}–{j.ratio_high:.2f}×) the baseline's throughput, "
+                "certified: faster beyond the noise and no worse")
+    if outcome == "certified":
+        return "certified: " + reason
+    return reason
