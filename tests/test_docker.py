@@ -1,4 +1,5 @@
-"""The container recipes: Dockerfile (service), docker/worker.Dockerfile, docker/compose.yaml.
+"""The container recipes: Dockerfile (service), docker/worker.Dockerfile, and the compose file
+(deploy/compose.yaml, the only one; tests/test_deploy.py checks it against the Compose schema).
 
 There is no Docker engine here, so nothing is built or run in a container. What can be
 checked without one is checked for real, from the files themselves, so a test breaks when a
@@ -9,9 +10,11 @@ recipe drifts from the code:
 * the service image is emulated: the files its build stage COPYs are installed the way its
   RUN lines do (``--no-deps``, requirements from docker/requirements.py), with torch made
   unimportable as it is in the image; then its ENTRYPOINT + CMD, its HEALTHCHECK and the
-  compose file's migrate, token and dashboard commands are run as written;
+  compose file's migrate, service, token and dashboard commands, through the entry point
+  that reads the database password from its secret file, are run as written;
 * the worker image's ENTRYPOINT + CMD parse and reach the CUDA check; its torch pin is valid;
-* the compose file's start order, healthchecks and published ports are what docs/deploy.md says.
+* the compose file's start order, healthchecks, published ports and password handling are
+  what docs/deploy.md says, and every `docker compose run` it documents is a real command.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -38,7 +42,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE_DOCKERFILE = ROOT / "Dockerfile"
 WORKER_DOCKERFILE = ROOT / "docker" / "worker.Dockerfile"
-COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
+COMPOSE_FILE = ROOT / "deploy" / "compose.yaml"
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -204,12 +208,19 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return _VARIABLE.sub(replace, text)
 
 
-COMPOSE_ENV = {"POSTGRES_PASSWORD": "pw-from-env"}
-
-
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(interpolate(COMPOSE_FILE.read_text(), COMPOSE_ENV if env is None else env))
+    data: dict[str, Any] = yaml.safe_load(interpolate(COMPOSE_FILE.read_text(), env or {}))
     return data
+
+
+SECRETS = "/run/secrets/"  # where compose mounts the files of its `secrets:`
+
+
+def compose_argv(service: dict[str, Any], secrets: Path, command: list[str] | None = None) -> list[str]:
+    """A compose service's entrypoint + command (or `command` instead, as `docker compose run
+    SERVICE ...` does), its secret files read from `secrets` instead of /run/secrets/."""
+    argv = [*service["entrypoint"], *(service["command"] if command is None else command)]
+    return [a.replace(SECRETS, f"{secrets}/") for a in argv]
 
 
 # --- hadolint ------------------------------------------------------------------------------------------
@@ -258,7 +269,8 @@ def test_every_copy_source_is_in_the_build_context(dockerfile: Path) -> None:
 
 def test_the_build_context_leaves_out_local_state() -> None:
     for path in (".venv/bin/python", ".git/HEAD", "autotune.db", "tests/test_docker.py", "bench/README.md",
-                 "demo-work/x", "api/__pycache__/main.cpython-311.pyc", "autotune.egg-info/PKG-INFO", "docker/.env"):
+                 "demo-work/x", "api/__pycache__/main.cpython-311.pyc", "autotune.egg-info/PKG-INFO", "docker/.env",
+                 "deploy/.env", "deploy/secrets/postgres_password", "deploy/secrets/worker_token"):
         assert not in_build_context(path), path
 
 
@@ -482,21 +494,31 @@ def start_and_wait(image: ServiceImage, processes: Processes, argv: list[str], l
 
 @pytest.mark.slow
 def test_the_compose_stack_runs_as_written_without_torch(image: ServiceImage, processes: Processes) -> None:
-    """compose's start order on the emulated service image (torch unimportable), on SQLite:
-    the migrate command; the image's ENTRYPOINT + CMD (0.0.0.0, so tokens are required) until
-    its HEALTHCHECK passes; the documented token bootstrap and a study submitted with it; the
-    dashboard's entrypoint + command on the same database, healthy and showing that study;
-    and once the service stops, its HEALTHCHECK fails."""
+    """compose's start order on the emulated service image (torch unimportable), on SQLite,
+    every command through the compose file's entrypoint (which exports the secret file's
+    password as PGPASSWORD): the migrate command; the service's command, the image's own
+    ENTRYPOINT + CMD (0.0.0.0, so tokens are required), until its HEALTHCHECK passes; the
+    documented token bootstrap and a study submitted with it; the dashboard's command on the
+    same database, healthy and showing that study; and once the service stops, its
+    HEALTHCHECK fails."""
     services = load_compose()["services"]
     db_env = {"AUTOTUNE_DB_URL": f"sqlite:///{image.root}/compose.db"}
     assert image.env["AUTOTUNE_DB_URL"] == f"sqlite:///{image.root}/var/lib/autotune/autotune.db"  # the default
+    secrets = image.root / "run-secrets"
+    secrets.mkdir()
+    (secrets / "postgres_password").write_text("0123abcd\n")
 
-    migrate = run_in(image, [*image.entrypoint, *services["migrate"]["command"]], db_env)
+    # the entry point hands the secret file's content to the command as PGPASSWORD, and runs it unchanged
+    seen = run_in(image, compose_argv(services["service"], secrets, ["sh", "-c", 'printf %s "$PGPASSWORD"']))
+    assert seen.returncode == 0 and seen.stdout == "0123abcd", (seen.stdout, seen.stderr)
+
+    migrate = run_in(image, compose_argv(services["migrate"], secrets), db_env)
     assert migrate.returncode == 0, migrate.stderr
 
+    assert services["service"]["command"] == [*image.entrypoint, *image.cmd]  # what `docker run IMAGE` runs
     port = free_port()
-    service = start_and_wait(image, processes, [*image.entrypoint, *with_port(image.cmd, port)], "serve.log",
-                             db_env, health_url_env(image, port), "the service")
+    service = start_and_wait(image, processes, with_port(compose_argv(services["service"], secrets), port),
+                             "serve.log", db_env, health_url_env(image, port), "the service")
     check = run_in(image, image.healthcheck, health_url_env(image, port))
     assert check.returncode == 0 and check.stdout.startswith("200 ") and '"status":"ok"' in check.stdout, check.stdout
 
@@ -504,7 +526,9 @@ def test_the_compose_stack_runs_as_written_without_torch(image: ServiceImage, pr
     url = f"http://127.0.0.1:{port}"
     spec = {"name": "docker", "space": "cpu", "hardware": "cpu", "n_trials": 2}
     assert HTTP.post(f"{url}/v1/studies", json=spec, timeout=30).status_code == 401
-    created = run_in(image, [*image.entrypoint, "token", "create", "--role", "admin", "--name", "me"], db_env)
+    bootstrap = next(c for c in documented_image_commands() if c[:5] == ["autotune", "token", "create", "--role",
+                                                                        "admin"])
+    created = run_in(image, compose_argv(services["service"], secrets, bootstrap), db_env)
     assert created.returncode == 0, created.stderr
     token = created.stdout.strip().splitlines()[-1].strip()
     r = HTTP.post(f"{url}/v1/studies", json=spec, headers={"Authorization": f"Bearer {token}"}, timeout=30)
@@ -512,14 +536,14 @@ def test_the_compose_stack_runs_as_written_without_torch(image: ServiceImage, pr
 
     dashboard = services["dashboard"]
     compose_url = services["service"]["environment"]["AUTOTUNE_DB_URL"]
-    command = [db_env["AUTOTUNE_DB_URL"] if arg == compose_url else arg for arg in dashboard["command"]]
-    assert command != dashboard["command"], "the dashboard no longer reads the service's database"
+    argv = compose_argv(dashboard, secrets)
+    command = [db_env["AUTOTUNE_DB_URL"] if arg == compose_url else arg for arg in argv]
+    assert command != argv, "the dashboard no longer reads the service's database"
     dashboard_port = free_port()
     command = with_port(command, dashboard_port)
     command[command.index("--host") + 1] = "127.0.0.1"  # nothing to publish here
     health = dashboard["environment"]["AUTOTUNE_HEALTH_URL"].replace(":8080/", f":{dashboard_port}/")
-    start_and_wait(image, processes, [*dashboard["entrypoint"], *command], "dashboard.log", {},
-                   {"AUTOTUNE_HEALTH_URL": health}, "the dashboard")
+    start_and_wait(image, processes, command, "dashboard.log", {}, {"AUTOTUNE_HEALTH_URL": health}, "the dashboard")
     studies = HTTP.get(f"http://127.0.0.1:{dashboard_port}/api/studies", timeout=30).json()["study_summaries"]
     assert [s["study_name"] for s in studies] == ["docker"]
 
@@ -574,43 +598,66 @@ def test_the_healthcheck_script_fails_on_a_503(tmp_path: Path) -> None:
 
 # --- compose --------------------------------------------------------------------------------------------
 
-def test_compose_needs_the_postgres_password_and_hard_codes_none() -> None:
-    with pytest.raises(ValueError, match="POSTGRES_PASSWORD"):
-        load_compose({})
-    text = COMPOSE_FILE.read_text()
-    assert "POSTGRES_PASSWORD:" in text and not re.search(r"POSTGRES_PASSWORD: [^$]", text)
-    compose = load_compose()
-    db_url = compose["services"]["service"]["environment"]["AUTOTUNE_DB_URL"]
-    assert db_url == "postgresql+psycopg://autotune:pw-from-env@postgres:5432/autotune"
-    assert compose["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == "pw-from-env"
+DB_SERVICES = ("migrate", "service", "dashboard")  # the services on the database, all from the service image
+
+
+def test_compose_reads_the_database_password_from_a_secret_file_only() -> None:
+    """No password in the compose file: PostgreSQL reads it from the secret file, and every
+    service on the database gets it through the entry point that exports that file as
+    PGPASSWORD; their database URL has none, and no environment variable holds one."""
+    services = load_compose()["services"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"] == f"{SECRETS}postgres_password"
+    assert "POSTGRES_PASSWORD" not in services["postgres"]["environment"]
+    for name in DB_SERVICES:
+        service = services[name]
+        assert "postgres_password" in service["secrets"], name
+        shell, flag, script, _ = service["entrypoint"]
+        assert [shell, flag] == ["sh", "-c"], name
+        assert f'PGPASSWORD="$(cat {SECRETS}postgres_password)"' in script and "export PGPASSWORD" in script, script
+        assert script.endswith('exec "$@"'), script  # the command runs as given, in the entry point's process
+        assert not any("PASSWORD" in key for key in service.get("environment", {})), name
+    url = services["service"]["environment"]["AUTOTUNE_DB_URL"]
+    assert urlsplit(url).scheme.startswith("postgresql") and urlsplit(url).password is None, url
+    assert services["migrate"]["environment"]["AUTOTUNE_DB_URL"] == url
+    assert url in services["dashboard"]["command"]
+    # the file's own text too: a URL written outside the anchors, or one with a ${VARIABLE} password
+    assert not re.search(r"://[^\s/@:'\"]+:(?:\$\{[^}]*\}|[^\s/@'\"])+@", COMPOSE_FILE.read_text())
 
 
 def test_compose_starts_in_order_postgres_migrate_service() -> None:
     services = load_compose()["services"]
     postgres_check = services["postgres"]["healthcheck"]["test"]
     assert postgres_check[0] == "CMD" and postgres_check[1] == "pg_isready"
-    assert services["migrate"]["command"] == ["db", "upgrade"]
+    assert services["migrate"]["command"] == ["autotune", "db", "upgrade"]
     assert services["migrate"]["restart"] == "no"
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     assert services["service"]["depends_on"] == {"postgres": {"condition": "service_healthy"},
                                                  "migrate": {"condition": "service_completed_successfully"}}
     # the service makes Optuna's tables at its start; the dashboard exits on a database without them
     assert services["dashboard"]["depends_on"] == {"service": {"condition": "service_healthy"}}
-    assert services["worker-gpu0"]["depends_on"] == {"service": {"condition": "service_healthy"}}
+    assert services["worker"]["depends_on"] == {"service": {"condition": "service_healthy"}}
 
 
 def test_compose_uses_the_images_and_their_commands() -> None:
+    """The database services build the service image and run its ENTRYPOINT + CMD (compose
+    must spell them out: an entrypoint of its own drops the image's CMD); the worker builds
+    docker/worker.Dockerfile and mounts the volume that image declares."""
     services = load_compose()["services"]
-    for name in ("migrate", "service", "dashboard"):
+    for name in DB_SERVICES:
         assert services[name]["build"] == {"context": "..", "dockerfile": "Dockerfile"}, name
         assert services[name]["image"] == "autotune:local"
-    assert "command" not in services["service"]  # the image's CMD, run by the emulation tests
-    worker = services["worker-gpu0"]
+        assert services[name]["entrypoint"] == services["service"]["entrypoint"], name
+    final = final_stage(read_dockerfile(SERVICE_DOCKERFILE))
+    image_argv = exec_form(only(final, "ENTRYPOINT").value) + exec_form(only(final, "CMD").value)
+    assert services["service"]["command"] == image_argv
+    worker = services["worker"]
     assert (COMPOSE_FILE.parent / worker["build"]["context"] / worker["build"]["dockerfile"]).resolve() \
         == WORKER_DOCKERFILE
     for service in services.values():
         if "build" in service:
             assert (COMPOSE_FILE.parent / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
+    volume = only(final_stage(read_dockerfile(WORKER_DOCKERFILE)), "VOLUME").value
+    assert "worker-cache:/var/cache/autotune" in worker["volumes"] and "/var/cache/autotune" in volume
 
 
 def published(service: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -627,44 +674,62 @@ def test_compose_publishes_the_service_everywhere_the_dashboard_on_loopback_and_
     services = load_compose()["services"]
     assert published(services["service"]) == [("0.0.0.0", "8000", "8000")]
     assert published(services["dashboard"]) == [("127.0.0.1", "8080", "8080")]
-    for name in ("postgres", "migrate", "worker-gpu0"):
+    for name in ("postgres", "migrate", "worker"):
         assert not published(services[name]), name
 
 
+def test_compose_publishes_the_service_on_loopback_behind_a_tls_proxy() -> None:
+    """docs/deploy.md's TLS setup: AUTOTUNE_PUBLISH=127.0.0.1:8000 in .env leaves the proxy the only way in."""
+    setting = re.search(r"AUTOTUNE_PUBLISH=(\S+?)\s*\"?\s*>> \.env", DEPLOY_DOC.read_text())
+    assert setting and setting.group(1) == "127.0.0.1:8000", "docs/deploy.md no longer sets AUTOTUNE_PUBLISH"
+    services = load_compose({"AUTOTUNE_PUBLISH": setting.group(1)})["services"]
+    assert published(services["service"]) == [("127.0.0.1", "8000", "8000")]
+    assert published(services["dashboard"]) == [("127.0.0.1", "8080", "8080")]
+
+
 def test_compose_worker_is_an_opt_in_gpu_service() -> None:
-    worker = load_compose()["services"]["worker-gpu0"]
+    """One service definition for every GPU (`--scale worker=N`; deploy/gpu-worker.sh gives
+    each replica its own GPU, tests/test_deploy.py runs it); the token from a secret file."""
+    worker = load_compose()["services"]["worker"]
     assert worker["profiles"] == ["gpu"]
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert device == {"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}
-    assert worker["command"] == ["--device", "cuda:0"]  # one GPU in the container: it is cuda:0
+    assert device == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    assert worker["entrypoint"][-1].endswith("/gpu-worker.sh")
+    assert worker["command"] == ["--token-file", f"{SECRETS}worker_token"] and worker["secrets"] == ["worker_token"]
     assert worker["environment"]["AUTOTUNE_API"] == "http://service:8000"
-    assert "AUTOTUNE_TOKEN" in worker["environment"]
+    assert "AUTOTUNE_TOKEN" not in worker["environment"]
     assert worker["shm_size"]
-    assert worker["volumes"] == ["worker-cache:/var/cache/autotune"]
-    assert "/var/cache/autotune" in only(final_stage(read_dockerfile(WORKER_DOCKERFILE)), "VOLUME").value
 
 
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+_COMPOSE_RUN = re.compile(r"docker compose run --rm (?:-T )?service ([^`\n>)]+?)\s*(?:`|>|\)|#|$)", re.M)
+
+
+def documented_compose_runs() -> list[list[str]]:
+    """The command of every `docker compose run --rm [-T] service ...` in docs/deploy.md and in
+    the compose file's header (the service's entry point runs it as given)."""
+    return [shlex.split(m) for m in _COMPOSE_RUN.findall(DEPLOY_DOC.read_text() + COMPOSE_FILE.read_text())]
 
 
 def documented_image_commands() -> list[list[str]]:
-    """The autotune arguments of every `docker compose run --rm service ...` in docs/deploy.md
-    and in the compose file's header (the service image's entry point is `autotune`)."""
-    text = DEPLOY_DOC.read_text() + COMPOSE_FILE.read_text()
-    return [shlex.split(m) for m in re.findall(r"docker compose run --rm service ([^`\n]+?)(?:`|\s*#|$)", text, re.M)]
+    """Those of them that are `autotune ...` commands."""
+    return [c for c in documented_compose_runs() if c[0] == "autotune"]
 
 
 def test_the_documented_image_commands_are_autotune_commands() -> None:
-    """Each documented `docker compose run --rm service VERB ... --option` names a real
-    subcommand and real options (checked with --help, so nothing is written)."""
+    """Each documented `docker compose run --rm service autotune VERB ... --option` names a
+    real subcommand and real options (checked with --help, so nothing is written); nothing
+    documented runs a bare VERB, which the entry point would try to exec as a program."""
     from typer.testing import CliRunner
 
     from autotune.cli import app
 
+    runs = documented_compose_runs()
+    assert {c[0] for c in runs} <= {"autotune", "sh"}, runs
     commands = documented_image_commands()
-    assert ["token", "create", "--role", "admin"] in [c[:4] for c in commands], commands
+    assert ["autotune", "token", "create", "--role", "admin"] in [c[:5] for c in commands], commands
     for argv in commands:
-        words = [w for w in argv if not w.startswith("-")]
+        words = [w for w in argv[1:] if not w.startswith("-")]
         verbs = words[:2] if words[0] in {"token", "db"} else words[:1]
         result = CliRunner().invoke(app, [*verbs, "--help"], env={"COLUMNS": "200"})
         assert result.exit_code == 0, (argv, result.output)
