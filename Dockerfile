@@ -2,7 +2,8 @@
 # The autotune service image: the REST API (`autotune serve`), its database migrations
 # (`autotune db upgrade`), token administration (`autotune token ...`) and optuna-dashboard.
 #   docker build -t autotune .
-#   docker run -p 8000:8000 -e AUTOTUNE_DB_URL=postgresql+psycopg://USER:PASSWORD@DBHOST/autotune autotune
+#   docker run -p 8000:8000 -e AUTOTUNE_DB_URL=postgresql+psycopg://USER@DBHOST/autotune -e PGPASSWORD autotune
+#   (the password in PGPASSWORD, or a ~/.pgpass / secret file: never in the URL, which `ps` and logs show)
 #   docker run --rm -e AUTOTUNE_DB_URL=... autotune token create --role admin
 # Without AUTOTUNE_DB_URL it serves a SQLite file in the /var/lib/autotune volume.
 # No torch here: the service never imports it (tests/test_docker.py checks that). GPU
