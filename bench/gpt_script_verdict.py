@@ -685,9 +685,10 @@ def cmd_run(args: argparse.Namespace) -> None:
 def cmd_loop(args: argparse.Namespace) -> None:
     """The loop timings alone, from an earlier run's JSON (its best.yaml / uncertified YAML)."""
     t_begin = time.time()
+    from resultfiles import load
     from studylib import environment
 
-    data = json.loads(Path(getattr(args, "from")).read_text())
+    data = load(getattr(args, "from"))  # whole: its raw fields too (bench/resultfiles.py)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpt-script-loop-"))
     work.mkdir(parents=True, exist_ok=True)
     study = data.get("study") or {}
@@ -768,7 +769,9 @@ def plot(data: dict[str, Any], png: Path) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    data = json.loads(Path(args.json).read_text())
+    from resultfiles import load
+
+    data = load(args.json)  # whole: its raw fields too (bench/resultfiles.py); --update writes it whole
     if args.db:  # the probes' data wait, from the study's SQLite file (runs that did not record it)
         data["study"]["probe_data_wait"] = probe_data_wait(Path(args.db))
         data["comparison"] = compare(data)

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resultfiles import load
 from studylib import run_cli
 
 HERE = Path(__file__).resolve().parent
@@ -163,7 +164,7 @@ def _medians(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def cmd_table(args: argparse.Namespace) -> None:
-    docs = [json.loads(Path(p).read_text()) for p in args.probes]
+    docs = [load(p) for p in args.probes]  # each whole (bench/resultfiles.py)
     table = {doc["preset"]: _medians(doc) for doc in docs}
     presets = list(table)
     names = list(dict.fromkeys(n for t in table.values() for n in t))
@@ -184,7 +185,7 @@ def cmd_table(args: argparse.Namespace) -> None:
                 cells.append(f"{row['throughput']:,.0f}{ratio}, {row['quality']:.4f}{graph}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for path in args.loops or []:
-        loop = json.loads(Path(path).read_text())
+        loop = load(path)
         probes = [r["throughput_samples_per_s"] for r in loop["runs"] if r["kind"] == "probe"
                   and r.get("throughput_samples_per_s")]
         loops = [r["throughput_samples_per_s"] for r in loop["runs"] if r["kind"] == "loop"

@@ -11,10 +11,10 @@ fixed overhead (process start → training loop, compile excluded).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
+from resultfiles import load
 from studylib import pyplot
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("results", type=Path)
     p.add_argument("--png", type=Path, default=None)
     args = p.parse_args()
-    doc = json.loads(args.results.read_text())
+    doc = load(args.results)  # its raw fields too (bench/resultfiles.py)
     rows = summarise(doc)
     print(markdown(rows))
     if args.png:

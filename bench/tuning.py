@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
+from resultfiles import load, unpacked
 from studylib import environment, free_port, hardware_class, pyplot, run_cli, wait_healthy
 
 from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
@@ -279,8 +280,8 @@ def random_search_distribution(result: dict[str, Any], budget_s: float, n: int =
 
 
 def analyze(args: argparse.Namespace) -> None:
-    root = Path(args.dir)
-    results = {p.name: strategy_result(p) for p in sorted(root.iterdir()) if (p / "state.json").exists()}
+    with unpacked(args.dir) as root:  # a folder of strategies, or its archive (bench/results/tuning_h100.tar.gz)
+        results = {p.name: strategy_result(p) for p in sorted(root.iterdir()) if (p / "state.json").exists()}
     oracle = results.get("oracle")
     best_oracle = oracle["pick"]["throughput"] if oracle and oracle["pick"] else None
     if "random" in results:  # random search's median at the same budget (resampled from its trials)
@@ -384,18 +385,20 @@ def _key(config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def top_configs(root: Path, top: int) -> list[dict[str, Any]]:
-    """The `top` fastest distinct feasible configs over every strategy's study under `root`."""
+    """The `top` fastest distinct feasible configs over every strategy's study under `root` (a folder,
+    or its archive: bench/results/tuning_h100 is read from tuning_h100.tar.gz)."""
     rows = []
-    for path in sorted(root.iterdir()):
-        if (path / "state.json").exists():
-            r = strategy_result(path)
-            gate = r["gate"]
-            rows += [{"strategy": path.name, "number": row["number"], "throughput": row["throughput"],
-                      "val_nrmse": row["val_nrmse"], "config": row["config"],
-                      "samples": r["spec"]["probe"].get("samples")}
-                     for row in r["rows"] if row["state"] == "COMPLETE" and not row["baseline"]
-                     and not row["failure_kind"] and row["throughput"] and gate is not None
-                     and row["val_nrmse"] <= gate]
+    with unpacked(root) as folder:
+        for path in sorted(folder.iterdir()):
+            if (path / "state.json").exists():
+                r = strategy_result(path)
+                gate = r["gate"]
+                rows += [{"strategy": path.name, "number": row["number"], "throughput": row["throughput"],
+                          "val_nrmse": row["val_nrmse"], "config": row["config"],
+                          "samples": r["spec"]["probe"].get("samples")}
+                         for row in r["rows"] if row["state"] == "COMPLETE" and not row["baseline"]
+                         and not row["failure_kind"] and row["throughput"] and gate is not None
+                         and row["val_nrmse"] <= gate]
     picked: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
     for row in sorted(rows, key=lambda r: -r["throughput"]):
         picked.setdefault(_key(row["config"]), row)
@@ -687,8 +690,8 @@ def fidelity_loop_cpu(pairs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def load_runs(paths: list[Path]) -> list[tuple[str, dict[str, Any]]]:
-    """Fidelity runs as (file name, document), in the order given."""
-    return [(path.name, json.loads(path.read_text())) for path in paths]
+    """Fidelity runs as (file name, document), in the order given (each whole: bench/resultfiles.py)."""
+    return [(path.name, load(path)) for path in paths]
 
 
 def fidelity_fine(runs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -875,14 +878,13 @@ def repeat_summary(paths: list[Path]) -> list[dict[str, Any]]:
     for path in paths:
         if path.suffix == ".jsonl":  # host_bound.sh: one probe per line, each run's first one "cold"
             named: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
-            for line in path.read_text().splitlines():
-                d = json.loads(line)
+            for d in load(path):
                 if d["variant"] == "cold" or not named:
                     named.append((f"batch {d['config']['batch_size']}", []))
                 named[-1][1].append((d["variant"], d["result"]))
         else:  # tuning.py cache-states
             named = [(f"{c['strategy']} #{c['number']}", [(p["state"], p) for p in c["probes"]])
-                     for c in json.loads(path.read_text())["configs"]]
+                     for c in load(path)["configs"]]
         for name, probes in named:
             values = [p["throughput_samples_per_s"] for _, p in probes if p.get("throughput_samples_per_s")]
             median = statistics.median(values)

@@ -60,7 +60,9 @@ intervals and the targets) and prints a markdown table. Each study is also appen
 <out>.partial.jsonl as it ends (removed once the JSON is written): --resume keeps those of a
 run that was killed, when its settings and the service's code (commit, changed service files)
 are the same. Exit status 0 whatever the rates (a calibration run reports, it does not judge);
-1 when a study did not finish.
+1 when a study did not finish. The committed results/verdict.json is that JSON split
+(bench/resultfiles.py): the summaries, each study's outcome in verdict.raw.json.gz; its
+recommendations, configs and trials are left out (a run writes them again).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from resultfiles import load
 from service_load import PG_ADMIN_URL, Server, bearer, create_tokens, fake_result, fresh_database
 from studylib import environment, pyplot
 
@@ -614,7 +617,7 @@ def progress_line(s: dict[str, Any], done: int, of: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report is not None:  # table and plot of an earlier run's JSON, nothing run
-        doc = json.loads(args.report.read_text())
+        doc = load(args.report)  # the committed one is split (bench/resultfiles.py); its summaries are in it
         plot(doc["summaries"], args.report.with_suffix(".png"))
         print(markdown_table(doc["summaries"]))
         return 0
