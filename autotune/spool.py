@@ -8,13 +8,27 @@ is on disk: a worker started on the same spool delivers it when the service answ
 (at its start, and before and after every lease; `Worker.deliver_spool`).
 
 Layout (default `default_spool_dir`; ``autotune worker --spool-dir DIR`` or
-$AUTOTUNE_SPOOL_DIR sets another)::
+$AUTOTUNE_SPOOL_DIR sets another): a folder per service identity, so that a worker reads
+only its own service's results (workers of several services may share a spool: one per
+user and host by default)::
 
-    DIR/trial-<id>-<hash>.json             waiting for the service (hash: service URL and id, worker
-                                           id, study, trial number, lease token)
-    DIR/rejected/trial-<id>-<hash>.json    the service will not take it; kept, with its reason
-    DIR/settled/trial-<id>-<hash>.json     empty: this trial's result was delivered (or refused for
-                                           good) lately; a lease of it handed out before is not run
+    DIR/<service id>/trial-<id>-<hash>.json           waiting for that service (hash: service URL and
+                                                      id, worker id, study, trial number, lease token)
+    DIR/<service id>/rejected/trial-<id>-<hash>.json  the service will not take it; kept, with its reason
+    DIR/<service id>/settled/trial-<id>-<hash>.json   empty: this trial's result was delivered (or
+                                                      refused for good) lately; a lease of it handed
+                                                      out before is not run
+    DIR/trial-<id>-<hash>.json, DIR/rejected/, DIR/settled/
+                                                      the same for a lease whose service's id is not
+                                                      known (made before any health answer, or by an
+                                                      older service), and the flat layout of older
+                                                      workers (every entry here, whatever its service)
+
+The folder is named by the service id (`Spool.folder`; an id that is not a plain name gets a
+hashed one). The top is read both ways: entries an older worker wrote there are found and
+delivered as before (they are not moved: an older worker on the same spool still finds them).
+``autotune spool list|deliver|clear`` shows the spool, delivers one service's results without
+a worker, and deletes entries (`inventory`, `belongs_to`, `deliver_entries`).
 
 Each file is a `SpoolEntry`: the service URL, the service id (GET /v1/health's ``service_id``,
 a UUID made with the service's tables; the lease names it), the trial id, study and trial
@@ -98,12 +112,13 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from autotune.client import (
     ApiError,
@@ -125,6 +140,7 @@ SETTLED = "settled"
 SETTLED_KEEP_S = 3600.0  # how long a settled trial's note is kept (a lease handed out before it comes back at once)
 FORMAT = 1
 COMPLETE_REFUSED_RETRY_S = 10.0  # how long the failure record that ends a refused result's lease is retried
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a service id used as is
 _ALREADY = re.compile(r"already completed(?: \(by worker (?P<who>'[^']*'|\"[^\"]*\")\))?")
 
 
@@ -226,13 +242,23 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _create(tmp: Path) -> IO[str]:
+    """Open the new file `tmp`, making its folder first (again, should an empty folder be pruned
+    by `Spool.prune` between the mkdir and the open)."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return open(tmp, "x", encoding="utf-8")
+    except FileNotFoundError:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        return open(tmp, "x", encoding="utf-8")
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write `text` to `path` so that a reader (or a crash) sees the old file or the whole new one:
     a temp file in the same directory, fsync, rename, fsync of the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "x", encoding="utf-8") as f:
+        with _create(tmp) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -243,35 +269,82 @@ def write_atomically(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def folder_name(service_id: str) -> str:
+    """The name of service `service_id`'s folder in a spool: the id itself (a UUID), or, for an
+    id that is not a plain file name (or is one of the spool's own folders), a hash of it."""
+    if _FOLDER_NAME.fullmatch(service_id) and service_id not in (REJECTED, SETTLED):
+        return service_id
+    return f"service-{hashlib.sha256(service_id.encode()).hexdigest()[:16]}"
+
+
+Services = Collection[str | None] | None  # the services whose folders to read (None: the unknown one); None: all
+State = Literal["pending", "settled", "rejected"]
+
+
+@dataclass
+class Kept:
+    """One result a spool holds (`Spool.inventory`): pending (waiting for its service), settled
+    (a pending file whose trial was delivered lately: a leftover the next delivery removes), or
+    rejected (the service will not take it: kept with its reason)."""
+
+    entry: SpoolEntry
+    state: State
+
+
 class Spool:
     """A spool directory (see the module docstring)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, log_unreadable: bool = True) -> None:
         self.root = Path(root)
-        self._unreadable_said: set[Path] = set()
+        self.unreadable: dict[Path, str] = {}  # files that are not entries (left alone; logged once) -> why
+        self.log_unreadable = log_unreadable  # False: the caller says them (`unreadable`)
+
+    def folder(self, service_id: str | None) -> Path:
+        """Where the results of service `service_id` lie (None: an unknown service's: the top)."""
+        return self.root / folder_name(service_id) if service_id else self.root
+
+    def path_of(self, entry: SpoolEntry) -> Path:
+        """Where `entry` is written while it waits (`put`)."""
+        return self.folder(entry.service_id) / entry.filename
 
     @property
     def rejected_dir(self) -> Path:
+        """The rejected/ folder of results of an unknown service (and of the flat layout)."""
         return self.root / REJECTED
 
     @property
     def settled_dir(self) -> Path:
+        """The settled/ folder of results of an unknown service (and of the flat layout)."""
         return self.root / SETTLED
+
+    def service_folders(self) -> list[Path]:
+        """The folders of the services this spool holds results of (or held)."""
+        try:
+            return sorted(p for p in self.root.iterdir()
+                          if p.is_dir() and not p.name.startswith(".") and p.name not in (REJECTED, SETTLED))
+        except OSError:
+            return []
+
+    def _folders(self, services: Services) -> list[Path]:
+        if services is None:
+            return [self.root, *self.service_folders()]
+        return list(dict.fromkeys(self.folder(s) for s in services))
 
     def settle(self, entry: SpoolEntry) -> None:
         """Note that `entry`'s trial is finished for its worker (see Settled in the module
         docstring); notes older than SETTLED_KEEP_S are removed meanwhile. A note that cannot
         be written is logged: it only guards against running a finished trial again."""
+        notes = self.folder(entry.service_id) / SETTLED
         try:
-            self.settled_dir.mkdir(parents=True, exist_ok=True)
-            (self.settled_dir / entry.filename).touch()
+            notes.mkdir(parents=True, exist_ok=True)
+            (notes / entry.filename).touch()
             cutoff = time.time() - SETTLED_KEEP_S
-            for note in self.settled_dir.iterdir():
+            for note in notes.iterdir():
                 with contextlib.suppress(FileNotFoundError):
                     if note.stat().st_mtime < cutoff:
                         note.unlink()
         except OSError as e:
-            log.warning("could not note in %s that %s is finished: %s", self.settled_dir, entry.label, e)
+            log.warning("could not note in %s that %s is finished: %s", notes, entry.label, e)
 
     def settled(self, api: str, worker_id: str, trial_id: int, study: str, number: int,
                 service_id: str | None, lease_token: str | None = None) -> bool:
@@ -281,15 +354,21 @@ class Spool:
         for sid in dict.fromkeys((service_id, None)):  # also a result spooled while the service's id was unknown
             probe = SpoolEntry(api=api.rstrip("/"), trial_id=trial_id, worker_id=worker_id, study=study,
                                number=number, result={}, service_id=sid, lease_token=lease_token)
-            with contextlib.suppress(OSError):
-                if (self.settled_dir / probe.filename).stat().st_mtime >= cutoff:
-                    return True
+            for notes in dict.fromkeys((self.folder(sid) / SETTLED, self.settled_dir)):  # and an older worker's
+                with contextlib.suppress(OSError):
+                    if (notes / probe.filename).stat().st_mtime >= cutoff:
+                        return True
         return False
 
+    def is_settled(self, entry: SpoolEntry) -> bool:
+        """Whether `entry`'s lease was finished lately by a delivery from this spool."""
+        return self.settled(entry.api, entry.worker_id, entry.trial_id, entry.study, entry.number, entry.service_id,
+                            entry.lease_token)
+
     def put(self, entry: SpoolEntry) -> Path:
-        """Write `entry` (replacing an older file of the same trial, service and worker); its path.
-        Raises OSError when the directory cannot be written."""
-        path = self.root / entry.filename
+        """Write `entry` into its service's folder (replacing an older file of the same lease);
+        its path. Raises OSError when the directory cannot be written."""
+        path = self.path_of(entry)
         write_atomically(path, entry.to_json())
         entry.path = path
         return path
@@ -304,18 +383,39 @@ class Spool:
             try:
                 entries.append(SpoolEntry.read(path))
             except ValueError as e:
-                if path.exists() and path not in self._unreadable_said:  # said once, and left alone
-                    self._unreadable_said.add(path)
-                    log.warning("%s; left in place", e)
+                if path.exists() and path not in self.unreadable:  # said once, and left alone
+                    self.unreadable[path] = str(e)
+                    if self.log_unreadable:
+                        log.warning("%s; left in place", e)
+        return entries
+
+    def pending(self, api: str | None = None, services: Services = None) -> list[SpoolEntry]:
+        """The entries waiting for delivery, oldest first: those of service URL `api` if given,
+        in the folders of `services` if given (None in it: the top, where an unknown service's
+        and an older worker's entries lie), else in every folder."""
+        entries = [e for folder in self._folders(services) for e in self._read_all(folder)]
+        if api is not None:
+            entries = [e for e in entries if e.api == api.rstrip("/")]
         return sorted(entries, key=lambda e: (e.spooled_at, e.trial_id))
 
-    def pending(self, api: str | None = None) -> list[SpoolEntry]:
-        """The entries waiting for delivery, oldest first (only those of service `api` if given)."""
-        entries = self._read_all(self.root)
-        return entries if api is None else [e for e in entries if e.api == api.rstrip("/")]
+    def rejected(self, services: Services = None) -> list[SpoolEntry]:
+        """The results the services would not take (of `services` if given), oldest first."""
+        entries = [e for folder in self._folders(services) for e in self._read_all(folder / REJECTED)]
+        return sorted(entries, key=lambda e: (e.spooled_at, e.trial_id))
 
-    def rejected(self) -> list[SpoolEntry]:
-        return self._read_all(self.rejected_dir)
+    def inventory(self, services: Services = None) -> list[Kept]:
+        """Every result the spool holds (of `services` if given): pending and settled ones
+        first, then the rejected ones, each oldest first."""
+        rows = [Kept(e, "settled" if self.is_settled(e) else "pending") for e in self.pending(services=services)]
+        return rows + [Kept(e, "rejected") for e in self.rejected(services)]
+
+    def settled_notes(self, services: Services = None) -> list[Path]:
+        """The settled/ notes (of `services` if given)."""
+        notes: list[Path] = []
+        for folder in self._folders(services):
+            with contextlib.suppress(OSError):
+                notes += sorted(p for p in (folder / SETTLED).iterdir() if p.is_file())
+        return notes
 
     def find(self, api: str, trial_id: int, worker_id: str) -> SpoolEntry | None:
         """The oldest pending entry of this trial id, service URL and worker, if there is one
@@ -328,12 +428,22 @@ class Spool:
             entry.path.unlink(missing_ok=True)
             _fsync_dir(entry.path.parent)
 
+    def prune(self) -> None:
+        """Remove the service folders (and rejected/, settled/ folders) left empty."""
+        for folder in self.service_folders():
+            for sub in (folder / REJECTED, folder / SETTLED, folder):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()  # only an empty one goes
+        for sub in (self.rejected_dir, self.settled_dir):
+            with contextlib.suppress(OSError):
+                sub.rmdir()
+
     def reject(self, entry: SpoolEntry, reason: str) -> Path:
-        """Move `entry` to rejected/ with `reason` (written first, then the pending file removed:
-        a crash in between leaves it in both places, never in neither); its new path."""
+        """Move `entry` to its service's rejected/ with `reason` (written first, then the pending
+        file removed: a crash in between leaves it in both places, never in neither); its new path."""
         pending = entry.path
         entry.reason, entry.rejected_at = reason, utc_now()
-        target = self.rejected_dir / entry.filename
+        target = self.folder(entry.service_id) / REJECTED / entry.filename
         if target.exists():  # an earlier rejected result of the same trial: keep both
             target = target.with_name(f"{target.stem}-{secrets.token_hex(3)}.json")
         write_atomically(target, entry.to_json())
@@ -545,3 +655,48 @@ def deliver(spool: Spool, client: Client, entry: SpoolEntry, retry_for_s: float 
     spool.settle(entry)  # first: a worker that finds the file gone finds the note
     spool.remove(entry)
     return Delivery("delivered", f"→ {info.state}", info=info)
+
+
+def belongs_to(entry: SpoolEntry, api: str, service_id: str | None) -> bool:
+    """Whether `entry` is a result for the service at `api` that shows `service_id`: an entry of
+    that service id (whatever the URL it was leased at: the id names the database), or, where
+    either id is unknown (an older worker's entry, an older service), one leased at that URL."""
+    if entry.service_id is None or service_id is None:
+        return entry.api == api.rstrip("/")
+    return entry.service_id == service_id
+
+
+def deliver_entries(spool: Spool, client: Client, entries: list[SpoolEntry], service_id: str | None,
+                    retry_for_s: float | None,
+                    interruptible: bool | None = True) -> Iterator[tuple[SpoolEntry, Delivery]]:
+    """Offer `entries` to the service at `client`, which shows `service_id` now, in turn: each
+    held for its delivery (`Spool.claim`: one another deliverer holds is skipped), checked
+    (`misplaced`; each study's trials read once) and delivered (`deliver`); yields what became
+    of each. The caller stops when no other delivery would fare better (an unreachable service,
+    a refused token). The worker's delivery round and ``autotune spool deliver``."""
+    listings: dict[str, Listing] = {}  # the studies' trials, read once
+    for entry in entries:
+        with spool.claim(entry) as mine:
+            if not mine:
+                continue  # another worker on this spool is delivering it (or has)
+            outcome = misplaced(client, entry, service_id, retry_for_s, listings, interruptible=interruptible) or \
+                deliver(spool, client, entry, retry_for_s, interruptible=interruptible)
+        yield entry, outcome
+
+
+def spool_command(root: Path, verb: str = "list") -> str:
+    """The command line that runs ``autotune spool VERB`` on the spool at `root` (--spool-dir
+    only where it is not the default one)."""
+    try:
+        default = Path(root).resolve() == default_spool_dir().resolve()
+    except OSError:
+        default = False
+    return f"autotune spool {verb}" + ("" if default else f" --spool-dir {shlex.quote(str(root))}")
+
+
+def services_named(entries: list[SpoolEntry], most: int = 3) -> str:
+    """The services `entries` belong to, in words: 'service ID at URL' (the URL alone for an
+    entry without an id), the first `most` of them, then how many more."""
+    names = list(dict.fromkeys(f"service {e.service_id} at {e.api}" if e.service_id else e.api for e in entries))
+    more = f", and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more

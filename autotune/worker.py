@@ -9,8 +9,9 @@ worker leases only studies whose ``gpus_per_trial`` equals its own (the lease re
 it; pinned with --study to another world size, the service answers 422 naming the fix).
 The loop of one group (`Worker.run`):
 
-spool     first, results not yet delivered (`autotune.spool`: a directory, one JSON file per
-          result) are handed in, at the worker's start and around every lease.
+spool     first, results not yet delivered (`autotune.spool`: a folder per service id, one JSON
+          file per result) are handed in, at the worker's start and around every lease; only the
+          folder of the service answering (and the top, for an unknown service's) is read.
 lease     POST /v1/trials/lease with the worker's hardware class, its allow-list (the service
           offers it only studies of those workloads; a --study of another workload is a 422
           naming the fix) and the study, if given.
@@ -132,13 +133,16 @@ from autotune.probe_child import ChildJob
 from autotune.protocol import ANOTHER_LEASE, LeaseRequest, TrialLease
 from autotune.spool import (
     Delivery,
-    Listing,
+    Services,
     Spool,
     SpoolEntry,
     default_spool_dir,
     deliver,
+    deliver_entries,
     misplaced,
     service_identity,
+    services_named,
+    spool_command,
     unauthorized_hint,
 )
 from autotune.workloads import (
@@ -1215,6 +1219,7 @@ class Worker:
         self._spool_later: dict[Path, float] = {}  # spooled results the service would not take yet → when to retry
         self._spool_said: set[tuple[Path, str]] = set()  # (file, why) kept-notices said once
         self._later_for: str | None = None  # the service id that `_spool_later` was decided by
+        self._elsewhere_for: str | None = None  # the service id other services' results were last counted for
         self.service_id: str | None = None  # the service's id as of the last lease (GET /v1/health; None: unknown)
         self.signal_name: str | None = None
         self.signal_number: int | None = None
@@ -1278,10 +1283,11 @@ class Worker:
             self.console.print(f"  [yellow]{len(mine)} undelivered result(s) for this service in the spool[/] "
                                f"({escape(', '.join(e.label for e in mine[:5]))}{', …' if len(mine) > 5 else ''}): "
                                "delivering them before any new trial")
-        if len(pending) > len(mine):
-            services = sorted({e.api for e in pending if e.api != self.client.base_url})
-            self.console.print(f"  {len(pending) - len(mine)} spooled result(s) for other services "
-                               f"({escape(', '.join(services))}) are left for workers with that --api")
+        others = [e for e in pending if e.api != self.client.base_url]
+        if others:  # one line: which services, and the command that shows them
+            names = escape(services_named(others))
+            self.console.print(f"  {len(others)} spooled result(s) for other services ({names}) are left for workers "
+                               f"with that --api: {escape(spool_command(self.spool.root))}")
 
     def run(self) -> int:
         """Serve trials until told to stop; the exit status (128 + signal when interrupted,
@@ -1420,15 +1426,24 @@ class Worker:
             self.service_id = None
         return self.service_id
 
+    def _services(self, service_id: str | None) -> Services:
+        """The spool folders this worker reads for a service that shows `service_id`: that
+        service's and the top (an unknown service's, and an older worker's); all where the id is
+        unknown (matched by URL)."""
+        return None if service_id is None else (service_id, None)
+
     def deliver_spool(self, retry_for_s: float | None = SPOOL_RETRY_S) -> bool:
-        """Hand in the spooled results of this service, oldest first (`autotune.spool.deliver`),
+        """Hand in the spooled results of this service, oldest first (`autotune.spool.deliver_entries`),
         each only if it belongs here: the service shows the entry's service id, and its study
-        holds the trial (`autotune.spool.misplaced`). False when the service could not be
-        reached (the rest wait for the next round). A result the service would not take yet
-        (401, a trial it does not know, another service's) is offered again after
-        SPOOL_RECHECK_S; a 401 ends the round (no other delivery would fare better)."""
-        pending = self.spool.pending(self.client.base_url)
-        if not pending:
+        holds the trial (`autotune.spool.misplaced`). Only this service's folder of the spool
+        (and its top) is read; the results of other services leased at this URL (the service
+        restarted on another database) are counted in one line, once per service answering.
+        False when the service could not be reached (the rest wait for the next round). A
+        result the service would not take yet (401, a trial it does not know, another
+        service's) is offered again after SPOOL_RECHECK_S; a 401 ends the round (no other
+        delivery would fare better)."""
+        pending = self.spool.pending(self.client.base_url, self._services(self.service_id))
+        if not pending and self.service_id == self._elsewhere_for:
             return True
         try:
             current = service_identity(self.client, retry_for_s)
@@ -1437,15 +1452,14 @@ class Worker:
         if current != self._later_for:  # another service answers now: what the last one would not take may go in
             self._spool_later.clear()
             self._later_for = current
+        if current != self._elsewhere_for:
+            self._elsewhere_for = current
+            self._say_elsewhere(current)
+        if current != self.service_id:
+            pending = self.spool.pending(self.client.base_url, self._services(current))
         now = time.monotonic()
         entries = [e for e in pending if e.path is None or self._spool_later.get(e.path, 0.0) <= now]
-        listings: dict[str, Listing] = {}  # the studies' trials, read once this round
-        for entry in entries:
-            with self.spool.claim(entry) as mine:
-                if not mine:
-                    continue  # another worker on this spool is delivering it (or has)
-                outcome = misplaced(self.client, entry, current, retry_for_s, listings) or \
-                    deliver(self.spool, self.client, entry, retry_for_s, interruptible=True)
+        for entry, outcome in deliver_entries(self.spool, self.client, entries, current, retry_for_s):
             self._say_delivery(entry, outcome, spooled=True)
             if outcome.status == "unreachable":
                 return False
@@ -1454,6 +1468,19 @@ class Worker:
                 if outcome.unauthorized:
                     break
         return True
+
+    def _say_elsewhere(self, current: str | None) -> None:
+        """One line on the results in the spool that were leased at this URL from another service
+        than `current` (its folder is not read by the delivery rounds): they wait for it."""
+        if current is None:
+            return
+        elsewhere = [e for e in self.spool.pending(self.client.base_url) if e.service_id not in (None, current)
+                     and e.path is not None and e.path.parent != self.spool.root]  # the top's are said one by one
+        if elsewhere:
+            self.console.print(f"  [yellow]{len(elsewhere)} spooled result(s) of {escape(services_named(elsewhere))} "
+                               f"wait for that service[/]: the service at {escape(self.client.base_url)} is service "
+                               f"{escape(current)} now (another database); they are delivered when theirs answers "
+                               f"there again: {escape(spool_command(self.spool.root))}")
 
     def _deliver_instead(self, lease: TrialLease) -> bool:
         """True when `lease` is a trial this worker must not run: its result is in the spool (the
@@ -1470,7 +1497,8 @@ class Worker:
                                "not run again (a lease of it handed out before the delivery)")
             self.stop_event.wait(1.0)  # the service ends the lease with the delivery; should it not, ask later
             return True
-        entry = next((e for e in self.spool.pending(self.client.base_url) if e.worker_id == self.worker_id and
+        entry = next((e for e in self.spool.pending(self.client.base_url, self._services(self.service_id))
+                      if e.worker_id == self.worker_id and
                       e.is_lease(lease.trial_id, lease.study, lease.number, self.service_id, lease.lease_token)),
                      None)
         if entry is None:
@@ -1523,7 +1551,7 @@ class Worker:
                                f"{escape(str(self.spool.root))} ({escape(', '.join(e.label for e in pending[:5]))}"
                                f"{', …' if len(pending) > 5 else ''}): a worker started with --spool-dir "
                                f"{escape(str(self.spool.root))} delivers them when the service at "
-                               f"{escape(self.client.base_url)} answers")
+                               f"{escape(self.client.base_url)} answers ({escape(spool_command(self.spool.root))})")
 
     # --- one trial ------------------------------------------------------------------------------
 
@@ -1740,8 +1768,8 @@ class Worker:
         entry = SpoolEntry(api=self.client.base_url, trial_id=lease.trial_id, worker_id=self.worker_id,
                            study=lease.study, number=lease.number, result=result, service_id=run.service_id,
                            lease_token=lease.lease_token)
-        if (self.spool.root / entry.filename).exists():
-            entry.path = self.spool.root / entry.filename  # written ahead (`_write_ahead`)
+        if self.spool.path_of(entry).exists():
+            entry.path = self.spool.path_of(entry)  # written ahead (`_write_ahead`)
         return entry
 
     def _write_ahead(self, run: TrialRun) -> None:

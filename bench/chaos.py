@@ -101,6 +101,8 @@ import httpx
 from service_load import fresh_database, pg_server_version
 from studylib import environment, free_port, http
 
+from autotune.spool import Spool
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "autotune.cli"]
 STUDY = "chaos"
@@ -207,7 +209,11 @@ def spool_files(spool: Path) -> dict[str, list[dict[str, Any]]]:
                 out.append(json.loads(path.read_text()))
         return out
 
-    return {"pending": read(spool), "rejected": read(spool / "rejected")}
+    # the top (results of a service not known yet, and the layout before per-service folders) and
+    # each service's folder (autotune.spool: <spool>/<service_id>/, its rejected/ inside)
+    folders = [spool, *Spool(spool).service_folders()]
+    return {"pending": [e for f in folders for e in read(f)],
+            "rejected": [e for f in folders for e in read(f / "rejected")]}
 
 
 def count(trials: list[dict[str, Any]], logs: dict[str, str], spool: Path, n_trials: int,

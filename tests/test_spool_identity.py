@@ -383,6 +383,8 @@ def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(proces
     wait_until(lambda: service.trials("other")[0]["state"] == "COMPLETE", 120, "other's trial 0 to complete")
     (theirs,) = service.trials("other")
     assert theirs["throughput_samples_per_s"] != kept.result["throughput_samples_per_s"]  # its own measurement
+    # the worker removes B's own write-ahead file just after its complete: wait for that, then one is left
+    wait_until(lambda: len(Spool(spool).pending()) == 1, 60, "the spool to hold the kept result alone")
     (still,) = Spool(spool).pending()
     assert still.result == kept.result and Spool(spool).rejected() == []
     # the worker offers its spool when it is idle (or after the outage it saw): it names where the result belongs
@@ -436,6 +438,8 @@ def test_a_backup_with_a_study_of_the_same_name_never_gets_the_originals_result(
     assert theirs["throughput_samples_per_s"] != kept.result["throughput_samples_per_s"]  # its own measurement
     where = f"it belongs to service {kept.service_id} at {service.url}, study 'rel', trial 0 (id 1)"
     wait_until(lambda: where in " ".join(log_text(worker).split()), 90, "the worker to say where the result belongs")
+    # the worker removes B's own write-ahead file just after its complete: wait for that, then one is left
+    wait_until(lambda: len(Spool(spool).pending()) == 1, 60, "the spool to hold the kept result alone")
     (still,) = Spool(spool).pending()
     assert still.result == kept.result and Spool(spool).rejected() == []  # kept, not delivered, not rejected
 
