@@ -194,8 +194,9 @@ def probe(
         settings = ProbeSettings(samples=samples, seed=seed, warmup_steps=warmup_steps, windows=windows,
                                  timeout_s=timeout, trace_path=str(trace) if trace else None, trace_steps=trace_steps,
                                  quiesce_compile_workers=not keep_compile_workers)
-        with stdout_to_stderr():  # the workload's prints (its DataLoader workers' too) stay off the result
-            result = run_probe(workload, cfg, preset=preset, device=device, settings=settings)
+        with stdout_to_stderr(), _probe_progress() as on_progress:  # the workload's prints stay off the result
+            result = run_probe(workload, cfg, preset=preset, device=device, settings=settings,
+                               on_progress=on_progress)
     except ConfigError as e:
         raise usage_error(str(e)) from None
     except (UnknownWorkloadError, ValueError) as e:
@@ -220,6 +221,33 @@ TokenFileOption = Annotated[Path | None, typer.Option("--token-file", help="Read
                                                                           "(its first line); one only you can read "
                                                                           "(chmod 600): a file of yours that group "
                                                                           "or others may access is refused.")]
+
+
+@contextmanager
+def _probe_progress() -> Iterator[Any]:
+    """An on_progress for `autotune probe`, on stderr: a live line on a terminal (every window),
+    one line per phase otherwise (a log, a pipe)."""
+    import time
+
+    from autotune.worker import describe_progress
+
+    started = time.monotonic()
+    last: list[str] = []
+
+    def line(progress: dict[str, Any]) -> str:
+        return f"probe: {describe_progress(progress)} ({time.monotonic() - started:.0f} s)"
+
+    if err.is_terminal:
+        with err.status("probe: setup") as status:
+            yield lambda phase, info: status.update(line({"phase": phase, **info}))
+        return
+
+    def print_phase(phase: str, info: dict[str, Any]) -> None:
+        if phase != "window" and last != [phase]:
+            last[:] = [phase]
+            err.print(line({"phase": phase, **info}), highlight=False, markup=False, soft_wrap=True)
+
+    yield print_phase
 
 
 def check_token_file_mode(token_file: Path) -> None:

@@ -134,6 +134,11 @@ MIN_WINDOWS = 5
 
 # on_report(step, metrics) -> True to stop the probe now (the caller decided to prune it)
 ReportCallback = Callable[[int, dict[str, float]], bool]
+# on_progress(phase, info): where the probe is, for a person watching: phase "setup", "warm-up",
+# "timed windows", "window" (after each), "untimed tail", "validation"; info: samples done and in
+# all ("samples", "total_samples"), and where known "window"/"windows", "eta_s" (the training
+# left at the timed windows' rate; validation not counted). Rank 0 only; never raises into the probe.
+ProgressCallback = Callable[[str, dict[str, Any]], None]
 
 
 @dataclass
@@ -447,6 +452,7 @@ def run_probe(
     device: str | torch.device = "cpu",
     settings: ProbeSettings | None = None,
     on_report: ReportCallback | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> ProbeResult:
     """Train `config` on `workload` for the sample budget and measure it.
 
@@ -482,7 +488,7 @@ def run_probe(
     )
     notes: Notes = {}
     try:
-        _run(wl, cfg, dev, settings, result, notes, on_report, t_begin, total, warm, n_windows, per)
+        _run(wl, cfg, dev, settings, result, notes, on_report, t_begin, total, warm, n_windows, per, on_progress)
     except Exception as exc:  # every failure becomes a record
         kind, message = classify_exception(exc)
         log.debug("probe failed: %s", traceback.format_exc())
@@ -557,8 +563,17 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
 
 def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSettings, result: ProbeResult,
          notes: Notes, on_report: ReportCallback | None, t_begin: float, total: int, warm: int, n_windows: int,
-         per: int) -> None:
+         per: int, on_progress: ProgressCallback | None = None) -> None:
     deadline = None if settings.timeout_s is None else t_begin + settings.timeout_s
+
+    def progress(name: str, **info: Any) -> None:
+        if on_progress is not None and (world_size() == 1 or torch.distributed.get_rank() == 0):
+            try:
+                on_progress(name, info)
+            except Exception:  # a display must never fail a measurement
+                log.debug("progress callback failed", exc_info=True)
+
+    progress("setup")
 
     def check_deadline(phase: str) -> None:
         if deadline is not None and time.perf_counter() > deadline:
@@ -620,6 +635,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     meter: EnergyMeter | None = None
     try:
         # --- warm-up: compile, CUDA-graph capture, autotuning; timed apart ---
+        progress("warm-up", steps=warm, samples=0, total_samples=total * eff)
         t0 = time.perf_counter()
         warm_losses = []
         traced = min(settings.trace_steps, warm // 2) if settings.trace_path and rank == 0 else 0
@@ -665,6 +681,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         telemetry = GpuTelemetry.open(dev)
         meter = EnergyMeter.open(telemetry)
         window_joules: list[list[float | None]] = []  # per window: each rank's GPU
+        progress("timed windows", windows=n_windows, samples=warm * eff, total_samples=total * eff,
+                 warmup_s=round(result.warmup_s, 3))
         for w in range(n_windows):
             sync.barrier()  # several ranks: a window starts when every rank is ready
             h0 = time.perf_counter()
@@ -707,6 +725,8 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 # own is coarse (the counter's step, 0.1 s on the H100, against windows of a few tenths)
                 metrics["energy_j_per_sample"] = (sum(j or 0.0 for joules in window_joules for j in joules)
                                                   / (len(window_joules) * per * eff))
+            progress("window", window=w + 1, windows=n_windows, samples=step * eff, total_samples=total * eff,
+                     eta_s=round((total - step) * sum(seconds) / max(1, step - warm), 1))
             stop = on_report is not None and on_report(step, metrics)
             if sync.from_rank0(stop):  # rank 0 alone reports: its decision stops every rank at once
                 result.stopped_early = True
@@ -727,6 +747,9 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                     "finer")
         if not result.stopped_early:
             # --- leftover steps: trained (equal sample budget) but not timed ---
+            if total > step:
+                progress("untimed tail", samples=step * eff, total_samples=total * eff,
+                         eta_s=round((total - step) * sum(seconds) / max(1, step - warm), 1))
             tail = []
             for _ in range(total - step):
                 tail.append(trainer.step(next_micro_batches()))
@@ -759,6 +782,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
 
     # --- validation in fp32 on a fresh eager model holding the trained weights ---
     check_deadline("validation")
+    progress("validation", samples=total * eff, total_samples=total * eff)
     trained = full_state_dict(plain_model, cfg) if world > 1 else plain_model.state_dict()
     if rank == 0:  # once: every rank holds the same weights
         with dev:

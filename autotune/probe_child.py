@@ -10,6 +10,8 @@ stdin   one JSON object (`ChildJob.to_json`): workload, preset, config, device, 
 stdout  JSON lines, nothing else:
           {"type": "report", "step": S, "metrics": {"samples": .., "loss": .., "throughput": .., "window": ..}}
             after every timed window;
+          {"type": "progress", "phase": P, "samples": .., "total_samples": .., ...} at every phase
+            and window (autotune.probe.ProgressCallback: what the worker shows a person);
           {"type": "result", "result": ProbeResult.to_dict()}  exactly once, last.
 stderr  everything else (logging, warnings, library chatter). File descriptor 1 is pointed
         at stderr before torch is imported, so stray prints cannot corrupt the protocol.
@@ -175,13 +177,16 @@ def run_job(job: ChildJob, out: ProtocolWriter, stop: threading.Event) -> dict[s
         out.write({"type": "report", "step": step, "metrics": metrics})
         return stop.is_set()
 
+    def on_progress(phase: str, info: dict[str, Any]) -> None:
+        out.write({"type": "progress", "phase": phase, **info})
+
     spec = job.probe
     try:
         settings = ProbeSettings(samples=spec.get("samples"), seed=int(spec.get("seed", 0)),
                                  warmup_steps=int(spec.get("warmup_steps", 5)), windows=int(spec.get("windows", 8)),
                                  timeout_s=spec.get("timeout_s"))
         result = run_probe(job.workload, job.config, preset=job.preset, device=job.device, settings=settings,
-                           on_report=on_report)
+                           on_report=on_report, on_progress=on_progress)
         return result.to_dict()
     except Exception as exc:  # a config the probe refuses, an unknown workload, ...: a recorded failure
         if isinstance(exc, ConfigError):

@@ -824,6 +824,8 @@ class ProbeProcess:
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "report" and isinstance(message.get("metrics"), dict):
                 self.events.put(("report", message))
+            elif kind == "progress" and isinstance(message.get("phase"), str):
+                self.events.put(("progress", message))
             elif kind == "result" and isinstance(message.get("result"), dict):
                 self.events.put(("result", message["result"]))
             else:
@@ -1101,10 +1103,36 @@ class TrialRun:
     rank_failure: dict[str, Any] | None = None  # a distributed probe's earliest rank failure record
     courier: Courier | None = None  # carried its reports and heartbeats
     child_ended: float | None = None  # monotonic time the monitor saw the child's stdout end
+    progress: dict[str, Any] | None = None  # the probe's last progress message (phase, samples, ETA)
 
     @property
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
+
+
+def progress_text(lease: TrialLease, elapsed_s: float, progress: dict[str, Any] | None) -> str:
+    """Where a trial's probe is, in one line (`describe_progress`), with the seconds so far."""
+    return f"trial {lease.number} of {lease.study}: {describe_progress(progress)} ({elapsed_s:.0f} s)"
+
+
+def describe_progress(progress: Mapping[str, Any] | None) -> str:
+    """A probe's progress message (autotune.probe.ProgressCallback) in words: its phase, samples
+    done of all, the timed window, the ETA of its training (validation not counted)."""
+    if not progress:
+        return "starting"
+    phase = str(progress.get("phase"))
+    parts = [phase if phase != "window" else f"timed window {progress.get('window')} of {progress.get('windows')}"]
+    if phase == "warm-up" and progress.get("steps"):
+        parts[0] += f" ({progress['steps']} steps: compile, autotuning)"
+    if phase == "timed windows" and progress.get("windows"):
+        parts[0] += f" ({progress['windows']}; warm-up took {float(progress.get('warmup_s') or 0):.1f} s)"
+    done, total = progress.get("samples"), progress.get("total_samples")
+    if isinstance(done, int) and isinstance(total, int) and total > 0:
+        parts.append(f"{done:,} of {total:,} samples")
+    eta = progress.get("eta_s")
+    if isinstance(eta, (int, float)):
+        parts.append(f"training ETA {eta:.0f} s")
+    return " · ".join(parts)
 
 
 def minimal_result(lease: TrialLease, hardware: Hardware, failure: dict[str, str] | None,
@@ -1715,11 +1743,10 @@ class Worker:
                 return
             if not self._act(run, child, courier):
                 return
-            if show is not None:
+            if show is not None:  # a terminal: one live line
                 last = run.reports[-1]["metrics"].get("throughput") if run.reports else None
-                speed = f", last window {last:,.1f} samples/s" if isinstance(last, (int, float)) else ""
-                show(f"trial {lease.number} of {lease.study}: {run.elapsed_s:.0f} s, {len(run.reports)} timed "
-                     f"window(s){speed}")
+                speed = f" · last window {last:,.1f} samples/s" if isinstance(last, (int, float)) else ""
+                show(progress_text(lease, run.elapsed_s, run.progress) + speed)
             try:
                 kind, payload = child.events.get(timeout=0.2)
             except queue.Empty:
@@ -1727,7 +1754,13 @@ class Worker:
                     # exited, but a grandchild may hold the pipe open: end the group so EOF comes
                     child.kill_group()
                 continue
-            if kind == "report":
+            if kind == "progress":
+                phase = payload.get("phase")
+                if show is None and phase != "window" and (run.progress or {}).get("phase") != phase:
+                    # a log: one line per phase (a terminal's live line shows every window)
+                    self.console.print(f"  {escape(progress_text(lease, run.elapsed_s, payload))}", highlight=False)
+                run.progress = payload
+            elif kind == "report":
                 run.reports.append(payload)
                 if run.prune_reason is None:
                     courier.post(payload)

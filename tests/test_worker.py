@@ -7,6 +7,7 @@ every way a probe can end is exercised in a fraction of a second each.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -61,9 +62,18 @@ def run_child(job: ChildJob | str, timeout: float = 60) -> subprocess.CompletedP
 def test_child_writes_report_lines_then_one_result_line(tiny_datasets: Any) -> None:
     proc = run_child(tiny_job())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    messages = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is JSON
+    every = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is JSON
+    progress = [m for m in every if m["type"] == "progress"]
+    messages = [m for m in every if m["type"] != "progress"]
     kinds = [m["type"] for m in messages]
     assert kinds == ["report"] * 5 + ["result"]
+    # where the probe is, for the worker to show: its phases in order, samples never going back
+    phases = [m["phase"] for m in progress]
+    assert phases[:3] == ["setup", "warm-up", "timed windows"] and phases.count("window") == 5, phases
+    assert phases[-1] == "validation" and every[-1]["type"] == "result", phases
+    samples = [m["samples"] for m in progress if "samples" in m]
+    assert samples == sorted(samples) and samples[-1] == 40 and all(m["total_samples"] == 40 for m in progress[1:])
+    assert all(isinstance(m["eta_s"], float) for m in progress if m["phase"] == "window")
     steps = [m["step"] for m in messages[:-1]]
     assert steps == sorted(steps) and steps[-1] == 10
     assert set(messages[0]["metrics"]) == {"samples", "loss", "throughput", "window"}
@@ -104,6 +114,8 @@ def test_child_stops_at_a_window_boundary_on_sigterm(tiny_datasets: Any) -> None
     proc.stdin.close()
     try:
         first = json.loads(proc.stdout.readline())
+        while first["type"] == "progress":  # where the probe is (setup, warm-up, ...): then the first window
+            first = json.loads(proc.stdout.readline())
         assert first["type"] == "report"
         proc.send_signal(signal.SIGTERM)
         rest = [json.loads(line) for line in proc.stdout]
@@ -200,6 +212,32 @@ for step in (7, 9, 11):
                                                                   "throughput": 100.0 + step, "window": 0}}),
           flush=True)
 """
+
+
+def test_the_worker_shows_one_line_per_phase_of_the_probe(tmp_path: Path) -> None:
+    """Not on a terminal (a log): one line per phase, with samples and the ETA; no line per window."""
+    argv = fake_child(tmp_path, """
+import json
+for phase, info in [("setup", {}), ("warm-up", {"steps": 5, "samples": 0, "total_samples": 320}),
+                    ("timed windows", {"windows": 2, "samples": 40, "total_samples": 320, "warmup_s": 1.5}),
+                    ("window", {"window": 1, "windows": 2, "samples": 80, "total_samples": 320, "eta_s": 12.0}),
+                    ("window", {"window": 2, "windows": 2, "samples": 120, "total_samples": 320, "eta_s": 10.0}),
+                    ("untimed tail", {"samples": 120, "total_samples": 320, "eta_s": 10.0}),
+                    ("validation", {"samples": 320, "total_samples": 320})]:
+    print(json.dumps({"type": "progress", "phase": phase, **info}), flush=True)
+print(json.dumps({"type": "result", "result": {"workload": "ups", "preset": "tiny", "config": {}, "device": "cpu",
+      "torch_version": "x", "throughput_samples_per_s": 5.0, "val_nrmse": 0.5, "failure": None}}), flush=True)
+""")
+    out = io.StringIO()
+    worker = make_worker(FakeClient(), argv)
+    worker.console = Console(file=out, width=200)
+    worker.run_trial(make_lease())
+    lines = [line.strip() for line in out.getvalue().splitlines() if ": " in line and "trial" in line]
+    shown = [line for line in lines if any(p in line for p in ("setup", "warm-up", "timed", "tail", "validation"))]
+    assert len(shown) == 5 and not any("timed window 1" in line for line in lines), lines
+    assert "warm-up (5 steps: compile, autotuning) · 0 of 320 samples" in shown[1]
+    assert "timed windows (2; warm-up took 1.5 s) · 40 of 320 samples" in shown[2]
+    assert "untimed tail · 120 of 320 samples · training ETA 10 s" in shown[3]
 
 
 def test_the_childs_result_is_completed_as_is(tmp_path: Path) -> None:
