@@ -231,6 +231,14 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
         processes.stop_all()
 
 
+def eta_text(elapsed_s: float, done: int, total: int) -> str:
+    """" · ETA ~N min" at the pace so far (trials finish one by one; the verdict may add rounds)."""
+    if done <= 0 or done >= total:
+        return ""
+    left = elapsed_s / done * (total - done)
+    return f" · ETA ~{left / 60:.0f} min" if left >= 90 else f" · ETA ~{left:.0f} s"
+
+
 def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess.Popen[bytes]],
            serve: subprocess.Popen[bytes], console: Console) -> StudyInfo | None:
     """Show progress until the study is finished; None (after a message) when it cannot finish.
@@ -240,6 +248,7 @@ def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess
     progress = Progress(*columns, console=console, transient=False, disable=not console.is_terminal)
     task = progress.add_task("starting", total=trials)
     shown = -1
+    started = time.monotonic()
     with progress:
         while True:
             info = client.get_study(name)
@@ -247,9 +256,10 @@ def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess
             trials = max(trials, done + info.counts.get("RUNNING", 0))  # more verdict rounds than the least
             if info.state != "running":
                 trials = done
-            progress.update(task, completed=done, total=trials, description=progress_text(info))
+            text = progress_text(info) + eta_text(time.monotonic() - started, done, trials)
+            progress.update(task, completed=done, total=trials, description=text)
             if not console.is_terminal and done != shown:
-                console.print(escape(f"[{done:>{len(str(trials))}}/{trials}] ") + progress_text(info))
+                console.print(escape(f"[{done:>{len(str(trials))}}/{trials}] ") + text)
                 shown = done
             if info.state in ("finished", "stopped"):
                 return info

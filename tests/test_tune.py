@@ -89,3 +89,11 @@ def test_tune_runs_is_interrupted_resumes_and_answers(tmp_path: Path) -> None:
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"VERDICT {certified} tiny-tune" in done.stdout
+
+
+def test_the_progress_line_estimates_the_time_left() -> None:
+    from autotune.demo import eta_text
+
+    assert eta_text(60.0, 3, 9) == " · ETA ~2 min"  # 20 s a trial, 6 to go
+    assert eta_text(10.0, 2, 4) == " · ETA ~10 s"
+    assert eta_text(5.0, 0, 4) == "" and eta_text(5.0, 4, 4) == ""  # nothing to go on, or nothing left
