@@ -400,7 +400,9 @@ def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(proces
     wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "rel's trial 0 to get its result")
     (ours,) = service.trials("rel")
     assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
-    assert Spool(spool).pending() == [] and Spool(spool).rejected() == []
+    # delivered: the worker removes its file just after the service's answer (the trial shows COMPLETE first)
+    wait_until(lambda: Spool(spool).pending() == [], 60, "the delivered result to leave the spool")
+    assert Spool(spool).rejected() == []
     assert leased_trial_ids(worker) == [1, 1]  # rel's trial 1 and other's trial 1, each run once
     assert worker.poll() is None
 
@@ -450,7 +452,9 @@ def test_a_backup_with_a_study_of_the_same_name_never_gets_the_originals_result(
     wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "A's trial 0 of rel to get its result")
     (ours,) = service.trials("rel")
     assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
-    assert Spool(spool).pending() == [] and Spool(spool).rejected() == []
+    # delivered: the worker removes its file just after the service's answer (the trial shows COMPLETE first)
+    wait_until(lambda: Spool(spool).pending() == [], 60, "the delivered result to leave the spool")
+    assert Spool(spool).rejected() == []
     assert leased_trial_ids(worker) == [1, 1]  # A's trial 1 and B's trial 1, each run once
     assert worker.poll() is None
 
