@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 import uuid
@@ -350,6 +351,25 @@ def kill(service: LiveService) -> None:
     service.proc.wait()
 
 
+def back_on_the_original_database(service: LiveService, a_db: Path, spool: Path, kept: Any,
+                                  worker: subprocess.Popen[bytes]) -> None:
+    """Restart the service on the kept result's own database (a backup has the same id: the
+    worker offers its spool again once it has seen the service away, its lease calls failing):
+    the kept measurement goes into trial 0 of rel, and the worker ran each trial once."""
+    kill(service)
+    service.db_url = f"sqlite:///{a_db}"
+    time.sleep(worker_module.IDLE_BACKOFF_CAP_S + worker_module.LEASE_RETRY_S + 2)
+    service.start()
+    wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "rel's trial 0 to get its result")
+    (ours,) = service.trials("rel")
+    assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
+    # delivered: the worker removes its file just after the service's answer (the trial shows COMPLETE first)
+    wait_until(lambda: Spool(spool).pending() == [], 60, "the delivered result to leave the spool")
+    assert Spool(spool).rejected() == []
+    assert leased_trial_ids(worker) == [1, 1]  # trial 1 of each database, each run once
+    assert worker.poll() is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("auth", [True, False], ids=["tokens", "no-auth"])
 def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(processes: Processes, tmp_path: Path,
@@ -392,19 +412,7 @@ def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(proces
     wait_until(lambda: where in " ".join(log_text(worker).split()), 90, "the worker to say where the result belongs")
     assert Spool(spool).pending() != [] and Spool(spool).rejected() == []  # still kept, not delivered
 
-    kill(service)
-    service.db_url = f"sqlite:///{a_db}"  # back on the trial's own database (the backup's id is the same: the
-    # worker offers its spool again once it has seen the service away, i.e. its lease calls fail)
-    time.sleep(worker_module.IDLE_BACKOFF_CAP_S + worker_module.LEASE_RETRY_S + 2)
-    service.start()
-    wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "rel's trial 0 to get its result")
-    (ours,) = service.trials("rel")
-    assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
-    # delivered: the worker removes its file just after the service's answer (the trial shows COMPLETE first)
-    wait_until(lambda: Spool(spool).pending() == [], 60, "the delivered result to leave the spool")
-    assert Spool(spool).rejected() == []
-    assert leased_trial_ids(worker) == [1, 1]  # rel's trial 1 and other's trial 1, each run once
-    assert worker.poll() is None
+    back_on_the_original_database(service, a_db, spool, kept, worker)
 
 
 @pytest.mark.slow
@@ -445,18 +453,7 @@ def test_a_backup_with_a_study_of_the_same_name_never_gets_the_originals_result(
     (still,) = Spool(spool).pending()
     assert still.result == kept.result and Spool(spool).rejected() == []  # kept, not delivered, not rejected
 
-    kill(service)
-    service.db_url = f"sqlite:///{a_db}"  # back on the trial's own database: the worker offers its spool again
-    time.sleep(worker_module.IDLE_BACKOFF_CAP_S + worker_module.LEASE_RETRY_S + 2)  # once it has seen it away
-    service.start()
-    wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "A's trial 0 of rel to get its result")
-    (ours,) = service.trials("rel")
-    assert ours["throughput_samples_per_s"] == kept.result["throughput_samples_per_s"]  # the spooled measurement
-    # delivered: the worker removes its file just after the service's answer (the trial shows COMPLETE first)
-    wait_until(lambda: Spool(spool).pending() == [], 60, "the delivered result to leave the spool")
-    assert Spool(spool).rejected() == []
-    assert leased_trial_ids(worker) == [1, 1]  # A's trial 1 and B's trial 1, each run once
-    assert worker.poll() is None
+    back_on_the_original_database(service, a_db, spool, kept, worker)
 
 
 @pytest.mark.slow
