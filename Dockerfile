@@ -22,9 +22,12 @@ COPY pyproject.toml README.md ./
 COPY docker/requirements.py docker/requirements.py
 RUN python docker/requirements.py --extra dashboard --exclude torch > requirements.txt \
  && pip install --requirement requirements.txt
+# autotune/api, autotune/migrations and autotune/search_spaces are links to these folders: the
+# wheel holds them inside the autotune package (search spaces as package data)
 COPY autotune ./autotune
 COPY api ./api
 COPY migrations ./migrations
+COPY search_spaces ./search_spaces
 # --no-deps: the requirements are installed above, and torch must not come in with the project
 RUN pip install --no-deps .
 
@@ -34,10 +37,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     AUTOTUNE_DB_URL=sqlite:////var/lib/autotune/autotune.db \
-    AUTOTUNE_SPACES_DIR=/opt/autotune/search_spaces \
     AUTOTUNE_HEALTH_URL=http://127.0.0.1:8000/v1/health
 COPY --from=build /opt/venv /opt/venv
-COPY search_spaces /opt/autotune/search_spaces
 COPY --chmod=755 docker/healthcheck.py /usr/local/bin/autotune-healthcheck
 RUN groupadd --system --gid 10001 autotune \
  && useradd --system --uid 10001 --gid autotune --create-home autotune \

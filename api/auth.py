@@ -31,8 +31,8 @@ from typing import ClassVar
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from api.db import TOKEN_ROLES, Database, TokenRow, utcnow
-from api.errors import Conflict, Invalid, NotFound, ServiceError
+from autotune.api.db import TOKEN_ROLES, Database, TokenRow, utcnow
+from autotune.api.errors import Conflict, Invalid, NotFound, ServiceError
 
 log = logging.getLogger(__name__)
 

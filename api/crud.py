@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.db import LeaseRow, ReportRow, ServiceRow, StudyRow, WorkerRow
+from autotune.api.db import LeaseRow, ReportRow, ServiceRow, StudyRow, WorkerRow
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def active_lease_of_worker(session: Session, worker_id: str) -> LeaseRecord | No
 
 
 def new_lease_token() -> str:
-    """A lease's token: a random UUID4, 32 hex digits (what `autotune.protocol.LeaseToken` takes)."""
+    """A lease's token: a random UUID4, 32 hex digits (what `autotune.contract.protocol.LeaseToken` takes)."""
     return uuid.uuid4().hex
 
 

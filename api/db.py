@@ -24,7 +24,7 @@ Tables:
   of the secret (the secret itself is never stored); revoked tokens keep their row.
 * ``autotune_service``: one row, the service's identity: a UUID made with the tables (migration
   0003), shown by GET /v1/health. Trial ids restart at 1 in every database; a worker delivers a
-  spooled result only to the service id it leased the trial from (autotune/spool.py).
+  spooled result only to the service id it leased the trial from (autotune/worker/spool.py).
 
 Schema changes: `upgrade_schema` brings a database to the newest migration (the service does
 it at start, `autotune db upgrade` on demand). It holds a lock while it checks and migrates

@@ -12,9 +12,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.auth import ANONYMOUS, Caller, TokenVerifier
-from api.service import TuningService
-from api.settings import Settings
+from autotune.api.auth import ANONYMOUS, Caller, TokenVerifier
+from autotune.api.service import TuningService
+from autotune.api.settings import Settings
 
 bearer = HTTPBearer(auto_error=False, description="a token from `autotune token create --role worker|admin`")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]

@@ -27,14 +27,14 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
 import autotune
-from api.auth import TokenStore, TokenVerifier, warn_if_no_tokens
-from api.db import StudyRow
-from api.docs_assets import install_docs
-from api.errors import Invalid, ServiceError
-from api.limits import BodySizeLimit
-from api.routes import health, studies, trials
-from api.service import Reaper, TuningService
-from api.settings import Settings
+from autotune.api.auth import TokenStore, TokenVerifier, warn_if_no_tokens
+from autotune.api.db import StudyRow
+from autotune.api.docs_assets import install_docs
+from autotune.api.errors import Invalid, ServiceError
+from autotune.api.limits import BodySizeLimit
+from autotune.api.routes import health, studies, trials
+from autotune.api.service import Reaper, TuningService
+from autotune.api.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ def run_server(db_url: str | None = None, host: str = "127.0.0.1", port: int = 8
     check_port(host, port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().getEffectiveLevel() > logging.INFO:  # the CLI configured WARNING: the service says more
-        logging.getLogger("api").setLevel(logging.INFO)
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # api.db logs what the migrations changed
+        logging.getLogger("autotune.api").setLevel(logging.INFO)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # autotune.api.db logs what the migrations changed
     # the first line: which database, and what it holds (before create_app migrates or creates it)
     log.info("autotune %s starting on http://%s:%d (%s, auth %s)", autotune.__version__, host, port,
              database_line(settings.db_url), "on" if settings.auth else "OFF")

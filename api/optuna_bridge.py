@@ -50,13 +50,13 @@ from optuna.storages import RDBStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
-from api.outcome import RESULT_ATTRS, failed_attrs, retriable
-from api.study.samplers import CONSTRAINT_ATTR, make_sampler
-from api.study.trials import TrialRecord
-from autotune.config import normalised
-from autotune.protocol import NAME_PATTERN, StudySpec
-from autotune.space import Param, Space, SpaceError, params_of, suggest
+from autotune.api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
+from autotune.api.outcome import RESULT_ATTRS, failed_attrs, retriable
+from autotune.api.study.samplers import CONSTRAINT_ATTR, make_sampler
+from autotune.api.study.trials import TrialRecord
+from autotune.contract.config import normalised
+from autotune.contract.protocol import NAME_PATTERN, StudySpec
+from autotune.contract.space import Param, Space, SpaceError, params_of, suggest
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def build_sampler(spec: StudySpec, seed: int | None) -> BaseSampler:
 
 
 def _distribution(param: Param) -> BaseDistribution:
-    """The Optuna distribution `autotune.space.suggest` draws `param` from."""
+    """The Optuna distribution `autotune.contract.space.suggest` draws `param` from."""
     if param.choices is not None:
         return CategoricalDistribution(list(param.choices))
     assert param.low is not None and param.high is not None
@@ -534,7 +534,7 @@ class OptunaBridge:
         it was leased, the space's fixed knobs and its params; the baseline's is the spec's
         baseline config, or what it ran. Pruned search trials and other failures are no twins:
         their configs may run again."""
-        from api.outcome import PRESET_KNOBS
+        from autotune.api.outcome import PRESET_KNOBS
 
         trials = sorted(trials, key=lambda t: t.number)
         base = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("role") == "baseline"
@@ -664,7 +664,7 @@ class _Missing(KeyError):
 
 
 class _Fixed:
-    """A trial whose every suggestion is given (`autotune.space.suggest` over known params)."""
+    """A trial whose every suggestion is given (`autotune.contract.space.suggest` over known params)."""
 
     def __init__(self, given: Mapping[str, Any]) -> None:
         self._given = dict(given)
@@ -710,7 +710,7 @@ def _log_repeat(ctx: StudyContext, twin: tuple[str, FrozenTrial]) -> None:
 
 def _config_key(config: Mapping[str, Any], preset: Mapping[str, Any]) -> str:
     """What makes two configs one (`OptunaBridge._twins`): every knob normalised
-    (`autotune.config.normalised`: a knob left out is at its default, 25 and 25.0 are one
+    (`autotune.contract.config.normalised`: a knob left out is at its default, 25 and 25.0 are one
     value), and a knob left to the workload's preset (batch_size, accum_steps, lr: None) at the
     preset's value where `preset` knows it."""
     knobs = normalised(config)

@@ -14,7 +14,7 @@ The mapping is explicit (one place, one function):
   do not see it, and it is not re-run (another worker of the same kind would measure none
   either).
 
-A result reaches this module validated (`autotune.protocol.TrialResult`, `CompleteRequest`):
+A result reaches this module validated (`autotune.contract.protocol.TrialResult`, `CompleteRequest`):
 a wrong type, a non-finite or negative measurement, a throughput outside its physical
 bounds, an unknown failure kind or a missing throughput or quality is refused with 422
 before anything changes, and so is a config other than the leased one (`config_key_problems`,
@@ -58,9 +58,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autotune.config import KNOBS, ConfigError
-from autotune.gate import constraint_value
-from autotune.protocol import OBJECTIVES, StudySpec
+from autotune.contract.config import KNOBS, ConfigError
+from autotune.contract.gate import constraint_value
+from autotune.contract.protocol import OBJECTIVES, StudySpec
 
 # ProbeResult fields copied verbatim into user attrs
 RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
@@ -164,7 +164,7 @@ def _failure(failure: Any) -> tuple[str, str]:
 
 
 # The knobs a probe fills in from the workload preset when the config leaves them null
-# (`autotune.config.TrainConfig.resolve`): a result reports the preset's values for these then.
+# (`autotune.contract.config.TrainConfig.resolve`): a result reports the preset's values for these then.
 PRESET_KNOBS = ("batch_size", "accum_steps", "lr")
 # Their values in the built-in workloads' presets (TrainingDefaults in autotune/workloads/ups and
 # gpt), written down here because the service never imports a workload (torch);
@@ -192,7 +192,7 @@ def preset_values(workload: str, preset: str) -> dict[str, Any] | None:
 
 def config_key_problems(reported: Mapping[str, Any]) -> list[str]:
     """What a reported config holds that no config holds, one line each (empty: nothing): keys
-    that are neither knobs (`autotune.config.KNOBS`) nor derived fields, and an effective_batch
+    that are neither knobs (`autotune.contract.config.KNOBS`) nor derived fields, and an effective_batch
     that is not a positive integer. Such a key would be stored with the trial's config."""
     unknown = sorted(str(k) for k in reported if k not in KNOBS and k not in DERIVED_CONFIG_KEYS)
     out = [f"unknown keys {', '.join(repr(k[:100]) for k in unknown[:10])}"
@@ -214,7 +214,7 @@ def config_differences(leased: Mapping[str, Any], reported: Mapping[str, Any],
     """Where a result's `reported` config departs from the `leased` one, one line per knob
     (empty: the same config).
 
-    Both are normalised through the knob table first (`autotune.config`): a knob left out is
+    Both are normalised through the knob table first (`autotune.contract.config`): a knob left out is
     at its default, values are coerced to the knob's type (25 and 25.0 are one bucket size).
     The probe reports its effective config, so a knob the lease left null for the preset
     (PRESET_KNOBS) comes back with the preset's value: it must be `preset`'s (`preset_values`),

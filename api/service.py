@@ -51,11 +51,11 @@ from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api import crud
-from api.db import Database, as_naive_utc, utcnow
-from api.errors import Conflict, Invalid, NotFound, ServiceError
-from api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, check_sampler_fits
-from api.outcome import (
+from autotune.api import crud
+from autotune.api.db import Database, as_naive_utc, utcnow
+from autotune.api.errors import Conflict, Invalid, NotFound, ServiceError
+from autotune.api.optuna_bridge import OptunaBridge, StudyContext, StudyExists, check_sampler_fits
+from autotune.api.outcome import (
     PRESET_KNOBS,
     config_differences,
     config_key_problems,
@@ -63,8 +63,8 @@ from api.outcome import (
     preset_values,
     probe_outcome,
 )
-from api.settings import Settings
-from api.study import (
+from autotune.api.settings import Settings
+from autotune.api.study import (
     NoRecommendation,
     TrialRecord,
     attempt_of,
@@ -88,10 +88,10 @@ from api.study import (
     trial_info,
     trial_infos,
 )
-from api.study.prune_rules import Decision
-from api.study.pruning import StudySummary, TrialReports, curve_of, decide
-from autotune.config import KNOBS
-from autotune.protocol import (
+from autotune.api.study.prune_rules import Decision
+from autotune.api.study.pruning import StudySummary, TrialReports, curve_of, decide
+from autotune.contract.config import KNOBS, knobs_of
+from autotune.contract.protocol import (
     ANOTHER_LEASE,
     CompleteRequest,
     HeartbeatReply,
@@ -106,9 +106,9 @@ from autotune.protocol import (
     TrialInfo,
     TrialLease,
 )
-from autotune.space import SpaceError, parse_space
-from autotune.starting import MAX_POINTS
-from autotune.starting import resolve as resolve_starting_points
+from autotune.contract.space import SpaceError, parse_space
+from autotune.contract.starting import MAX_POINTS
+from autotune.contract.starting import resolve as resolve_starting_points
 
 log = logging.getLogger(__name__)
 STORED = {"stored": True}  # StudySpec validation context for specs read back from the database
@@ -237,7 +237,7 @@ class TuningService:
         self._contexts: dict[str, StudyContext] = {}  # a study's spec and space never change
         self._gates: dict[str, float | None] = {}  # the gate, once every baseline seed has finished
         self._remeasures_created: set[str] = set()  # studies whose re-measure trials all exist
-        self._starting: dict[str, list[dict[str, Any]]] = {}  # per study: its starting points (autotune.starting)
+        self._starting: dict[str, list[dict[str, Any]]] = {}  # per study: its starting points (contract.starting)
         self._summaries: dict[str, StudySummary] = {}  # per study: what pruning compares with
         self._reports: dict[int, TrialReports] = {}  # per running trial: its own reports
         self._roles: dict[int, str] = {}  # trial id -> role, for running trials leased by this process
@@ -477,7 +477,7 @@ class TuningService:
         if trial_role == "search":
             return Plan("search", None, attrs, configs, params=dict(lost.params))
         config = lost.user_attrs.get("config")
-        knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
+        knobs = knobs_of(config)
         return Plan(trial_role, knobs, attrs, configs)
 
     def _plan(self, ctx: StudyContext, created: int) -> Plan | None:
@@ -531,7 +531,7 @@ class TuningService:
             "seed": spec.probe.seed + spec.remeasure.seed_offset + round_,
             "timeout_s": min(86_400.0, spec.probe.timeout_s * factor)})
         config = target.user_attrs.get("config")
-        knobs = {k: v for k, v in config.items() if k in KNOBS} if isinstance(config, dict) else {}
+        knobs = knobs_of(config)
         return Plan("remeasure", knobs, {  # the effective config, less derived fields (effective_batch)
             "probe": probe.model_dump(mode="json"), "remeasure_of": target.number, "remeasure_round": round_}, configs)
 
@@ -544,7 +544,7 @@ class TuningService:
             for trial in self.bridge.trials(ctx.name):
                 config = trial.user_attrs.get("config")
                 if role(trial) == "baseline" and completed(trial) and isinstance(config, dict):
-                    baseline = {k: v for k, v in config.items() if k in KNOBS}
+                    baseline = knobs_of(config)
                     break
             points = self._starting[ctx.name] = resolve_starting_points(
                 ctx.spec.starting_points, ctx.space, baseline, ctx.spec.hardware, ctx.spec.sampler)
@@ -732,7 +732,7 @@ class TuningService:
         problems = config_key_problems(reported)
         if problems:
             raise Invalid("result.config", f"result.config: {'; '.join(problems)}. A config holds the knobs "
-                          f"(autotune.config: {', '.join(KNOBS)}) and the derived effective_batch: send the "
+                          f"(autotune.contract.config: {', '.join(KNOBS)}) and the derived effective_batch: send the "
                           "probe's config as it reported it, or leave config out")
         leased = self._leased_config(trial_id)
         preset = preset_values(ctx.spec.workload, ctx.spec.preset)
@@ -777,7 +777,7 @@ class TuningService:
         held by another worker, or whose lease was reaped. A result
         for another config than the leased one is Invalid (422) and changes nothing: the trial
         stays leased to the worker, whose corrected complete goes through. (A malformed result
-        never gets here: the route's validation answers 422, `autotune.protocol.TrialResult`.)
+        never gets here: the route's validation answers 422, `autotune.contract.protocol.TrialResult`.)
         """
         now = utcnow()
         result = request.result.as_dict()

@@ -2,8 +2,8 @@
 
 ``autotune.apply(config, model, optimizer=..., train_loader=..., loss_fn=...)`` applies a
 recommended config to your own training loop, and ``autotune.load_config("best.yaml")``
-reads one (autotune/apply.py). ``autotune.tune(spec)`` tunes a study on this machine and
-returns its verdict (autotune/local.py, `autotune tune`). They are imported on first use:
+reads one (autotune/engine/apply.py). ``autotune.tune(spec)`` tunes a study on this machine and
+returns its verdict (autotune/cli/local.py, `autotune tune`). They are imported on first use:
 ``import autotune`` does not import torch (the service and the worker read the package
 without it).
 """
@@ -19,8 +19,8 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     if name in ("tune", "TuneError"):  # tunes on this machine: service, workers, verdict (autotune tune)
-        return getattr(importlib.import_module("autotune.local"), name)
+        return getattr(importlib.import_module("autotune.cli.local"), name)
     if name in ("apply", "load_config", "Prepared", "ApplyError"):
-        module = importlib.import_module("autotune.apply")  # callable: autotune.apply(...) is apply(...)
+        module = importlib.import_module("autotune.engine.apply")  # callable: autotune.apply(...) is apply(...)
         return module if name == "apply" else getattr(module, name)
     raise AttributeError(f"module 'autotune' has no attribute {name!r}")

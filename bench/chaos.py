@@ -101,7 +101,7 @@ import httpx
 from service_load import fresh_database, pg_server_version
 from studylib import environment, free_port, http
 
-from autotune.spool import Spool
+from autotune.worker.spool import Spool
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "autotune.cli"]
@@ -210,7 +210,7 @@ def spool_files(spool: Path) -> dict[str, list[dict[str, Any]]]:
         return out
 
     # the top (results of a service not known yet, and the layout before per-service folders) and
-    # each service's folder (autotune.spool: <spool>/<service_id>/, its rejected/ inside)
+    # each service's folder (autotune.worker.spool: <spool>/<service_id>/, its rejected/ inside)
     folders = [spool, *Spool(spool).service_folders()]
     return {"pending": [e for f in folders for e in read(f)],
             "rejected": [e for f in folders for e in read(f / "rejected")]}
@@ -357,7 +357,7 @@ PHASE = re.compile(r"^### chaos: service on (\S+) (started|killed)")
 START = re.compile(r"^=== start (\d+) ===")
 BANNER = re.compile(r"^autotune worker (\S+)\s*$")
 KEPT = re.compile(r"^  trial (\d+): its result is kept in ")
-ANOTHER_LEASE = "another lease of trial"  # the service's 409 for a result of another lease (autotune.protocol)
+ANOTHER_LEASE = "another lease of trial"  # the service's 409 for a result of another lease (autotune.contract.protocol)
 LOG_TOLERANCE = 0.06  # a worker's log prints a throughput to 0.1
 
 
@@ -549,7 +549,7 @@ def study_state(url: str, study: str) -> str | None:
 def make_tokens(db_url: str) -> dict[str, str]:
     """An admin and a worker token in the database (as `autotune token create` makes them, which
     migrates it first: its tables and its service id); role → secret."""
-    from api.auth import TokenStore
+    from autotune.api.auth import TokenStore
 
     store = TokenStore.open(db_url)
     try:
@@ -565,7 +565,7 @@ def database_copy(backend: str, db_url: str, workdir: Path) -> Iterator[str]:
     from sqlalchemy.engine import make_url
 
     if backend == "sqlite":
-        from api.backup import backup_sqlite
+        from autotune.api.backup import backup_sqlite
 
         path = workdir / f"copy-{uuid.uuid4().hex[:8]}.db"
         backup_sqlite(db_url, path)

@@ -5,8 +5,8 @@ GPU, eager by default) on 1 GPU and on 2 GPUs, with gradient accumulation 1 and 
 GPUs with DDP bucket_cap_mb ∈ {1, 25, 100} (plus accumulation 4 without no_sync, to show
 what skipping the all-reduce of the inner micro-batches is worth). Every probe runs in a fresh
 process exactly as `autotune worker` starts it: the single-GPU child
-(``python -m autotune.probe_child``, job on stdin) or, for 2 GPUs, the distributed launcher
-(``python -m autotune.distributed``, job directory, CUDA_VISIBLE_DEVICES = the group), through
+(``python -m autotune.engine.probe_child``, job on stdin) or, for 2 GPUs, the distributed launcher
+(``python -m autotune.engine.distributed``, job directory, CUDA_VISIBLE_DEVICES = the group), through
 the worker's own `ProbeProcess`. Every probe trains the same number of samples (global).
 
 Writes JSON (environment, every ProbeResult, the table) and a PNG next to it, and prints
@@ -38,9 +38,9 @@ from typing import Any
 
 from studylib import pyplot
 
-from autotune.distributed import JOB_DIR_ENV, collect_failure, launch_argv, prepare_job_dir
-from autotune.probe_child import ChildJob
-from autotune.worker import CHILD_MODULE, DeviceGroup, ProbeProcess, child_environment
+from autotune.engine.distributed import JOB_DIR_ENV, collect_failure, launch_argv, prepare_job_dir
+from autotune.engine.probe_child import ChildJob
+from autotune.worker.loop import CHILD_MODULE, DeviceGroup, ProbeProcess, child_environment
 
 BUCKETS = (1.0, 25.0, 100.0)
 ACCUMS = (1, 4)
@@ -105,7 +105,7 @@ def run_like_worker(job: ChildJob, group: DeviceGroup, threads: int | None, time
 def prepare_data(workload: str, preset: str) -> float:
     """Generate (or load) the dataset once, before any timed probe; returns seconds. In this
     process (torch is imported here already): the probes read the cache it writes."""
-    from autotune.workloads import get_workload
+    from autotune.contract.registry import get_workload
 
     t0 = time.perf_counter()
     get_workload(workload, preset).datasets(0)

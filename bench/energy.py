@@ -10,7 +10,7 @@ last reads their files anywhere:
    integrated power readings (the probe's two methods) differ over windows of 0.1–3 s.
 2. ``probes``: the ``ups`` full preset's baseline (the study default on a GPU host: the preset's
    fp32 eager 12 × 4 with the research's data pipeline, 8 workers, prefetch 4) and the fast
-   stack the h100 space starts from (`autotune.starting.auto_points`: step graph, bf16, fused
+   stack the h100 space starts from (`autotune.contract.starting.auto_points`: step graph, bf16, fused
    and compiled AdamW, 48 × 1, ...), each probed ``--repeats`` times in a fresh process
    (`probe_configs.run_one`, as a worker runs it): throughput and energy per sample.
 3. ``study``: the real service (SQLite) and one real worker on the GPU, a short study with
@@ -56,9 +56,9 @@ WINDOWS_S = (0.1, 0.3, 1.0, 3.0)
 
 def fast_stack(preset: str = "full") -> dict[str, Any]:
     """The first starting point of the h100 space for the baseline (its effective config)."""
-    from autotune.space import load_space
-    from autotune.starting import auto_points
-    from autotune.workloads import get_workload
+    from autotune.contract.registry import get_workload
+    from autotune.contract.space import load_space
+    from autotune.contract.starting import auto_points
 
     d = get_workload("ups", preset).defaults
     effective = {**BASELINE, "batch_size": d.batch_size, "accum_steps": d.accum_steps}
@@ -90,7 +90,7 @@ def _quantiles(values: list[float]) -> dict[str, float] | None:
 def counter(args: argparse.Namespace) -> None:
     import torch
 
-    from autotune.gpu_telemetry import GpuTelemetry, counter_joules, power_integral_joules
+    from autotune.engine.gpu_telemetry import GpuTelemetry, counter_joules, power_integral_joules
 
     dev = torch.device("cuda")
     telemetry = GpuTelemetry.open(dev)
@@ -162,7 +162,7 @@ def probes(args: argparse.Namespace) -> None:
     env = dict(os.environ)
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     env["PYTHONUNBUFFERED"] = "1"
-    subprocess.run([sys.executable, "-c", f"from autotune.workloads import get_workload; "
+    subprocess.run([sys.executable, "-c", f"from autotune.contract.registry import get_workload; "
                     f"get_workload('ups', {args.preset!r}).datasets(0)"], check=True, env=env)
     probe_args = argparse.Namespace(workload="ups", preset=args.preset, device="cuda", samples=None,
                                     timeout=args.timeout)

@@ -24,7 +24,7 @@ the package's entry point). One run, on one host:
    state only: the first fifth of the iterations (at least --warmup-iters) are warm-up
    (compile, CUDA-graph capture, allocator growth).
 3. **The comparison.** The loop's speedup is the ratio of geometric means over the repeats
-   (as the verdict's), with a Welch 95 % interval from autotune.verdict; it agrees with the
+   (as the verdict's), with a Welch 95 % interval from autotune.contract.verdict; it agrees with the
    verdict when the two speedups are within 10 % of each other.
 
 Everything lands in one JSON (environment, the spec, the trials, the verdict, the loop
@@ -66,7 +66,7 @@ TARGET = "gpt_script.workload:ScriptWorkload"
 STUDY = "gpt-script-verdict"
 AGREE = 0.10  # the loop's speedup and the verdict's agree when within 10 % of each other
 
-# The GPU space: what the fast stack (autotune/starting.py) needs, for a script that feeds
+# The GPU space: what the fast stack (autotune/contract/starting.py) needs, for a script that feeds
 # itself (get_batch, no DataLoader: num_workers and pinning would measure a data path the
 # script does not have) and has no checkpointable blocks and no auxiliary loss.
 GPU_SPACE: dict[str, Any] = {
@@ -114,7 +114,7 @@ def registration() -> tuple[str, dict[str, str], str]:
     env: dict[str, str] = {}
     if importlib.util.find_spec("gpt_script") is None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH", "")]))
-    from autotune.workloads import registered_workloads
+    from autotune.contract.registry import registered_workloads
 
     entry = registered_workloads().get("gpt-script")
     if entry is not None and entry.source == "entry_point":
@@ -347,7 +347,7 @@ def loop_child(args: argparse.Namespace) -> None:
 
     script.get_lr, script.get_batch, script.estimate_loss = timed_get_lr, counted_get_batch, timed_estimate_loss
     if args.config:  # the host time of autotune.apply's step (the script as written never imports autotune)
-        from autotune.apply import Prepared
+        from autotune.engine.apply import Prepared
 
         step = Prepared.step
 
@@ -444,8 +444,8 @@ def _geomean(values: list[float]) -> float | None:
 
 
 def loop_ratio(pick: list[float], base: list[float]) -> dict[str, Any]:
-    """The ratio of geometric means with a Welch 95 % interval (autotune.verdict, α = 0.025 a side)."""
-    from autotune.verdict import Sample, welch
+    """The ratio of geometric means with a Welch 95 % interval (autotune.contract.verdict, α = 0.025 a side)."""
+    from autotune.contract.verdict import Sample, welch
 
     out: dict[str, Any] = {"speedup": None, "ci_low": None, "ci_high": None, "n_pick": len(pick), "n_base": len(base)}
     gp, gb = _geomean(pick), _geomean(base)
@@ -624,7 +624,7 @@ def loop_configs(study: dict[str, Any], work: Path, candidates: bool) -> dict[st
     candidate too (its config as the verdict's row holds it)."""
     import yaml
 
-    from autotune.config import KNOBS
+    from autotune.contract.config import KNOBS
 
     best = study.get("best") or {}
     configs: dict[str, str | None] = {"baseline": None}

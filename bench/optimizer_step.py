@@ -80,8 +80,8 @@ def plain_loop(workload: str, preset: str, device: str, config: dict[str, Any], 
     from torch.utils.data import DataLoader
 
     import autotune
-    from autotune.config import parse_config
-    from autotune.workloads import get_workload
+    from autotune.contract.config import parse_config
+    from autotune.contract.registry import get_workload
 
     wl = get_workload(workload, preset)
     cfg = parse_config(config).resolve(wl.defaults.batch_size, wl.defaults.accum_steps, wl.defaults.lr)
@@ -128,7 +128,7 @@ def cmd_loop(args: argparse.Namespace) -> None:
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))  # shared: the first compiles cold
     config = json.loads(args.config)
     # the workload's data once, outside every timed run
-    subprocess.run([sys.executable, "-c", f"from autotune.workloads import get_workload; "
+    subprocess.run([sys.executable, "-c", f"from autotune.contract.registry import get_workload; "
                     f"get_workload({args.workload!r}, {args.preset!r}).datasets(0)"], check=True, env=env)
     runs: list[dict[str, Any]] = []
     for kind in ("probe", "loop", "probe"):  # mirrored: a drift of the host lands on both sides

@@ -49,10 +49,10 @@ from typing import Any
 import httpx
 from studylib import environment, free_port, http, wait_healthy
 
-from autotune.fork_server import probe_children
+from autotune.engine.fork_server import probe_children
 
 CLI = [sys.executable, "-m", "autotune.cli"]
-CHILD_MODULE = "autotune.probe_child"
+CHILD_MODULE = "autotune.engine.probe_child"
 TRIAL_LINE = re.compile(r"trial (\d+) \(([\d.]+) s\):")
 
 

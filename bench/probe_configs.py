@@ -88,7 +88,7 @@ def main() -> None:
     env["PYTHONUNBUFFERED"] = "1"
 
     # Generate the workload's data once, outside every timed probe (here: the probes read the cache it writes).
-    from autotune.workloads import get_workload
+    from autotune.contract.registry import get_workload
 
     get_workload(args.workload, args.preset).datasets(0)
 

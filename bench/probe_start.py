@@ -2,7 +2,7 @@
 
 Each run is one probe child, started exactly as `autotune worker` starts it
 (`autotune.worker.ProbeProcess`, the worker's child environment): *cold* runs
-``python -m autotune.probe_child``, *warm* forks it from a `autotune.fork_server.ForkServer`
+``python -m autotune.engine.probe_child``, *warm* forks it from a `autotune.engine.fork_server.ForkServer`
 that imported torch once. The modes alternate, so host drift falls on both. Per run:
 
   overhead_s   process start → first training step, compile excluded: the probe's own
@@ -30,9 +30,9 @@ from typing import Any
 
 from studylib import environment, pyplot
 
-from autotune.fork_server import ForkedChild, ForkServer
-from autotune.probe_child import ChildJob
-from autotune.worker import CHILD_MODULE, ProbeProcess, child_environment
+from autotune.engine.fork_server import ForkedChild, ForkServer
+from autotune.engine.probe_child import ChildJob
+from autotune.worker.loop import CHILD_MODULE, ProbeProcess, child_environment
 
 MODES = ("cold", "warm")
 

@@ -141,7 +141,7 @@ def _dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 
 def analyze(args: argparse.Namespace) -> None:
-    from autotune.gate import BaselineStats, Gate
+    from autotune.contract.gate import BaselineStats, Gate
 
     out = Path(args.dir)
     document = json.loads((out / "trials.json").read_text())

@@ -86,8 +86,8 @@ from typing import Any
 
 from studylib import free_port, http, pyplot
 
-# the real worker's retry budgets (autotune/worker.py), which the simulated workers of --kills follow
-from autotune.worker import COMPLETE_RETRY_S, LEASE_RETRY_S, SPOOL_RETRY_S
+# the real worker's retry budgets (autotune/worker/loop.py), which the simulated workers of --kills follow
+from autotune.worker.loop import COMPLETE_RETRY_S, LEASE_RETRY_S, SPOOL_RETRY_S
 
 # a mismatched complete is retried through an outage until the service answers it (a 422 is its verdict)
 MISMATCH_RETRY_S = 120.0
@@ -173,9 +173,9 @@ def create_tokens(db_url: str) -> dict[str, str]:
     processes cost more than a run's trials. role → secret; {} when this autotune has no
     tokens (a service without auth)."""
     try:
-        from api.auth import TokenStore
+        from autotune.api.auth import TokenStore
     except ImportError as e:
-        if e.name not in ("api", "api.auth"):
+        if e.name not in ("api", "api.auth", "autotune.api", "autotune.api.auth"):
             raise
         return {}  # an autotune from before tokens
     store = TokenStore.open(db_url)
@@ -571,7 +571,7 @@ async def chaos_worker(slot: int, generation: int, base_url: str, headers: dict[
     until the study is finished. With probability args.kill_rate per trial it dies mid-probe:
     it never calls again, and a replacement with a new worker id starts in its slot.
 
-    As the real worker (autotune/worker.py, autotune/client.py): a call that gets no answer
+    As the real worker (autotune/worker/loop.py, autotune/worker/client.py): a call that gets no answer
     (connection refused or reset, a timeout) or a 5xx is retried with exponential backoff from
     0.25 s capped at args.max_backoff_s, a lease for LEASE_RETRY_S at a time, a complete for
     COMPLETE_RETRY_S; a result whose complete got no answer goes to the slot's spool, which
@@ -1381,9 +1381,9 @@ def serve_instrumented(db_url: str, port: int) -> None:
     import optuna
     from optuna.storages import RDBStorage
 
-    import api.main
-    import api.optuna_bridge
-    from api import service as service_module
+    import autotune.api.main
+    import autotune.api.optuna_bridge
+    from autotune.api import service as service_module
 
     svc = service_module.TuningService
     original_init = svc.__init__
@@ -1412,10 +1412,10 @@ def serve_instrumented(db_url: str, port: int) -> None:
                 _RECORDS.append(record)
 
     svc.reap_stale = reap_stale  # type: ignore[method-assign]
-    bridge = api.optuna_bridge.OptunaBridge
+    bridge = autotune.api.optuna_bridge.OptunaBridge
     for name in ("ask", "tell", "finish", "get_trial", "trials", "n_trials", "max_trials", "set_user_attrs"):
         setattr(bridge, name, _timed(f"bridge.{name}", getattr(bridge, name)))
-    api.optuna_bridge.suggest = _timed("space.suggest", api.optuna_bridge.suggest)
+    autotune.api.optuna_bridge.suggest = _timed("space.suggest", autotune.api.optuna_bridge.suggest)
     optuna.study.Study.ask = _timed("optuna.study_ask", optuna.study.Study.ask)  # type: ignore[method-assign]
     for cls in (optuna.samplers.TPESampler, optuna.samplers.RandomSampler):
         for name in ("infer_relative_search_space", "sample_relative", "sample_independent", "before_trial",
@@ -1425,7 +1425,7 @@ def serve_instrumented(db_url: str, port: int) -> None:
                  "get_all_trials", "get_trial", "get_n_trials"):
         setattr(RDBStorage, name, _timed(f"rdb.{name}", getattr(RDBStorage, name)))
 
-    original_create_app = api.main.create_app
+    original_create_app = autotune.api.main.create_app
     ops = {"/v1/trials/lease": "lease"}
 
     def create_app(settings: Any = None) -> Any:
@@ -1459,8 +1459,8 @@ def serve_instrumented(db_url: str, port: int) -> None:
 
         return timed_app
 
-    api.main.create_app = create_app  # type: ignore[assignment]
-    api.main.run_server(db_url, "127.0.0.1", port)
+    autotune.api.main.create_app = create_app  # type: ignore[assignment]
+    autotune.api.main.run_server(db_url, "127.0.0.1", port)
 
 
 PROFILE_PARTS = ("t_app", "outside_service", "lock_wait", "lock_held", "optuna.study_ask", "optuna.sampler",

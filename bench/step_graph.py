@@ -20,9 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from autotune.config import parse_config
-from autotune.probe import ProbeSettings, run_probe
-from autotune.step_graph import CUDA_GRAPH_COMPILE_MODES
+from autotune.contract.config import parse_config
+from autotune.engine.probe import ProbeSettings, run_probe
+from autotune.engine.step_graph import CUDA_GRAPH_COMPILE_MODES
 
 
 def graphed(knobs: dict[str, Any]) -> dict[str, Any]:

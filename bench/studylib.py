@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 
-from autotune.fork_server import ForkServer
-from autotune.hardware import installed_torch_version
-from autotune.host_telemetry import cpu_model
-from autotune.worker import run_python
+from autotune.engine.fork_server import ForkServer
+from autotune.engine.host_telemetry import cpu_model
+from autotune.worker.hardware import installed_torch_version
+from autotune.worker.loop import run_python
 
 
 def free_port() -> int:
@@ -90,7 +90,7 @@ _FORK_SERVERS: dict[tuple[tuple[str, str], ...], ForkServer] = {}
 def run_cli(args: list[str], env: Mapping[str, str] | None = None, timeout: float | None = None,
             warm: bool = True) -> subprocess.CompletedProcess[str]:
     """``python -m autotune.cli ARGS`` (an `autotune probe --json`, say) as a worker starts its
-    probe children: forked from a fork server (autotune/fork_server.py) that imported torch
+    probe children: forked from a fork server (autotune/engine/fork_server.py) that imported torch
     once, one server per environment for the harness's whole run; each probe is still a
     process of its own (its own CUDA context, compile state and memory). ``warm=False`` (for
     an environment used once) or AUTOTUNE_WARM_START=0 starts a fresh interpreter instead.

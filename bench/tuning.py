@@ -4,7 +4,7 @@ Every strategy is a real study on the real service (SQLite) with one real worker
 on the ``ups`` full preset, with the same probe and the same 3 baseline seeds (so the same
 quality gate applies to every pick):
 
-autotune   the default: the fast-stack starting points (autotune.starting), then constrained
+autotune   the default: the fast-stack starting points (autotune.contract.starting), then constrained
            multi-objective TPE, quality gate, pruning, space h100
 random     random search over the same space, no pruning, no starting points
 research   the hand-picked config the source research recommends (its tiers 1-3):
@@ -64,8 +64,8 @@ import httpx
 from resultfiles import load, unpacked
 from studylib import environment, free_port, hardware_class, pyplot, run_cli, wait_healthy
 
-from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs
-from autotune.gate import window_rate
+from autotune.contract.gate import window_rate
+from autotune.engine.epoch_cost import Boundary, amortized_seconds, epoch_costs
 
 CLI = [sys.executable, "-m", "autotune.cli"]
 DATA = {"num_workers": 8, "prefetch_factor": 4, "pin_memory": True, "persistent_workers": True}
@@ -200,7 +200,7 @@ def strategy_result(path: Path) -> dict[str, Any]:
     """One strategy's study, from its database and state.json."""
     import optuna
 
-    from autotune.gate import BaselineStats, Gate
+    from autotune.contract.gate import BaselineStats, Gate
 
     state = json.loads((path / "state.json").read_text())
     spec = state["spec"]
@@ -432,7 +432,7 @@ def _probe(config: dict[str, Any], samples: int | None, device: str, preset: str
 def _preset_samples(preset: str) -> int:
     """The preset's probe samples, for a config that does not name its own. Asked only then:
     `get_workload` imports torch, which the harness otherwise never needs (1.5-2 CPU-seconds)."""
-    from autotune.workloads import get_workload
+    from autotune.contract.registry import get_workload
 
     return get_workload("ups", preset).defaults.samples
 
@@ -548,14 +548,14 @@ def _pair_fits(done: list[dict[str, Any]], row: dict[str, Any], elapsed_s: float
 
 @functools.cache
 def _train_set_size(preset: str) -> int:
-    from autotune.workloads import get_workload
+    from autotune.contract.registry import get_workload
 
     return len(cast(Sized, get_workload("ups", preset).datasets(0)[0]))  # a map-style dataset
 
 
 def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Callable[[], int]) -> dict[str, Any]:
     """A fidelity probe's throughput as timed (`raw`) and with its DataLoader epoch starts
-    counted at a long run's rate (`amortized`, autotune/epoch_cost.py). A probe that recorded
+    counted at a long run's rate (`amortized`, autotune/engine/epoch_cost.py). A probe that recorded
     its epoch starts says both (`how` "probe"). For one from before it did, the amortized rate
     is estimated ("estimated") from where its epoch starts fell (the plan of its steps and the
     epoch's length: `train_samples()` over the micro-batch) and each window's data wait over the
@@ -563,7 +563,7 @@ def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Ca
     run: its windows already hold the starts at about their rate), none holds one, or the
     probe did not record its data waits, or the config does not name its batch shape (a given
     config left to the preset's defaults)."""
-    from autotune.probe import ProbeSettings, plan_steps
+    from autotune.engine.probe import ProbeSettings, plan_steps
 
     windows = probe["window_throughputs"]
     if probe.get("raw_window_throughputs"):
@@ -654,7 +654,7 @@ def fidelity_bias(pairs: list[dict[str, Any]], resamples: int = 2000) -> dict[st
 
 
 def compile_pool_mode(probe: dict[str, Any]) -> str:
-    """How a probe treated TorchInductor's compile pool (autotune/compile_workers.py): "setup"
+    """How a probe treated TorchInductor's compile pool (autotune/engine/compile_workers.py): "setup"
     (the probe started it at its setup and stopped its workers after the warm-up, waiting for
     them to be up: the probe as it now measures), "after warm-up" (stopped after the warm-up
     only, where the sidecar may still have been starting), or "torch" (left to TorchInductor:
@@ -801,7 +801,7 @@ def _telemetry_extremes(probe: dict[str, Any]) -> dict[str, float | None]:
     """A probe's lowest SM clock and GPU utilization, highest temperature and most throttled
     window, its loop thread's lowest busy fraction and most page faults in a window, and the
     whole host's busiest window (None: no telemetry, e.g. runs before the probe recorded it)."""
-    from autotune.gpu_telemetry import window_range  # imports torch: only the fidelity analysis needs it
+    from autotune.engine.gpu_telemetry import window_range  # imports torch: only the fidelity analysis needs it
 
     windows, host = probe.get("window_gpu") or [], probe.get("window_host") or []
     clock, temperature, throttled, utilization = (window_range(windows, k) for k in (

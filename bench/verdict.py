@@ -1,6 +1,6 @@
 """Benchmark: the calibration of the service's verdict on planted truth (real service, real HTTP).
 
-The verdict (`Recommendation.certified`, autotune/verdict.py) says whether a study's pick is
+The verdict (`Recommendation.certified`, autotune/contract/verdict.py) says whether a study's pick is
 faster than the baseline beyond the noise and no worse in quality. This harness asks how often
 it is right when the truth is known: it starts the real service once
 (``python -m autotune.cli serve --db URL --port P``, as bench/service_load.py does), creates
@@ -90,7 +90,7 @@ from resultfiles import load
 from service_load import PG_ADMIN_URL, Server, bearer, create_tokens, fake_result, fresh_database
 from studylib import environment, pyplot
 
-from autotune.protocol import GateSpec
+from autotune.contract.protocol import GateSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -665,7 +665,8 @@ def run_jobs(args: argparse.Namespace, jobs: list[tuple[Scenario, int]], seeds: 
 RESUME_KEYS = ("workers", "n_trials", "samples", "hardware", "remeasure_windows")  # what makes studies comparable
 
 
-SERVICE_CODE = ("api/", "autotune/protocol.py", "autotune/verdict.py", "autotune/space.py", "autotune/config.py")
+SERVICE_CODE = ("api/", "autotune/contract/protocol.py", "autotune/contract/verdict.py", "autotune/contract/space.py",
+                "autotune/contract/config.py")
 
 
 def service_code(code: dict[str, Any]) -> tuple[Any, list[str]]:

@@ -19,7 +19,6 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore \
     PYTHONUNBUFFERED=1 \
     AUTOTUNE_API=http://service:8000 \
-    AUTOTUNE_SPACES_DIR=/opt/autotune/search_spaces \
     AUTOTUNE_DATA_DIR=/var/cache/autotune/data \
     AUTOTUNE_INDUCTOR_CACHE_DIR=/var/cache/autotune/inductor \
     TRITON_CACHE_DIR=/var/cache/autotune/triton
@@ -34,6 +33,7 @@ RUN apt-get update \
 
 WORKDIR /opt/autotune
 COPY pyproject.toml README.md ./
+# autotune/api, autotune/migrations and autotune/search_spaces link to these: the package holds them
 COPY autotune ./autotune
 COPY api ./api
 COPY migrations ./migrations

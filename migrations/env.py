@@ -18,8 +18,8 @@ from alembic import context
 from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
 
-from api.db import migration_connection, migration_options
-from api.settings import Settings
+from autotune.api.db import migration_connection, migration_options
+from autotune.api.settings import Settings
 
 config = context.config
 

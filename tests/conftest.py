@@ -29,8 +29,8 @@ import torch
 from helpers import CPU, resolved
 from torch.utils.data import Dataset
 
-from autotune.knobs import Trainer, build_optimizer
-from autotune.workloads import Workload, get_workload
+from autotune.contract.registry import Workload, get_workload
+from autotune.engine.knobs import Trainer, build_optimizer
 
 torch.set_num_threads(1)  # should torch have been imported before this file (a plugin)
 

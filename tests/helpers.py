@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from autotune.compile_workers import children
-from autotune.config import TrainConfig
-from autotune.workloads import Workload
+from autotune.contract.config import TrainConfig
+from autotune.contract.registry import Workload
+from autotune.engine.compile_workers import children
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent

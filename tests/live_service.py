@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from autotune import fork_server
-from autotune.compile_workers import children
+from autotune.engine import fork_server
+from autotune.engine.compile_workers import children
 
 T = TypeVar("T")
 CLI = [sys.executable, "-m", "autotune.cli"]
@@ -37,7 +37,7 @@ CLI = [sys.executable, "-m", "autotune.cli"]
 # wait). No keep-alive: each request opens its own connection, as a fresh client's would (a
 # service restart leaves no stale connection behind).
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
-CHILD_MODULE = "autotune.probe_child"
+CHILD_MODULE = "autotune.engine.probe_child"
 
 # A search space whose probes take a few seconds on one CPU thread: micro-batches of 2-4,
 # no accumulation, so (5 warm-up + 5 timed) steps need only 40 samples.
@@ -179,7 +179,7 @@ class LiveService:
         """Create the admin and the worker token (once); role -> token. In this process, through
         the token store the CLI uses (migrating the database first if the service has not)."""
         if not self._tokens:
-            from api.auth import TokenStore
+            from autotune.api.auth import TokenStore
 
             store = TokenStore.open(self.db_url)
             try:

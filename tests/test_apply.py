@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import autotune
-from autotune.apply import ApplyError, Prepared, apply, load_config
-from autotune.config import ConfigError
+from autotune.contract.config import ConfigError
+from autotune.engine.apply import ApplyError, Prepared, apply, load_config
 from autotune.workloads.gpt.model import GPTModel, GPTSpec
 
 

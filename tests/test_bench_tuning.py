@@ -146,7 +146,7 @@ def test_epoch_rates_amortize_a_recorded_probe_and_estimate_an_older_one() -> No
     sys.path.insert(0, str(ROOT / "bench"))
     import tuning
 
-    from autotune.gate import window_rate
+    from autotune.contract.gate import window_rate
 
     config = {"batch_size": 48, "accum_steps": 1, "inverse_loss_frequency": 4}
     # the full preset: 19 200 samples at 48 = 400 steps, 8 warm-up, 8 windows of 48 (whole

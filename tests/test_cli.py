@@ -1,4 +1,4 @@
-"""autotune.cli: `autotune probe` output, exit codes and input errors."""
+"""autotune.cli.main: `autotune probe` output, exit codes and input errors."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from autotune.cli import app, print_probe_result
-from autotune.config import KNOBS
-from autotune.probe import ProbeResult
+from autotune.cli.main import app, print_probe_result
+from autotune.contract.config import KNOBS
+from autotune.engine.probe import ProbeResult
 
 RESULT_KEYS = {"throughput_samples_per_s", "throughput_spread", "val_nrmse", "warmup_s", "peak_mem_reserved_bytes",
                "data_wait_fraction", "config", "device", "failure"}
@@ -61,7 +61,7 @@ def test_probe_prints_a_table_without_json(tiny_datasets: Any) -> None:
 
 def test_the_table_shows_the_gpu_windows_and_the_measurement_notes(
         probe_json: subprocess.CompletedProcess[str]) -> None:
-    """What a GPU probe adds (autotune.gpu_telemetry) reaches the table: clock, temperature and power
+    """What a GPU probe adds (autotune.engine.gpu_telemetry) reaches the table: clock, temperature and power
     ranges over the windows, and each note. Rendered from a real CPU probe's result (`autotune
     probe --json`'s) with a GPU's window readings put in (CI has no GPU)."""
     assert probe_json.returncode == 0, probe_json.stderr[-3000:]

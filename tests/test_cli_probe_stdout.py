@@ -1,10 +1,10 @@
 """stdout carries only the result, whatever the workload prints.
 
 `autotune probe --json` prints exactly one JSON object on stdout, and the probe child
-(`python -m autotune.probe_child`) writes only its JSON-line protocol there, even when the
+(`python -m autotune.engine.probe_child`) writes only its JSON-line protocol there, even when the
 workload prints: from its model's constructor (Python's print, a raw write to file
 descriptor 1 and C's buffered printf) and from its dataset's ``__getitem__`` in a DataLoader worker process. All of
-that goes to stderr instead (autotune/stdout_guard.py; the child: `claim_stdout`).
+that goes to stderr instead (autotune/engine/stdout_guard.py; the child: `claim_stdout`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.probe_child import ChildJob
+from autotune.engine.probe_child import ChildJob
 
 PRINTY = '''
 """A workload that prints wherever a user's code may print."""
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from autotune.workloads.base import TrainingDefaults, Workload
+from autotune.contract.workload import TrainingDefaults, Workload
 
 print("PRINTY imported", flush=True)
 libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
@@ -145,7 +145,8 @@ def test_probe_child_protocol_is_unharmed_by_a_printing_workload(printy_env: dic
     """The worker's probe child points fd 1 at stderr before it imports anything of the workload."""
     job = ChildJob(workload="printy", preset="tiny", config={"num_workers": 1}, device="cpu",
                    probe={"samples": 48, "windows": 5, "warmup_steps": 5, "timeout_s": 120.0}, threads=1)
-    proc = subprocess.run([sys.executable, "-m", "autotune.probe_child"], input=job.to_json(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "autotune.engine.probe_child"], input=job.to_json(),
+                          capture_output=True,
                           text=True, env=printy_env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     messages = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is protocol

@@ -14,7 +14,7 @@ import yaml
 from live_service import LiveService, Processes, free_port, log_text, small_spec, start_worker
 from typer.testing import CliRunner
 
-from autotune.cli import app
+from autotune.cli.main import app
 
 VERBS = ["serve", "worker", "submit", "status", "stop", "best", "report", "probe", "demo", "tune"]
 
@@ -220,10 +220,11 @@ def test_the_database_commands_load_the_service_without_its_web_application() ->
     only; `autotune serve` adds the web application (fastapi, Optuna). In a fresh process,
     since this one has imported them all already."""
     code = ("import sys\n"
-            "from autotune.cli import service\n"
+            "from autotune.cli.main import service\n"
             "api = service()\n"
             "assert api.auth.TokenStore and api.db.MigrationError and api.backup\n"
-            "assert not {'api.main', 'fastapi', 'optuna'} & set(sys.modules), 'the web application was imported'\n"
+            "assert not {'autotune.api.main', 'fastapi', 'optuna'} & set(sys.modules), \\\n"
+            "    'the web application was imported'\n"
             "assert service(app=True).main.run_server and {'fastapi', 'optuna'} <= set(sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""autotune.client: retries, error mapping and the wire models, against a mock transport."""
+"""autotune.worker.client: retries, error mapping and the wire models, against a mock transport."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from autotune.client import (
+from autotune.contract.protocol import LeaseRequest
+from autotune.worker.client import (
     ApiError,
     Client,
     Conflict,
@@ -17,7 +18,6 @@ from autotune.client import (
     ServiceUnavailable,
     format_detail,
 )
-from autotune.protocol import LeaseRequest
 
 LEASE = {"trial_id": 3, "study": "s", "number": 1, "params": {"batch_size": 4}, "config": {"batch_size": 4},
          "workload": "ups", "preset": "tiny", "probe": {"samples": 40, "timeout_s": 60.0}, "is_baseline": False}

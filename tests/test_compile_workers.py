@@ -1,4 +1,4 @@
-"""autotune.compile_workers: TorchInductor's compile-worker pool, started as TorchInductor
+"""autotune.engine.compile_workers: TorchInductor's compile-worker pool, started as TorchInductor
 starts it when a process loads its first Triton kernel, is quiesced (its worker processes exit) and comes back for a
 later job. Real processes: the sidecar and its forked workers, found through /proc."""
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from autotune.compile_workers import children, cpu_seconds, note, quiesce_compile_workers, summary
+from autotune.engine.compile_workers import children, cpu_seconds, note, quiesce_compile_workers, summary
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="workers are found through /proc (Linux)")
 
@@ -26,7 +26,7 @@ import json, os, time
 import torch._inductor.config as config
 config.compile_threads = 3
 from torch._inductor.async_compile import AsyncCompile
-from autotune.compile_workers import children, quiesce_compile_workers
+from autotune.engine.compile_workers import children, quiesce_compile_workers
 
 AsyncCompile.warm_pool()
 AsyncCompile.wakeup()
@@ -97,9 +97,9 @@ import json, sys, time
 import torch._inductor.config as config
 config.compile_threads = 2
 from torch._inductor.async_compile import AsyncCompile
-from autotune.compile_workers import children
-from autotune.config import parse_config
-from autotune.probe import ProbeSettings, run_probe
+from autotune.engine.compile_workers import children
+from autotune.contract.config import parse_config
+from autotune.engine.probe import ProbeSettings, run_probe
 
 AsyncCompile.warm_pool()  # as loading a first Triton kernel starts it on a GPU host
 AsyncCompile.wakeup()
@@ -110,7 +110,7 @@ while len(children(sidecar)) < 2 and time.time() < deadline:
 # 10 steps of 16: 5 warm-up + 5 windows of 1
 settings = ProbeSettings(samples=160, windows=5, quiesce_compile_workers=sys.argv[1] == "quiesce")
 r = run_probe("ups", parse_config({"batch_size": 16, "accum_steps": 1}), preset="tiny", device="cpu", settings=settings)
-from autotune.cli import print_probe_result
+from autotune.cli.main import print_probe_result
 from rich.console import Console
 console = Console(record=True, width=200)
 print_probe_result(r, console)
@@ -142,7 +142,7 @@ EARLY_SCRIPT = r"""
 import json, sys
 import torch._inductor.config as config
 from torch._inductor.async_compile import AsyncCompile
-from autotune.compile_workers import children, quiesce_compile_workers, start_compile_pool
+from autotune.engine.compile_workers import children, quiesce_compile_workers, start_compile_pool
 
 if sys.argv[1] == "early":  # the probe's way: started at setup, waited for, then quiesced
     sidecar = start_compile_pool()

@@ -1,4 +1,4 @@
-"""autotune.config and autotune.space: knob validation, cross-knob and hardware rules,
+"""autotune.contract.config and autotune.contract.space: knob validation, cross-knob and hardware rules,
 --config parsing, and the validation of search spaces (shape, conditions, every drawable
 combination, names instead of paths)."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from autotune.config import KNOBS, ConfigError, TrainConfig, check_hardware, load_config_arg, parse_config
-from autotune.space import (
+from autotune.contract.config import KNOBS, ConfigError, TrainConfig, check_hardware, load_config_arg, parse_config
+from autotune.contract.space import (
     MAX_CHOICES,
     MAX_COMBINATIONS,
     Space,
@@ -338,7 +338,7 @@ def test_a_space_that_can_draw_a_rule_breaking_config_is_rejected(params: dict[s
     if field.startswith("params."):
         assert "when" in str(error)
     # the check is not overcautious: without it, the space really draws broken configs
-    monkeypatch.setattr("autotune.space._check_drawable_combinations", lambda _space: None)
+    monkeypatch.setattr("autotune.contract.space._check_drawable_combinations", lambda _space: None)
     assert _draw_many(parse_space(data)) > 0
 
 

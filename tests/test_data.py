@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autotune.workloads.ups.data as ups_data
-from autotune.workloads import Workload, get_workload
+from autotune.contract.registry import Workload, get_workload
 from autotune.workloads.ups.data import DataSpec, PairDataset, cache_dir, load_or_generate, split_indices
 
 SMALL = DataSpec(n_points=16, traj_per_physics=3, n_snapshots=3)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from api.backup import pg_dump_command
-from autotune.cli import app
+from autotune.api.backup import pg_dump_command
+from autotune.cli.main import app
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> Any:

@@ -69,7 +69,7 @@ from live_service import (
     wait_until,
 )
 
-from autotune.worker import FINAL_COMPLETE_RETRY_S, KILL_GRACE_S, plan_groups
+from autotune.worker.loop import FINAL_COMPLETE_RETRY_S, KILL_GRACE_S, plan_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -286,7 +286,7 @@ def _help(argv: list[str]) -> tuple[bool, str]:
         return done.returncode == 0, done.stdout
     from typer.testing import CliRunner
 
-    from autotune.cli import app
+    from autotune.cli.main import app
 
     words = [w for w in argv[1:] if not w.startswith("-")]
     verbs = words[:2] if words and words[0] in {"token", "db"} else words[:1]
@@ -1250,7 +1250,7 @@ def test_the_readme_commands_are_autotune_commands() -> None:
     real subcommand and real options (checked with --help: nothing is written)."""
     from typer.testing import CliRunner
 
-    from autotune.cli import app
+    from autotune.cli.main import app
 
     text = DEPLOY_README.read_text()
     commands = [shlex.split(m) for m in re.findall(r"(?:-T service|-- ) *(autotune [^>`|\n]+?)\s*(?:>|`|\||$)",
@@ -1327,7 +1327,7 @@ def test_the_docs_tls_commands_give_the_workers_an_https_url_and_the_ca_variable
     service = override["services"]["worker"]
     assert service["environment"]["SSL_CERT_FILE"] == ca_file.group(1)
     assert any(m.split(":")[1] == ca_file.group(1) for m in service["volumes"])
-    assert "`autotune.client.Client`" in text and "verify=True" in text
+    assert "`autotune.worker.client.Client`" in text and "verify=True" in text
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -1358,7 +1358,7 @@ def test_the_client_trusts_the_ca_in_ssl_cert_file(tmp_path: Path, monkeypatch: 
     import ssl
     import threading
 
-    from autotune.client import Client, ServiceUnavailable
+    from autotune.worker.client import Client, ServiceUnavailable
 
     if shutil.which("openssl") is None:
         pytest.skip("no openssl to make a certificate with")

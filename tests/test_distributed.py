@@ -1,4 +1,4 @@
-"""Multi-process probes (autotune.distributed, DDP in autotune.knobs, --gpus-per-trial in the worker).
+"""Multi-process probes (autotune.engine.distributed, DDP in autotune.engine.knobs, --gpus-per-trial in the worker).
 
 Everything runs on the CPU with gloo: two real processes stand in for two GPUs. The slow
 tests launch real N-rank probes of the tiny preset (a few seconds each on two cores).
@@ -26,9 +26,12 @@ from live_service import is_alive, wait_until
 from rich.console import Console
 from test_worker import HARDWARE, FakeClient
 
-import autotune.worker as worker_module
-from autotune.config import DISTRIBUTED_KNOBS, TrainConfig
-from autotune.distributed import (
+import autotune.worker.loop as worker_module
+from autotune.contract.config import DISTRIBUTED_KNOBS, TrainConfig
+from autotune.contract.protocol import LeaseRequest, ProbeSpec, StudySpec, TrialLease
+from autotune.contract.registry import ENV_VAR, get_workload, registered_workloads
+from autotune.contract.space import SpaceError, load_space, parse_space, validate_for
+from autotune.engine.distributed import (
     JOB_DIR_ENV,
     collect_failure,
     launch_argv,
@@ -36,7 +39,7 @@ from autotune.distributed import (
     prepare_job_dir,
     rank_pids,
 )
-from autotune.knobs import (
+from autotune.engine.knobs import (
     EpochIterator,
     ProbeError,
     StreamSampler,
@@ -45,12 +48,9 @@ from autotune.knobs import (
     build_loader,
     build_optimizer,
 )
-from autotune.probe import ProbeResult, ProbeSettings, run_probe
-from autotune.probe_child import ChildJob
-from autotune.protocol import LeaseRequest, ProbeSpec, StudySpec, TrialLease
-from autotune.space import SpaceError, load_space, parse_space, validate_for
-from autotune.worker import DeviceGroup, ProbeProcess, Worker, WorkerOptions, child_environment, plan_groups
-from autotune.workloads import ENV_VAR, get_workload, registered_workloads
+from autotune.engine.probe import ProbeResult, ProbeSettings, run_probe
+from autotune.engine.probe_child import ChildJob
+from autotune.worker.loop import DeviceGroup, ProbeProcess, Worker, WorkerOptions, child_environment, plan_groups
 from autotune.workloads.ups import UPSWorkload
 
 CPU = torch.device("cpu")
@@ -142,7 +142,7 @@ def test_the_earliest_rank_failure_is_the_cause(tmp_path: Path) -> None:
 
 
 def test_one_worker_runs_a_lease_loop_per_group_and_signals_reach_them_all() -> None:
-    from autotune.worker import _run_loops
+    from autotune.worker.loop import _run_loops
 
     clients = [FakeClient(), FakeClient()]
     quiet = Console(file=io.StringIO())
@@ -377,7 +377,7 @@ def test_no_rank_outlives_a_killed_worker_or_a_killed_probe(job_root: Path, tiny
     # 2. the worker itself killed with SIGKILL: the launcher dies with it, the ranks with the launcher
     job_dir = prepare_job_dir(job.to_json())
     fake_worker = subprocess.Popen(
-        [sys.executable, "-c", "import os, subprocess, sys, time; from autotune.worker import child_environment\n"
+        [sys.executable, "-c", "import os, subprocess, sys, time; from autotune.worker.loop import child_environment\n"
                                f"env = {{**child_environment(1), {JOB_DIR_ENV!r}: {str(job_dir)!r}}}\n"
                                f"subprocess.Popen({launch_argv()!r}, env=env, start_new_session=True)\n"
                                "time.sleep(600)"])

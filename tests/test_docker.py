@@ -184,7 +184,7 @@ def tracked_files(path: str) -> list[str]:
     """The git-tracked (or new, not ignored) files under `path`, relative to the repository."""
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", path],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if (ROOT / line).is_file()]
+    return [line for line in out.splitlines() if (ROOT / line).is_file() or (ROOT / line).is_symlink()]
 
 
 # --- compose ---------------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def place(root: Path, source: str, dest: str, workdir: str, chmod: str | None = 
         else:
             out = target / Path(source).name if dest.endswith("/") else target
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / relative, out)
+        shutil.copy2(ROOT / relative, out, follow_symlinks=False)  # a link stays a link, as COPY keeps it
         if chmod:
             out.chmod(int(chmod, 8))
 
@@ -404,8 +404,11 @@ def emulate_service_image(root: Path) -> ServiceImage:
     workdir = root / workdir_at(final, len(final)).lstrip("/")
     workdir.mkdir(parents=True, exist_ok=True)
     # the emulation itself: the project comes from `site`, and torch cannot be imported
-    probe = subprocess.run([sys.executable, "-c", "import autotune, api, migrations\n"
-                            "print(autotune.__file__, api.__file__, migrations.__file__)\nimport torch"],
+    probe = subprocess.run([sys.executable, "-c", "import autotune, autotune.api.main, autotune.migrations\n"
+                            "print(autotune.__file__, autotune.api.__file__, autotune.migrations.__file__)\n"
+                            "import importlib.util as u\n"
+                            "assert not u.find_spec('api') and not u.find_spec('migrations'), 'top-level packages'\n"
+                            "import torch"],
                            cwd=workdir, env={**os.environ, **env}, capture_output=True, text=True, check=False)
     assert probe.returncode != 0 and "the service image has no torch" in probe.stderr, probe.stderr
     assert all(Path(f).is_relative_to(site) for f in probe.stdout.split()), probe.stdout
@@ -722,7 +725,7 @@ def test_the_documented_image_commands_are_autotune_commands() -> None:
     documented runs a bare VERB, which the entry point would try to exec as a program."""
     from typer.testing import CliRunner
 
-    from autotune.cli import app
+    from autotune.cli.main import app
 
     runs = documented_compose_runs()
     assert {c[0] for c in runs} <= {"autotune", "sh"}, runs

@@ -32,8 +32,8 @@ from live_service import (
     wait_until,
 )
 
-from autotune.compile_workers import children, cmdline
-from autotune.demo import BASELINE_SEEDS
+from autotune.cli.demo import BASELINE_SEEDS
+from autotune.engine.compile_workers import children, cmdline
 
 pytestmark = pytest.mark.slow
 LONG_PROBE = 4000  # samples: ~1000-2000 steps, long enough to act on a probe mid-run
@@ -151,7 +151,8 @@ def test_sigterm_to_a_worker_mid_probe_fails_its_trial_as_interrupted(service: L
     service.submit(small_spec("term", n_trials=2, samples=LONG_PROBE))
     worker = start_worker(processes, service.url, "--study", "term", "--cold-start")
     child = wait_until(lambda: probe_children(worker.pid), 60, "a probe child")[0]
-    assert child in children(worker.pid)  # --cold-start: `python -m autotune.probe_child`, the worker's own child
+    # --cold-start: `python -m autotune.engine.probe_child`, the worker's own child
+    assert child in children(worker.pid)
     time.sleep(0.5)
     with open(f"/proc/{worker.pid}/maps") as maps:  # torch (and CUDA) live in the child only
         assert "libtorch" not in maps.read()

@@ -1,4 +1,4 @@
-"""GPU energy per sample (autotune.gpu_telemetry, autotune.probe): the arithmetic from counter
+"""GPU energy per sample (autotune.engine.gpu_telemetry, autotune.engine.probe): the arithmetic from counter
 readings and from power samples, the meter over a fake NVML (the only stand-in: the boundary
 where the driver would answer), the probe's fields and reports with that fake on a CPU, and
 the pruning rules of a study that minimizes energy. The readings of a real GPU are
@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-import autotune.probe as probe_module
-from api.study.prune_rules import PruneRules, Reference, decide
-from autotune.gpu_telemetry import (
+import autotune.engine.probe as probe_module
+from autotune.api.study.prune_rules import PruneRules, Reference, decide
+from autotune.contract.protocol import StudySpec, TrialResult
+from autotune.engine.gpu_telemetry import (
     ENERGY_METHODS,
     NVML_CALLS,
     EnergyMeter,
@@ -23,8 +24,7 @@ from autotune.gpu_telemetry import (
     power_integral_joules,
     summarize_energy,
 )
-from autotune.probe import ProbeResult, ProbeSettings, run_probe
-from autotune.protocol import StudySpec, TrialResult
+from autotune.engine.probe import ProbeResult, ProbeSettings, run_probe
 
 # --- the arithmetic ------------------------------------------------------------------------------
 

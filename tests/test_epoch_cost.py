@@ -1,11 +1,11 @@
-"""autotune.epoch_cost: a DataLoader epoch start, moved from the window that timed it to every
+"""autotune.engine.epoch_cost: a DataLoader epoch start, moved from the window that timed it to every
 window at the rate a long run pays it."""
 
 from __future__ import annotations
 
 import pytest
 
-from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
+from autotune.engine.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
 
 # four windows of 10 micro-batches each; epochs of 25 micro-batches
 SPANS = [(5, 15), (15, 25), (25, 35), (35, 45)]

@@ -1,6 +1,6 @@
-"""autotune.fork_server: a worker's probe children forked from a process that imported torch once.
+"""autotune.engine.fork_server: a worker's probe children forked from a process that imported torch once.
 
-One server (a real ``python -m autotune.fork_server`` process) serves the module; its children
+One server (a real ``python -m autotune.engine.fork_server`` process) serves the module; its children
 are real forks. The worker-level behaviours (a killed worker's probes die, SIGTERM, the kill of
 a probe child, timeouts) run through `autotune worker` in tests/test_e2e.py and
 tests/test_recovery.py, whose workers fork their probes so."""
@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from live_service import is_alive, wait_until
 
-from autotune.compile_workers import children
-from autotune.fork_server import ForkedChild, ForkServer, ForkServerError, probe_children
-from autotune.probe_child import ChildJob
-from autotune.worker import (
+from autotune.engine.compile_workers import children
+from autotune.engine.fork_server import ForkedChild, ForkServer, ForkServerError, probe_children
+from autotune.engine.probe_child import ChildJob
+from autotune.worker.loop import (
     CHILD_MODULE,
     ProbeProcess,
     WorkerOptions,
@@ -56,7 +56,7 @@ def run(server: ForkServer, code: str, *args: str, stdin: bytes = b"") -> tuple[
 def test_a_forked_child_starts_with_torch_imported_in_the_servers_environment(server: ForkServer) -> None:
     child, out, err = run(server, textwrap.dedent("""
         import gc, json, os, sys
-        print(json.dumps({"preloaded": [m in sys.modules for m in ("torch", "torch._dynamo", "autotune.probe")],
+        print(json.dumps({"preloaded": [m in sys.modules for m in ("torch", "torch._dynamo", "autotune.engine.probe")],
                           "frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects()),
                           "argv": sys.argv, "stdin": sys.stdin.read(), "ppid": os.getppid(),
                           "leads_session": os.getsid(0) == os.getpid(), "omp": os.environ.get("OMP_NUM_THREADS"),
@@ -163,7 +163,7 @@ def test_a_child_the_server_does_not_serve_starts_cold(server: ForkServer) -> No
 def test_a_dead_server_kills_its_children_and_the_worker_starts_probes_cold(tmp_path: Path) -> None:
     server = ForkServer(child_environment(1)).start()
     try:
-        sleeper = server.popen(["-c", "from autotune.probe_child import watch_parent\nwatch_parent()\n"
+        sleeper = server.popen(["-c", "from autotune.engine.probe_child import watch_parent\nwatch_parent()\n"
                                       "import time\ntime.sleep(60)"])
         assert server.proc is not None
         os.kill(server.proc.pid, signal.SIGKILL)
@@ -182,10 +182,10 @@ def test_a_dead_server_kills_its_children_and_the_worker_starts_probes_cold(tmp_
 def test_the_server_ends_with_its_worker_and_takes_the_probes_with_it(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import json, sys, time
-        from autotune.fork_server import ForkServer
-        from autotune.worker import child_environment
+        from autotune.engine.fork_server import ForkServer
+        from autotune.worker.loop import child_environment
         server = ForkServer(child_environment(1)).start()
-        child = server.popen(["-c", "from autotune.probe_child import watch_parent\\nwatch_parent()\\n"
+        child = server.popen(["-c", "from autotune.engine.probe_child import watch_parent\\nwatch_parent()\\n"
                                     "import time\\ntime.sleep(60)"])
         print(json.dumps({"server": server.proc.pid, "child": child.pid}), flush=True)
         time.sleep(60)""")
@@ -208,7 +208,8 @@ def test_the_server_ends_with_its_worker_and_takes_the_probes_with_it(tmp_path: 
 def test_a_preload_that_starts_a_thread_is_refused(tmp_path: Path) -> None:
     (tmp_path / "threaded.py").write_text("import threading, time\n"
                                           "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n")
-    done = subprocess.run([sys.executable, "-c", "from autotune.fork_server import preload; preload(('threaded',))"],
+    code = "from autotune.engine.fork_server import preload; preload(('threaded',))"
+    done = subprocess.run([sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
                               [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])})

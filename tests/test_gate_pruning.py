@@ -8,9 +8,9 @@ import statistics
 import optuna
 import pytest
 
-from api.study.prune_rules import PruneRules, Reference, decide, loss_at
-from api.study.samplers import CONSTRAINT_ATTR, make_sampler, stored_constraint
-from autotune.gate import FAILED_CONSTRAINT, BaselineStats, Estimate, Gate, constraint_value, is_feasible
+from autotune.api.study.prune_rules import PruneRules, Reference, decide, loss_at
+from autotune.api.study.samplers import CONSTRAINT_ATTR, make_sampler, stored_constraint
+from autotune.contract.gate import FAILED_CONSTRAINT, BaselineStats, Estimate, Gate, constraint_value, is_feasible
 
 # -- gate ---------------------------------------------------------------------------------
 
@@ -109,8 +109,8 @@ def test_the_objectives_decide_what_a_slow_trial_is_worth() -> None:
     worse = [(100, 0.95), (200, 0.75)]
     assert not decide(worse, [300.0, 320.0], REF, PruneRules(throughput_counts=False)).prune
     # through the service's rules: a study's objectives set both switches
-    from api.study.pruning import rules_for
-    from autotune.protocol import StudySpec
+    from autotune.api.study.pruning import rules_for
+    from autotune.contract.protocol import StudySpec
 
     only_speed = rules_for(StudySpec(name="s", objectives=["throughput"]))
     assert (only_speed.throughput_counts, only_speed.quality_counts) == (True, False)
@@ -202,8 +202,8 @@ def test_rate_ci_is_the_inverted_interval_of_the_time_per_sample() -> None:
 
 
 def test_default_baseline_is_the_research_starting_point() -> None:
-    from autotune.config import parse_config
-    from autotune.protocol import StudySpec
+    from autotune.contract.config import parse_config
+    from autotune.contract.protocol import StudySpec
 
     gpu = StudySpec(name="g", space="h100", hardware="NVIDIA H100 80GB HBM3", preset="full").baseline_config()
     assert gpu == {"num_workers": 8, "prefetch_factor": 4}
@@ -213,7 +213,7 @@ def test_default_baseline_is_the_research_starting_point() -> None:
     assert StudySpec(name="u", baseline={"batch_size": 8}).baseline_config() == {"batch_size": 8}
 
 
-# --- the quality metric of a study (autotune.protocol.StudySpec.quality, api/outcome.py) ----------
+# --- the quality metric of a study (autotune.contract.protocol.StudySpec.quality, api/outcome.py) ----------
 
 
 def _result(**overrides: object) -> dict[str, object]:
@@ -222,7 +222,7 @@ def _result(**overrides: object) -> dict[str, object]:
 
 
 def test_a_study_gates_on_its_workloads_metric() -> None:
-    from autotune.protocol import StudySpec
+    from autotune.contract.protocol import StudySpec
 
     ups = StudySpec(name="a", objectives=["throughput", "val_nrmse"])  # the old objective name still works
     assert ups.objectives == ["throughput", "quality"] and ups.quality_metric == "val_nrmse"
@@ -238,8 +238,8 @@ def test_a_study_gates_on_its_workloads_metric() -> None:
 
 
 def test_the_outcome_reads_the_generic_quality_and_refuses_another_metric() -> None:
-    from api.outcome import probe_outcome
-    from autotune.protocol import StudySpec
+    from autotune.api.outcome import probe_outcome
+    from autotune.contract.protocol import StudySpec
 
     gpt = StudySpec(name="b", workload="gpt")
     outcome = probe_outcome(_result(), gpt, "w", gate=1.6)

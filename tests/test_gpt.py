@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.probe import ProbeSettings, run_probe
-from autotune.workloads import BUILTIN, check_workload, get_workload
+from autotune.contract.registry import BUILTIN, check_workload, get_workload
+from autotune.engine.probe import ProbeSettings, run_probe
 from autotune.workloads.gpt import PRESETS, GPTWorkload
 from autotune.workloads.gpt.data import TextSpec, TokenWindows, generate_text, load_or_generate
 from autotune.workloads.gpt.model import GPTModel, GPTSpec

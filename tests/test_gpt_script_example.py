@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import autotune
-from autotune.probe import ProbeSettings, run_probe
-from autotune.workloads import ENV_VAR, registered_workloads
+from autotune.contract.registry import ENV_VAR, registered_workloads
+from autotune.engine.probe import ProbeSettings, run_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "gpt_script"
@@ -86,7 +86,7 @@ def test_a_probe_trains_with_the_scripts_optimizer_clipping_and_schedule(
 def test_apply_runs_a_config_in_the_script_on_its_own_optimizer(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: Any,
         capsys: pytest.CaptureFixture[str]) -> None:
-    import autotune.apply as apply_module
+    import autotune.engine.apply as apply_module
 
     seen: dict[str, Any] = {}
 

@@ -1,4 +1,4 @@
-"""autotune.gpu_telemetry: per-window GPU state from NVML readings, and the throttling note.
+"""autotune.engine.gpu_telemetry: per-window GPU state from NVML readings, and the throttling note.
 
 The readings themselves need a GPU (tests/test_probe.py, marked gpu); here the arithmetic that
 turns two readings into a window's figures, and what the probe and the worker make of them.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.gpu_telemetry import (
+from autotune.engine.gpu_telemetry import (
     NVML_CALLS,
     THROTTLE_POLICIES,
     GpuTelemetry,

@@ -1,4 +1,4 @@
-"""autotune.host_telemetry: the training loop thread's own counters per window, read for real
+"""autotune.engine.host_telemetry: the training loop thread's own counters per window, read for real
 from this thread (Linux's getrusage(RUSAGE_THREAD)), the whole host's CPU time (/proc/stat),
 and the host's CPU model."""
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from autotune.host_telemetry import ThreadUsage, cpu_model, parse_proc_stat, window_stats
+from autotune.engine.host_telemetry import ThreadUsage, cpu_model, parse_proc_stat, window_stats
 
 pytestmark = pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="per-thread usage is Linux-only")
 

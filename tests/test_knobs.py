@@ -1,4 +1,4 @@
-"""autotune.knobs: every knob family applied for real, and proof that it changed what ran."""
+"""autotune.engine.knobs: every knob family applied for real, and proof that it changed what ran."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import autotune.workloads.ups.model as ups_model
-from autotune.config import TrainConfig
-from autotune.knobs import (
+from autotune.contract.config import TrainConfig
+from autotune.contract.registry import Workload
+from autotune.engine.knobs import (
     EpochIterator,
     ProbeError,
     Schedule,
@@ -37,8 +38,7 @@ from autotune.knobs import (
     fp8_supported,
     lr_factor,
 )
-from autotune.probe import ProbeSettings, run_probe
-from autotune.workloads import Workload
+from autotune.engine.probe import ProbeSettings, run_probe
 from autotune.workloads.ups import UPSWorkload
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""autotune.metrics: NRMSE on known arrays."""
+"""autotune.engine.metrics: NRMSE on known arrays."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from autotune.metrics import nrmse, nrmse_per_sample
+from autotune.engine.metrics import nrmse, nrmse_per_sample
 
 
 def _true() -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The user's optimizer step (autotune/optimizers.py, the Trainer, the probe): several optimizers
+"""The user's optimizer step (autotune/engine/optimizers.py, the Trainer, the probe): several optimizers
 stepped as one, the optimizer knobs acting on the user's objects in place, gradient clipping,
 and a workload's own optimizer, clipping and LR schedule in the probe."""
 
@@ -12,19 +12,19 @@ import torch
 from helpers import CPU, micro_batches, resolved
 from torch import nn
 
-from autotune.config import TrainConfig
-from autotune.errors import ProbeError
-from autotune.knobs import Schedule, Trainer, build_optimizer
-from autotune.optimizers import (
+from autotune.contract.config import TrainConfig
+from autotune.contract.errors import ProbeError
+from autotune.contract.registry import Workload, get_workload
+from autotune.contract.workload import TrainingDefaults
+from autotune.engine.knobs import Schedule, Trainer, build_optimizer
+from autotune.engine.optimizers import (
     Optimizers,
     apply_fused_optimizer,
     as_optimizers,
     compile_optimizer_step,
     muon_adamw,
 )
-from autotune.probe import ProbeSettings, run_probe
-from autotune.workloads import Workload, get_workload
-from autotune.workloads.base import TrainingDefaults
+from autotune.engine.probe import ProbeSettings, run_probe
 from autotune.workloads.ups import UPSWorkload
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from live_service import LiveService, Processes, log_text, small_spec, start_worker
 
-from autotune.workloads import ENTRY_POINT_GROUP
+from autotune.contract.registry import ENTRY_POINT_GROUP
 
 MODULE = "toy_workloads"
 SOURCE = '''
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from autotune.workloads import TrainingDefaults, Workload
+from autotune.contract.registry import TrainingDefaults, Workload
 
 
 class Points(Dataset):

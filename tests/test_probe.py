@@ -1,4 +1,4 @@
-"""autotune.probe: measurement, determinism, early stopping and failure records."""
+"""autotune.engine.probe: measurement, determinism, early stopping and failure records."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-import autotune.probe as probe_module
-from autotune.config import DISTRIBUTED_KNOBS, ConfigError
-from autotune.knobs import ProbeError
-from autotune.probe import FAILURE_KINDS, ProbeResult, ProbeSettings, classify_exception, plan_steps, run_probe
-from autotune.workloads import UnknownWorkloadError, Workload
+import autotune.engine.probe as probe_module
+from autotune.contract.config import DISTRIBUTED_KNOBS, ConfigError
+from autotune.contract.registry import UnknownWorkloadError, Workload
+from autotune.engine.knobs import ProbeError
+from autotune.engine.probe import FAILURE_KINDS, ProbeResult, ProbeSettings, classify_exception, plan_steps, run_probe
 from autotune.workloads.ups import UPSWorkload
 
 SAMPLES = 96  # 12 steps at the tiny preset's 4 × 2: 5 warm-up + 7 windows of 1 step
@@ -74,7 +74,7 @@ def test_default_probe_succeeds_and_measures(default_result: ProbeResult) -> Non
 def test_epoch_starts_are_measured_and_counted_at_a_long_runs_rate(tiny: Workload) -> None:
     """A DataLoader that restarts its worker every epoch: each epoch start is recorded where it
     happened, and the windows carry the mean stall once per epoch's micro-batches instead of
-    where the starts fell (autotune/epoch_cost.py)."""
+    where the starts fell (autotune/engine/epoch_cost.py)."""
     r = run_probe(tiny, {"num_workers": 1, "persistent_workers": False}, settings=ProbeSettings(samples=480))
     assert r.failure is None, r.failure
     # 60 steps of 2 micro-batches: 5 warm-up, 8 windows of 6, 7 untimed; epochs of 56 micro-batches
@@ -289,7 +289,7 @@ def test_exploding_learning_rate_fails_as_nan(tiny: Workload) -> None:
 OOM_SCRIPT = textwrap.dedent("""
     import json, resource
     import torch
-    import autotune.probe as probe
+    import autotune.engine.probe as probe
 
     def vm_size():
         with open("/proc/self/status") as f:
@@ -326,7 +326,7 @@ def test_timeout_fails_as_timeout(tiny: Workload) -> None:
 
 
 class _ShiftedClock:
-    """The `time` module as autotune.probe sees it, its perf_counter moved forward by `offset`
+    """The `time` module as autotune.engine.probe sees it, its perf_counter moved forward by `offset`
     seconds: a report can outlast a probe's budget without the test waiting the budget out."""
 
     def __init__(self) -> None:

@@ -27,8 +27,8 @@ import pytest
 import yaml
 from live_service import free_port
 
-from autotune.config import KNOBS
-from autotune.protocol import StudySpec
+from autotune.contract.config import KNOBS
+from autotune.contract.protocol import StudySpec
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -54,7 +54,7 @@ def walkthrough_script(port: int) -> str:
 
 
 def test_the_readme_study_spec_validates() -> None:
-    block = re.search(r"A study spec \(`autotune.protocol.StudySpec`\):\n\n```yaml\n(.*?)```", README, re.S)
+    block = re.search(r"A study spec \(`autotune.contract.protocol.StudySpec`\):\n\n```yaml\n(.*?)```", README, re.S)
     assert block, "the README lost its study-spec example"
     spec = StudySpec.model_validate(yaml.safe_load(block.group(1)))
     assert spec.space == "h100" and spec.baseline_seeds == 3

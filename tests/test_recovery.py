@@ -38,8 +38,8 @@ from live_service import (
     wait_until,
 )
 
-from autotune.client import Client, Conflict
-from autotune.protocol import LeaseRequest
+from autotune.contract.protocol import LeaseRequest
+from autotune.worker.client import Client, Conflict
 
 pytestmark = pytest.mark.slow
 # long enough that a live worker's heartbeats (every 0.5 s) never miss it on a loaded 2-core host
@@ -136,7 +136,7 @@ def test_a_killed_workers_trial_is_retried_by_another_worker(service: LiveServic
 SLOW_FORK_SERVER = """
 import time
 with open("/proc/self/cmdline", "rb") as f:
-    if b"autotune.fork_server" in f.read():
+    if b"autotune.engine.fork_server" in f.read():
         time.sleep({seconds})
 """
 
@@ -295,10 +295,10 @@ def test_a_service_restart_mid_study_loses_and_duplicates_nothing(processes: Pro
 
 PARENT = """
 import subprocess, sys, time
-from autotune.probe_child import ChildJob
+from autotune.engine.probe_child import ChildJob
 job = ChildJob(workload="ups", preset="tiny", config={"batch_size": 2, "accum_steps": 1},
                probe={"samples": 1_000_000, "windows": 5, "warmup_steps": 5}, threads=1)
-child = subprocess.Popen([sys.executable, "-m", "autotune.probe_child"], stdin=subprocess.PIPE,
+child = subprocess.Popen([sys.executable, "-m", "autotune.engine.probe_child"], stdin=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, start_new_session=True)
 child.stdin.write(job.to_json().encode())
 child.stdin.close()
@@ -323,7 +323,7 @@ def test_a_probe_child_whose_parent_is_already_gone_exits_at_once() -> None:
     names a parent that is not the child's parent any more."""
     env = {**os.environ, "AUTOTUNE_PARENT_PID": "1" if os.getpid() != 1 else "2"}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "autotune.probe_child"], input="{}", capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "autotune.engine.probe_child"], input="{}", capture_output=True,
                           text=True, env=env, timeout=60)
     assert done.returncode == 137 and done.stdout == ""  # killed itself before reading the job
     assert time.monotonic() - started < 30

@@ -9,8 +9,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from autotune.protocol import ConfigVerdict, Recommendation, StudyInfo, StudySpec, TrialInfo
-from autotune.report import (
+from autotune.cli.report import (
     best_so_far,
     failures_figure,
     importances,
@@ -20,6 +19,7 @@ from autotune.report import (
     remeasured_points,
     write_report,
 )
+from autotune.contract.protocol import ConfigVerdict, Recommendation, StudyInfo, StudySpec, TrialInfo
 
 
 def trial(number: int, tp: float | None, nrmse: float | None, feasible: bool | None, state: str = "COMPLETE",

@@ -1,4 +1,4 @@
-"""autotune.spool: the worker's undelivered results on disk, and what each reply of the service
+"""autotune.worker.spool: the worker's undelivered results on disk, and what each reply of the service
 does to them (a real `Client` over a mock transport, so the service's status codes and words
 are read as the worker reads them)."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from autotune.client import Client
-from autotune.spool import SPOOL_ENV, Spool, SpoolEntry, belongs_to, default_spool_dir, deliver
+from autotune.worker.client import Client
+from autotune.worker.spool import SPOOL_ENV, Spool, SpoolEntry, belongs_to, default_spool_dir, deliver
 
 API = "http://svc:8000"
 RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "device": "cpu", "torch_version": "x",
@@ -280,8 +280,8 @@ def test_a_worker_delivers_its_services_folder_and_names_the_others_in_one_line(
 
     from rich.console import Console
 
-    from autotune.hardware import Hardware
-    from autotune.worker import Worker, WorkerOptions
+    from autotune.worker.hardware import Hardware
+    from autotune.worker.loop import Worker, WorkerOptions
 
     spool = Spool(tmp_path / "spool")
     ours, same_url, elsewhere = of("svc-B", 7), of("svc-A", 8), of("svc-C", 9, api="http://other:8000")

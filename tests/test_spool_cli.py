@@ -9,8 +9,8 @@ from typing import Any
 
 from typer.testing import CliRunner, Result
 
-from autotune.cli import app
-from autotune.spool import Spool, SpoolEntry
+from autotune.cli.main import app
+from autotune.worker.spool import Spool, SpoolEntry
 
 A, B = "0f6c2e9e-1111-4a4a-8888-aaaaaaaaaaaa", "7d1b3c5f-2222-4b4b-9999-bbbbbbbbbbbb"
 RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "throughput_samples_per_s": 123.5,

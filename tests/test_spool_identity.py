@@ -39,15 +39,15 @@ from live_service import (
 from rich.console import Console
 from test_worker import HARDWARE, fake_child
 
-from api.backup import backup_sqlite
-from api.db import upgrade_schema
-from api.main import create_app
-from api.settings import Settings
-from autotune import worker as worker_module
-from autotune.client import Client
-from autotune.protocol import LeaseRequest, ProbeSpec, TrialLease
-from autotune.spool import Spool, SpoolEntry
-from autotune.worker import Worker, WorkerOptions
+from autotune.api.backup import backup_sqlite
+from autotune.api.db import upgrade_schema
+from autotune.api.main import create_app
+from autotune.api.settings import Settings
+from autotune.contract.protocol import LeaseRequest, ProbeSpec, TrialLease
+from autotune.worker import loop as worker_module
+from autotune.worker.client import Client
+from autotune.worker.loop import Worker, WorkerOptions
+from autotune.worker.spool import Spool, SpoolEntry
 
 RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "device": "cpu", "torch_version": "x",
           "throughput_samples_per_s": 5.0, "window_throughputs": [5.0, 5.0, 5.0], "val_nrmse": 0.5, "failure": None}

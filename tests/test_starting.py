@@ -1,4 +1,4 @@
-"""Starting points (autotune.starting): the fast stack derived from a baseline and a space,
+"""Starting points (autotune.contract.starting): the fast stack derived from a baseline and a space,
 and the validation of a user's own points."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from autotune.config import parse_config
-from autotune.space import SpaceError, load_space, parse_space
-from autotune.starting import MAX_POINTS, auto_points, check_points, resolve
+from autotune.contract.config import parse_config
+from autotune.contract.space import SpaceError, load_space, parse_space
+from autotune.contract.starting import MAX_POINTS, auto_points, check_points, resolve
 
 # what the ups full preset's baseline probe reports as its effective config (the preset's 12 × 4)
 UPS_FULL_BASELINE: dict[str, Any] = {
@@ -94,8 +94,8 @@ def test_bad_points_are_named(points: Any, field: str, fix: str) -> None:
 def test_the_trials_table_names_the_starting_points() -> None:
     from rich.console import Console
 
-    from autotune.protocol import TrialInfo
-    from autotune.tables import trials_table
+    from autotune.cli.tables import trials_table
+    from autotune.contract.protocol import TrialInfo
 
     trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"compile": "reduce-overhead"},
                         starting_point=0),

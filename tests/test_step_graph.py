@@ -1,4 +1,4 @@
-"""The step_graph knob (autotune/step_graph.py): where it cannot act it says why, and on a GPU
+"""The step_graph knob (autotune/engine/step_graph.py): where it cannot act it says why, and on a GPU
 the replayed graph trains exactly as the eager step does, and the probe replays it."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import CPU, micro_batches, resolved
 
-from autotune import step_graph
-from autotune.config import TrainConfig, parse_config
-from autotune.knobs import Schedule, Trainer, build_optimizer
-from autotune.optimizers import Optimizers, lr_to_tensor, muon_adamw, set_lr
-from autotune.probe import ProbeSettings, plan_steps, run_probe
-from autotune.workloads import Workload
+from autotune.contract.config import TrainConfig, parse_config
+from autotune.contract.registry import Workload
+from autotune.engine import step_graph
+from autotune.engine.knobs import Schedule, Trainer, build_optimizer
+from autotune.engine.optimizers import Optimizers, lr_to_tensor, muon_adamw, set_lr
+from autotune.engine.probe import ProbeSettings, plan_steps, run_probe
 
 CUDA = torch.device("cuda", 0)
 

@@ -22,9 +22,9 @@ import yaml
 from live_service import LiveService, Processes, log_text, small_spec, start_worker
 from typer.testing import CliRunner
 
-from autotune.cli import app
-from autotune.worker import WorkerOptions
-from autotune.workloads import ENTRY_POINT_GROUP, ENV_VAR, registered_workloads
+from autotune.cli.main import app
+from autotune.contract.registry import ENTRY_POINT_GROUP, ENV_VAR, registered_workloads
+from autotune.worker.loop import WorkerOptions
 
 H100 = "NVIDIA H100 80GB HBM3"
 ENTRY_POINT_WL = "hintwl"  # an installed plugin (entry point), never run here

@@ -92,7 +92,7 @@ def test_tune_runs_is_interrupted_resumes_and_answers(tmp_path: Path) -> None:
 
 
 def test_the_progress_line_estimates_the_time_left() -> None:
-    from autotune.demo import eta_text
+    from autotune.cli.demo import eta_text
 
     assert eta_text(60.0, 3, 9) == " · ETA ~2 min"  # 20 s a trial, 6 to go
     assert eta_text(10.0, 2, 4) == " · ETA ~10 s"

@@ -1,4 +1,4 @@
-"""The decision rule's statistics (autotune/verdict.py), from known values."""
+"""The decision rule's statistics (autotune/contract/verdict.py), from known values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from autotune.verdict import Sample, judge, level_at, look_alpha, t_cdf, t_ppf, welch, wilson
+from autotune.contract.verdict import Sample, judge, level_at, look_alpha, t_cdf, t_ppf, welch, wilson
 
 
 @pytest.mark.parametrize(("p", "dof", "expected"), [

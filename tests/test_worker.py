@@ -1,4 +1,4 @@
-"""autotune.probe_child (the stdin/stdout protocol) and autotune.worker's handling of its child.
+"""autotune.engine.probe_child (the stdin/stdout protocol) and autotune.worker's handling of its child.
 
 The worker tests run `Worker.run_trial` in-process against a scripted fake client, with
 fake child programs (a crash, a SIGKILL, a hang, a child that ignores SIGTERM, ...), so
@@ -24,12 +24,12 @@ import torch
 from live_service import is_alive, wait_until
 from rich.console import Console
 
-from autotune import worker as worker_module
-from autotune.client import Conflict, ServiceUnavailable
-from autotune.hardware import Hardware, detect
-from autotune.probe_child import ChildJob
-from autotune.protocol import HeartbeatReply, ProbeSpec, ReportReply, TrialInfo, TrialLease, TrialList
-from autotune.worker import (
+from autotune.contract.protocol import HeartbeatReply, ProbeSpec, ReportReply, TrialInfo, TrialLease, TrialList
+from autotune.engine.probe_child import ChildJob
+from autotune.worker import loop as worker_module
+from autotune.worker.client import Conflict, ServiceUnavailable
+from autotune.worker.hardware import Hardware, detect
+from autotune.worker.loop import (
     ProbeProcess,
     Worker,
     WorkerOptions,
@@ -52,7 +52,8 @@ def tiny_job(**probe: Any) -> ChildJob:
 
 def run_child(job: ChildJob | str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     text = job if isinstance(job, str) else job.to_json()
-    return subprocess.run([sys.executable, "-m", "autotune.probe_child"], input=text, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "autotune.engine.probe_child"], input=text, capture_output=True,
+                          text=True,
                           timeout=timeout, env=child_environment(1), check=False)
 
 
@@ -107,7 +108,7 @@ def test_child_stops_at_a_window_boundary_on_sigterm(tiny_datasets: Any) -> None
     # ~1000 steps: many seconds, so SIGTERM lands mid-probe; in windows of 9 steps, so the
     # window boundary it stops at comes soon after
     job = tiny_job(samples=4000, windows=100)
-    proc = subprocess.Popen([sys.executable, "-m", "autotune.probe_child"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "autotune.engine.probe_child"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_environment(1))
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(job.to_json())
@@ -443,7 +444,7 @@ def test_hardware_is_detected_in_a_child_process_and_the_cpu_without_torch() -> 
     assert hardware == detect("cpu")  # as torch itself answers it
     # the worker process never imports torch: the CPU's only question for it, the version, is
     # answered by its installed distribution
-    code = ("import sys; from autotune.worker import detect_hardware; h = detect_hardware('cpu'); "
+    code = ("import sys; from autotune.worker.loop import detect_hardware; h = detect_hardware('cpu'); "
             "print(h.torch_version, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == [torch.__version__, "False"], out.stderr

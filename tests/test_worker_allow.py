@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 from live_service import LiveService, Processes, log_text, small_spec, start_worker, wait_until
 
-from autotune.worker import WorkerOptions, refusal
-from autotune.workloads import (
+from autotune.contract.registry import (
     BUILTIN,
     ENTRY_POINT_GROUP,
     ENV_VAR,
@@ -40,6 +39,7 @@ from autotune.workloads import (
     workload_names,
     workload_paths,
 )
+from autotune.worker.loop import WorkerOptions, refusal
 
 PLUGIN = "fakewl"
 PLUGIN_MODULE = "fakewl_module"
@@ -105,7 +105,7 @@ def test_unknown_workloads_and_presets_name_the_field_and_the_known_ones() -> No
 
 
 def test_the_registry_the_protocol_and_the_worker_import_no_torch() -> None:
-    code = ("import sys, autotune.workloads, autotune.protocol, autotune.worker\n"
+    code = ("import sys, autotune.workloads, autotune.contract.protocol, autotune.worker\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n"
             "assert 'autotune.workloads.ups' not in sys.modules, 'a workload module was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -137,7 +137,7 @@ def test_a_stored_spec_is_read_back_whatever_is_installed_now() -> None:
     from storage are validated with context {"stored": True}, which skips the registry."""
     from pydantic import ValidationError
 
-    from autotune.protocol import StudyInfo, StudySpec
+    from autotune.contract.protocol import StudyInfo, StudySpec
 
     with pytest.raises(ValidationError, match="unknown workload 'gone'"):
         StudySpec.model_validate({"name": "s", "workload": "gone"})

@@ -20,7 +20,7 @@ import pytest
 from rich.console import Console
 from test_worker import HARDWARE, FakeClient, fake_child, make_lease
 
-from autotune.worker import (
+from autotune.worker.loop import (
     CPU_SHARE_ENV,
     CoreShare,
     CpuShare,
@@ -46,7 +46,7 @@ CORES = cores(4)
 HOLDER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from autotune.worker import CpuShare, PhysicalCore
+    from autotune.worker.loop import CpuShare, PhysicalCore
     host = [PhysicalCore(i, (i,)) for i in range(int(sys.argv[2]))]
     share = CpuShare(Path(sys.argv[1]), cores=host).claim()
     print(json.dumps({"slot": share.slot}), flush=True)

@@ -23,11 +23,11 @@ import torch
 from live_service import LiveService, Processes, log_text, small_spec, start_worker
 from rich.console import Console
 
-from autotune import worker as worker_module
-from autotune.client import ServiceUnavailable
-from autotune.hardware import Hardware
-from autotune.protocol import TrialLease
-from autotune.worker import Worker, WorkerOptions, skipped_studies
+from autotune.contract.protocol import TrialLease
+from autotune.worker import loop as worker_module
+from autotune.worker.client import ServiceUnavailable
+from autotune.worker.hardware import Hardware
+from autotune.worker.loop import Worker, WorkerOptions, skipped_studies
 
 H100 = "NVIDIA H100 80GB HBM3"
 CPU = Hardware(hardware_class="cpu", device="cpu", device_name="cpu (test)", memory_bytes=None,

@@ -35,11 +35,11 @@ from live_service import (
 from rich.console import Console
 from test_worker import HARDWARE, fake_child, make_lease
 
-from autotune import worker as worker_module
-from autotune.client import Client, Conflict, ServiceUnavailable
-from autotune.protocol import HeartbeatReply, ReportReply, TrialInfo, TrialLease, TrialList
-from autotune.spool import Spool, SpoolEntry
-from autotune.worker import MAX_PENDING_REPORTS, UNREACHABLE_EXIT, Worker, WorkerOptions
+from autotune.contract.protocol import HeartbeatReply, ReportReply, TrialInfo, TrialLease, TrialList
+from autotune.worker import loop as worker_module
+from autotune.worker.client import Client, Conflict, ServiceUnavailable
+from autotune.worker.loop import MAX_PENDING_REPORTS, UNREACHABLE_EXIT, Worker, WorkerOptions
+from autotune.worker.spool import Spool, SpoolEntry
 
 RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "device": "cpu", "torch_version": "x",
           "throughput_samples_per_s": 5.0, "window_throughputs": [5.0, 5.0, 5.0], "val_nrmse": 0.5, "failure": None}

@@ -25,11 +25,11 @@ from rich.console import Console
 from test_worker import HARDWARE, FakeClient, fake_child, make_lease
 from typer.testing import CliRunner
 
-from api.auth import TokenStore
-from autotune import fork_server
-from autotune.cli import app, resolve_token
-from autotune.fork_server import ForkServer
-from autotune.worker import Worker, WorkerOptions, child_environment, run_python
+from autotune.api.auth import TokenStore
+from autotune.cli.main import app, resolve_token
+from autotune.engine import fork_server
+from autotune.engine.fork_server import ForkServer
+from autotune.worker.loop import Worker, WorkerOptions, child_environment, run_python
 
 TOKEN = "secret-worker-token-for-the-test"
 REPORT_ENV = """

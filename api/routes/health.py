@@ -7,9 +7,9 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 import autotune
-from api import crud
-from api.deps import ServiceDep
-from api.errors import DatabaseUnavailable
+from autotune.api import crud
+from autotune.api.deps import ServiceDep
+from autotune.api.errors import DatabaseUnavailable
 
 router = APIRouter(tags=["health"])
 

@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Path, Query, Response, status
 
-from api.deps import AdminAuth, ServiceDep
-from autotune.protocol import NAME_PATTERN, Recommendation, StudyInfo, StudyList, StudySpec, TrialList
-from autotune.recommendation import recommendation_yaml
+from autotune.api.deps import AdminAuth, ServiceDep
+from autotune.contract.protocol import NAME_PATTERN, Recommendation, StudyInfo, StudyList, StudySpec, TrialList
+from autotune.contract.recommendation import recommendation_yaml
 
 router = APIRouter(prefix="/studies", tags=["studies"])
 

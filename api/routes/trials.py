@@ -1,4 +1,4 @@
-"""The worker protocol: lease → heartbeat / report → complete (see autotune/protocol.py).
+"""The worker protocol: lease → heartbeat / report → complete (see autotune/contract/protocol.py).
 
 Every route needs a worker (or admin) token. The token is not tied to a worker id: a
 worker token may act for any worker (workers are trusted alike; the token keeps others out).
@@ -16,7 +16,7 @@ A call that carries a lease token (`TrialLease.lease_token`) is taken only for t
 that token: another token is a 409 "... another lease of trial N ..." before anything else (a
 lease of another database or a restored copy, whose trial ids are the same); nothing is stored.
 
-complete validates its result (`autotune.protocol.TrialResult`): a malformed one, or one
+complete validates its result (`autotune.contract.protocol.TrialResult`): a malformed one, or one
 whose config is not the leased config, is a 422 naming the field; nothing changes and the
 trial stays leased to the worker, so a corrected complete goes through.
 """
@@ -27,8 +27,8 @@ from typing import Any
 
 from fastapi import APIRouter, Path, Response, status
 
-from api.deps import ServiceDep, WorkerAuth
-from autotune.protocol import (
+from autotune.api.deps import ServiceDep, WorkerAuth
+from autotune.contract.protocol import (
     CompleteRequest,
     HeartbeatReply,
     HeartbeatRequest,

@@ -4,7 +4,7 @@ the front, the verdict, and the wire views. Pure functions over a study's trials
     trials          roles, states, retries, measurements, baselines
     feasibility     the quality gate and each trial's feasibility
     front           candidates and their ranking
-    remeasure       the verdict's rounds (the rule: autotune/verdict.py)
+    remeasure       the verdict's rounds (the rule: autotune/contract/verdict.py)
     pareto          the front at re-measured values
     recommendation  the verdict: the certified pick, or keep the baseline
     views           TrialInfo for the API, the CLI and the report
@@ -25,7 +25,7 @@ failures and the baseline), one that may still be retried is *pending*, and the 
 wait for pending ones as for running ones. Retries are not configurations: the study's
 budget (n_trials) counts first attempts only.
 
-Gate (autotune.gate): a completed trial is feasible iff its quality q (the study's metric:
+Gate (autotune.contract.gate): a completed trial is feasible iff its quality q (the study's metric:
 val_nrmse for ups, val_loss for gpt, `StudySpec.quality_metric`) is within the gate,
 q ≤ μ + max(abs_tol, k·σ) over the baseline seeds' q (q ≥ μ − max(...) for a metric to
 maximize), and, with max_memory_gb, its peak reserved memory fits. Until every baseline has
@@ -42,7 +42,7 @@ again measures the baseline, it is not a finding). Baseline seeds are the refere
 candidate. The front is the non-dominated candidates, each at its re-measured value where
 one exists (`front_values`).
 
-The verdict (`remeasurement`, `recommend`; the rule is autotune/verdict.py, the reasoning
+The verdict (`remeasurement`, `recommend`; the rule is autotune/contract/verdict.py, the reasoning
 docs/measurement.md "The verdict"): once the search is done, the top_k distinct candidates and
 the baseline are re-measured in sequential, interleaved rounds until each candidate is
 certified (faster beyond the noise and no worse) or rejected, or the round limit is reached.
@@ -71,12 +71,12 @@ ratio: the energy ratio in an energy-picked study.
 
 from __future__ import annotations
 
-from api.study.feasibility import baseline_summary, gate_nrmse, gate_quality, is_feasible
-from api.study.front import candidates, chosen_by, remeasure_key, search_done
-from api.study.pareto import front_values, pareto_front
-from api.study.recommendation import NoRecommendation, baseline_failed_message, recommend, verdict_rows
-from api.study.remeasure import Remeasurement, remeasurement
-from api.study.trials import (
+from autotune.api.study.feasibility import baseline_summary, gate_nrmse, gate_quality, is_feasible
+from autotune.api.study.front import candidates, chosen_by, remeasure_key, search_done
+from autotune.api.study.pareto import front_values, pareto_front
+from autotune.api.study.recommendation import NoRecommendation, baseline_failed_message, recommend, verdict_rows
+from autotune.api.study.remeasure import Remeasurement, remeasurement
+from autotune.api.study.trials import (
     TrialRecord,
     attempt_of,
     baseline_repeat_of,
@@ -94,7 +94,7 @@ from api.study.trials import (
     role,
     service_state,
 )
-from api.study.views import front_infos, trial_info, trial_infos
+from autotune.api.study.views import front_infos, trial_info, trial_infos
 
 __all__ = [
     "NoRecommendation",

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from api.study.trials import (
+from autotune.api.study.trials import (
     GIB,
     TrialRecord,
     baselines,
@@ -17,9 +17,9 @@ from api.study.trials import (
     retries,
     service_state,
 )
-from autotune.gate import BaselineStats, Gate
-from autotune.gate import is_feasible as gate_feasible
-from autotune.protocol import StudySpec
+from autotune.contract.gate import BaselineStats, Gate
+from autotune.contract.gate import is_feasible as gate_feasible
+from autotune.contract.protocol import StudySpec
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from api.study.feasibility import is_feasible
-from api.study.trials import (
+from autotune.api.study.feasibility import is_feasible
+from autotune.api.study.trials import (
     TrialRecord,
     baseline_repeat_of,
     baseline_target,
@@ -17,7 +17,7 @@ from api.study.trials import (
     retries,
     role,
 )
-from autotune.protocol import StudySpec
+from autotune.contract.protocol import StudySpec
 
 
 def candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from api.study.feasibility import gate_quality
-from api.study.front import candidates
-from api.study.remeasure import geomean, pooled_energy, remeasurement, run_values
-from api.study.trials import TrialRecord
-from autotune.protocol import OBJECTIVES, StudySpec
+from autotune.api.study.feasibility import gate_quality
+from autotune.api.study.front import candidates
+from autotune.api.study.remeasure import geomean, pooled_energy, remeasurement, run_values
+from autotune.api.study.trials import TrialRecord
+from autotune.contract.protocol import OBJECTIVES, StudySpec
 
 
 def pareto_front(trials: Sequence[TrialRecord], spec: StudySpec) -> list[TrialRecord]:

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.study import prune_rules as rules_
-from autotune.protocol import StudySpec
+from autotune.api.study import prune_rules as rules_
+from autotune.contract.protocol import StudySpec
 
 KEEP = rules_.KEEP
 PruneDecision = rules_.Decision

@@ -6,9 +6,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from api.study.feasibility import baseline_summary, gate_quality
-from api.study.front import chosen_by, ranked_candidates, search_done
-from api.study.remeasure import (
+from autotune.api.study.feasibility import baseline_summary, gate_quality
+from autotune.api.study.front import chosen_by, ranked_candidates, search_done
+from autotune.api.study.remeasure import (
     Remeasurement,
     geomean,
     judged_metric,
@@ -17,7 +17,7 @@ from api.study.remeasure import (
     run_values,
     windows_of,
 )
-from api.study.trials import (
+from autotune.api.study.trials import (
     TrialRecord,
     baseline_target,
     baselines,
@@ -27,10 +27,10 @@ from api.study.trials import (
     quality_name,
     retries,
 )
-from autotune.config import KNOBS
-from autotune.gate import Estimate
-from autotune.protocol import ConfigVerdict, Recommendation, StudySpec
-from autotune.verdict import Judgement, Sample, t_ppf, welch
+from autotune.contract.config import knobs_of
+from autotune.contract.gate import Estimate
+from autotune.contract.protocol import ConfigVerdict, Recommendation, StudySpec
+from autotune.contract.verdict import Judgement, Sample, t_ppf, welch
 
 
 class NoRecommendation(Exception):
@@ -196,7 +196,7 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         caveats.append("not re-measured (remeasure.top_k is 0): the search's own measurements, and the fastest of many "
                        "noisy measurements is flattered by its luck (winner's curse)")
     return Recommendation(
-        study=study_name, config={k: v for k, v in config.items() if k in KNOBS}, trial_number=chosen.number,
+        study=study_name, config=knobs_of(config), trial_number=chosen.number,
         throughput_samples_per_s=thr, val_nrmse=quality if nrmse else None,
         baseline_throughput_samples_per_s=base_thr, baseline_val_nrmse=base_quality if nrmse else None,
         speedup=j.ratio if j and higher else (1.0 if pick_row is None else _ratio_of(thr, base_thr)),

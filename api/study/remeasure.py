@@ -1,5 +1,5 @@
 """The verdict's re-measurement: which configs run again, round by round, and when each is decided
-(the rule itself: autotune/verdict.py; the reasoning: docs/measurement.md, "The verdict")."""
+(the rule itself: autotune/contract/verdict.py; the reasoning: docs/measurement.md, "The verdict")."""
 
 from __future__ import annotations
 
@@ -10,14 +10,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from api.study.feasibility import fits_memory
-from api.study.front import RANK_METRIC, chosen_by, remeasure_key, remeasure_targets
-from api.study.trials import TrialRecord, baseline_target, baselines, completed, finite, metric, retries, service_state
-from autotune.protocol import StudySpec
-from autotune.verdict import Judgement, judge, level_at
+from autotune.api.study.feasibility import fits_memory
+from autotune.api.study.front import RANK_METRIC, chosen_by, remeasure_key, remeasure_targets
+from autotune.api.study.trials import (
+    TrialRecord,
+    baseline_target,
+    baselines,
+    completed,
+    finite,
+    metric,
+    retries,
+    service_state,
+)
+from autotune.contract.protocol import StudySpec
+from autotune.contract.verdict import Judgement, judge, level_at
 
 # The range within which a throughput or an energy per sample takes part in the verdict. The
-# service refuses a measured throughput outside [MIN_THROUGHPUT, MAX_THROUGHPUT) (autotune.protocol),
+# service refuses a measured throughput outside [MIN_THROUGHPUT, MAX_THROUGHPUT) (autotune.contract.protocol),
 # but a trial stored before may hold anything, and an energy per sample has no floor there: out of
 # this range the ratio of two values overflows (1e-300 against 1.7e308 read "inf×", issue 35).
 RATIO_RANGE = (1e-12, 1e12)
@@ -35,7 +44,7 @@ def windows_of(trial: TrialRecord, key: str = "window_throughputs") -> list[floa
 @dataclass(frozen=True)
 class Remeasurement:
     """Where a study's verdict stands (`remeasurement`): the re-measure rounds so far, replayed
-    from the trials, and each candidate's status (autotune.verdict)."""
+    from the trials, and each candidate's status (autotune.contract.verdict)."""
 
     targets: list[TrialRecord]  # the configs re-measured: distinct candidates best first, then the baseline
     runs: dict[int, list[TrialRecord]]  # target number -> its completed re-measurements, round by round
@@ -115,7 +124,7 @@ def _seed_pairs(spec: StudySpec, settled: dict[tuple[int, int], TrialRecord], ca
 
 
 def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> Remeasurement:
-    """Replay the study's verdict from its trials (module docstring; autotune.verdict).
+    """Replay the study's verdict from its trials (module docstring; autotune.contract.verdict).
 
     Round r runs the baseline and every candidate still undecided after round r − 1, once
     each, with probe seed probe.seed + seed_offset + r (even rounds in rank order, the baseline

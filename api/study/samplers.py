@@ -10,7 +10,7 @@ random  uniform sampling (and the base of the grid sampler, whose configs are en
 gp      Gaussian-process sampler with constraints (imports torch: only when chosen)
 
 `constraints_func(frozen_trial) -> [value]` reads the trial's stored constraint (≤ 0 is
-feasible; see autotune.gate). Trials without one (running, or told before the gate was
+feasible; see autotune.contract.gate). Trials without one (running, or told before the gate was
 known) count as feasible-unknown for the sampler (Optuna's convention for missing values).
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import optuna
 from optuna.samplers import BaseSampler, NSGAIISampler, RandomSampler, TPESampler
 
-from api.outcome import CONSTRAINT_ATTR  # the user attr holding the gate constraint value
+from autotune.api.outcome import CONSTRAINT_ATTR  # the user attr holding the gate constraint value
 
 ConstraintsFunc = Callable[[optuna.trial.FrozenTrial], Sequence[float]]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from api.outcome import attempt, lost, retriable
-from autotune.config import normalised
-from autotune.protocol import OBJECTIVES, StudySpec
+from autotune.api.outcome import attempt, lost, retriable
+from autotune.contract.config import normalised
+from autotune.contract.protocol import OBJECTIVES, StudySpec
 
 GIB = 2**30
 
@@ -199,7 +199,7 @@ def is_repeat(trial: TrialRecord) -> bool:
 
 def knob_config(trial: TrialRecord) -> dict[str, Any] | None:
     """The trial's config (the effective one once it ran), every knob normalised
-    (`autotune.config.normalised`); None without one."""
+    (`autotune.contract.config.normalised`); None without one."""
     config = trial.user_attrs.get("config")
     return normalised(config) if isinstance(config, dict) else None
 

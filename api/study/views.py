@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from api.study.feasibility import gate_quality, is_feasible
-from api.study.front import remeasure_key
-from api.study.pareto import front_values, pareto_front
-from api.study.remeasure import remeasurement
-from api.study.trials import (
+from autotune.api.study.feasibility import gate_quality, is_feasible
+from autotune.api.study.front import remeasure_key
+from autotune.api.study.pareto import front_values, pareto_front
+from autotune.api.study.remeasure import remeasurement
+from autotune.api.study.trials import (
     TrialRecord,
     attempt_of,
     baseline_target,
@@ -22,7 +22,7 @@ from api.study.trials import (
     role,
     service_state,
 )
-from autotune.protocol import OBJECTIVES, StudySpec, TrialInfo
+from autotune.contract.protocol import OBJECTIVES, StudySpec, TrialInfo
 
 
 def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: int | None = None,

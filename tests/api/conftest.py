@@ -31,7 +31,7 @@ from service_helpers import StudyFactory, make_settings
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from api.main import create_app
+from autotune.api.main import create_app
 
 PG_ADMIN_URL = os.environ.get("AUTOTUNE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 

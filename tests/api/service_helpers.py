@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.settings import Settings
+from autotune.api.settings import Settings
 
 StudyFactory = Callable[..., dict[str, Any]]  # the make_study fixture: make_study(name, **spec) -> StudyInfo
 

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 from service_helpers import make_settings, probe_result, serve
 
-from api.main import create_app
-from autotune.config import normalised
+from autotune.api.main import create_app
+from autotune.contract.config import normalised
 
 N_WORKERS = 50
 

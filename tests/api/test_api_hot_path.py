@@ -8,8 +8,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, complete, lease
 
-from api import crud
-from api.service import TuningService
+from autotune.api import crud
+from autotune.api.service import TuningService
 
 
 def _service(app: FastAPI) -> TuningService:

@@ -12,10 +12,10 @@ from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, complete, lease, probe_result
 from sqlalchemy import select
 
-from api.db import ReportRow
-from api.service import TuningService
-from api.study.pruning import StudySummary, TrialReports, decide
-from autotune.protocol import StudySpec
+from autotune.api.db import ReportRow
+from autotune.api.service import TuningService
+from autotune.api.study.pruning import StudySummary, TrialReports, decide
+from autotune.contract.protocol import StudySpec
 
 SPEC = StudySpec(name="s", probe={"samples": 1000})
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from optuna.study import StudyDirection
 
-from autotune.workloads import registered_workloads
+from autotune.contract.registry import registered_workloads
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, complete, lease, make_settings, probe_result
 
-from api.db import utcnow
-from api.main import create_app
-from api.service import TuningService
+from autotune.api.db import utcnow
+from autotune.api.main import create_app
+from autotune.api.service import TuningService
 
 SPACE = {"name": "two", "params": {"batch_size": {"choices": [4, 8]}}}  # two configurations in all
 
@@ -80,8 +80,8 @@ def test_a_users_own_points_run_as_given(client: TestClient, make_study: StudyFa
 def test_the_trials_table_marks_a_repeat() -> None:
     from rich.console import Console
 
-    from autotune.protocol import TrialInfo
-    from autotune.tables import trials_table
+    from autotune.cli.tables import trials_table
+    from autotune.contract.protocol import TrialInfo
 
     trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"batch_size": 8}),
               TrialInfo(trial_id=2, number=2, state="REPEAT", params={"batch_size": 8}, repeat_of=1)]
@@ -109,7 +109,7 @@ def _trials(client: TestClient, name: str) -> dict[int, dict[str, Any]]:
 
 
 def test_config_key_normalises() -> None:
-    from api.optuna_bridge import _config_key
+    from autotune.api.optuna_bridge import _config_key
 
     assert _config_key({"batch_size": 8}, {}) == _config_key({"batch_size": 8.0, "num_workers": 0}, {})
     assert _config_key({}, {}) != _config_key({"batch_size": 8}, {})  # the preset's batch size is unknown

@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 from rich.console import Console
 from service_helpers import StudyFactory, complete, lease
 
-from autotune.config import KNOBS, normalised, parse_config
-from autotune.protocol import Recommendation
-from autotune.tables import recommendation_table
+from autotune.cli.tables import recommendation_table
+from autotune.contract.config import KNOBS, normalised, parse_config
+from autotune.contract.protocol import Recommendation
 
 # (throughput, val_nrmse) for the baseline and three trials; gate abs_tol 0.01 → nrmse <= 0.11
 BASELINE = (100.0, 0.10)

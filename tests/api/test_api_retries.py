@@ -19,9 +19,9 @@ from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, complete, lease, make_settings
 from sqlalchemy import update
 
-from api.db import LeaseRow, utcnow
-from api.main import create_app
-from api.service import TuningService
+from autotune.api.db import LeaseRow, utcnow
+from autotune.api.main import create_app
+from autotune.api.service import TuningService
 
 
 def _service(app: FastAPI) -> TuningService:

@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from service_helpers import free_port, lease, make_settings
 from sqlalchemy import text
 
-from api.db import make_engine
-from api.main import create_app
-from api.service import TuningService
+from autotune.api.db import make_engine
+from autotune.api.main import create_app
+from autotune.api.service import TuningService
 
 
 def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(app: FastAPI, sqlite_url: str) -> None:
@@ -75,7 +75,7 @@ def test_the_lifespan_runs_the_reaper(sqlite_url: str) -> None:
 
 def test_run_server_serves_the_api(tmp_path: Path) -> None:
     port = free_port()
-    code = f"from api.main import run_server; run_server('sqlite:///{tmp_path}/s.db', '127.0.0.1', {port})"
+    code = f"from autotune.api.main import run_server; run_server('sqlite:///{tmp_path}/s.db', '127.0.0.1', {port})"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, complete, lease, probe_result
 
-from api.service import TuningService
+from autotune.api.service import TuningService
 
 GPU = "NVIDIA H100 80GB HBM3"
 UPS_FULL_EFFECTIVE = {"batch_size": 12, "accum_steps": 4, "num_workers": 8, "prefetch_factor": 4,

@@ -11,10 +11,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, complete, lease, probe_result
 
-from api import crud
-from api.db import utcnow
-from api.service import TuningService
-from autotune.config import parse_config
+from autotune.api import crud
+from autotune.api.db import utcnow
+from autotune.api.service import TuningService
+from autotune.contract.config import parse_config
 
 
 def _service(app: FastAPI) -> TuningService:
@@ -265,8 +265,8 @@ def test_reaper_fails_trials_that_were_never_leased(app: FastAPI, client: TestCl
     make_study("s")
     service = _service(app)
     # simulate a crash between Optuna's ask and the lease row
-    from api.optuna_bridge import StudyContext
-    from autotune.protocol import StudySpec
+    from autotune.api.optuna_bridge import StudyContext
+    from autotune.contract.protocol import StudySpec
 
     spec = StudySpec(name="s")
     orphan = service.bridge.ask(StudyContext("s", spec, spec.resolved_space()), baseline_config={})

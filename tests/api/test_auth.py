@@ -26,10 +26,10 @@ from service_helpers import make_settings, probe_result, serve
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
 
-from api.auth import TOKEN_PREFIX, TokenStore
-from api.main import check_listen, create_app, is_loopback
-from autotune.client import Client, Unauthorized
-from autotune.protocol import StudySpec
+from autotune.api.auth import TOKEN_PREFIX, TokenStore
+from autotune.api.main import check_listen, create_app, is_loopback
+from autotune.contract.protocol import StudySpec
+from autotune.worker.client import Client, Unauthorized
 
 SPEC = {"name": "s", "n_trials": 4, "baseline_seeds": 1, "remeasure": {"top_k": 0}}
 LEASE = {"worker_id": "w1", "hardware": "cpu"}
@@ -168,7 +168,7 @@ def test_auth_off_lets_everyone_write(sqlite_url: str) -> None:
 
 def test_starting_with_auth_on_and_no_token_warns_how_to_create_one(sqlite_url: str,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="api.auth"), \
+    with caplog.at_level("WARNING", logger="autotune.api.auth"), \
             TestClient(create_app(make_settings(sqlite_url, auth=True))):
         pass
     assert "has no active token" in caplog.text and "autotune token create --role admin" in caplog.text
@@ -176,7 +176,7 @@ def test_starting_with_auth_on_and_no_token_warns_how_to_create_one(sqlite_url: 
     store = TokenStore.open(sqlite_url)
     store.create("worker")
     store.close()
-    with caplog.at_level("WARNING", logger="api.auth"), \
+    with caplog.at_level("WARNING", logger="autotune.api.auth"), \
             TestClient(create_app(make_settings(sqlite_url, auth=True))):
         pass
     assert "no active token" not in caplog.text
@@ -236,8 +236,8 @@ def test_only_loopback_addresses_count_as_local(host: str, loopback: bool) -> No
 
 
 def test_serve_refuses_a_non_loopback_address_without_auth(tmp_path: Path) -> None:
-    from api.main import ServeRefused
-    from api.settings import Settings
+    from autotune.api.main import ServeRefused
+    from autotune.api.settings import Settings
 
     check_listen("0.0.0.0", Settings(db_url="sqlite://", auth=True))  # auth on: anywhere
     check_listen("127.0.0.1", Settings(db_url="sqlite://", auth=False))  # auth off: loopback only
@@ -254,7 +254,7 @@ def test_serve_refuses_a_non_loopback_address_without_auth(tmp_path: Path) -> No
 
 
 def test_token_names_and_roles_are_checked(store: TokenStore) -> None:
-    from api.errors import Conflict, Invalid, NotFound
+    from autotune.api.errors import Conflict, Invalid, NotFound
 
     with pytest.raises(Invalid, match="role 'root' is not allowed"):
         store.create("root")

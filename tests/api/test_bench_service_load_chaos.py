@@ -19,7 +19,7 @@ import pytest
 from helpers import ROOT, run_bench
 from sqlalchemy import Engine
 
-from api.outcome import config_differences, config_key_problems, preset_values
+from autotune.api.outcome import config_differences, config_key_problems, preset_values
 
 sys.path.insert(0, str(ROOT / "bench"))
 import service_load  # a bench script (bench/ is not a package)

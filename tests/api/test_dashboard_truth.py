@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from service_helpers import complete, lease, make_settings
 from sqlalchemy import create_engine, text
 
-from api.main import create_app
+from autotune.api.main import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import make_settings
 
-from api.main import create_app
+from autotune.api.main import create_app
 
 
 class _Assets(HTMLParser):

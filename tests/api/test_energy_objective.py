@@ -23,10 +23,10 @@ from optuna_dashboard._pareto_front import get_pareto_front_trials
 from rich.console import Console
 from service_helpers import StudyFactory, lease, probe_result
 
-from api.service import TuningService
-from autotune.protocol import Recommendation, StudyInfo, TrialInfo
-from autotune.report import write_report
-from autotune.tables import recommendation_table, studies_table, trials_table
+from autotune.api.service import TuningService
+from autotune.cli.report import write_report
+from autotune.cli.tables import recommendation_table, studies_table, trials_table
+from autotune.contract.protocol import Recommendation, StudyInfo, TrialInfo
 
 GPU = "NVIDIA H100 80GB HBM3"
 KNOB = {"params": {"batch_size": {"choices": [8, 16]}}, "fixed": {}}  # the baseline runs batch 4

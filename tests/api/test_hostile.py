@@ -23,9 +23,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import lease, make_settings, serve
 
-from api.limits import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV
-from api.main import create_app
-from autotune.protocol import LeaseRequest, StudySpec
+from autotune.api.limits import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV
+from autotune.api.main import create_app
+from autotune.contract.protocol import LeaseRequest, StudySpec
 
 JSON = {"content-type": "application/json"}
 TRIAL_POSTS = [("/v1/trials/1/heartbeat", {"worker_id": "w"}),

@@ -25,9 +25,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, lease, probe_result
 
-from api.outcome import PRESET_VALUES, config_differences, config_key_problems, preset_values
-from autotune.protocol import MAX_THROUGHPUT, MIN_THROUGHPUT, CompleteRequest, TrialResult
-from autotune.workloads import BUILTIN, registered_workloads
+from autotune.api.outcome import PRESET_VALUES, config_differences, config_key_problems, preset_values
+from autotune.contract.protocol import MAX_THROUGHPUT, MIN_THROUGHPUT, CompleteRequest, TrialResult
+from autotune.contract.registry import BUILTIN, registered_workloads
 
 JSON = {"content-type": "application/json"}
 UPS_TINY = {"batch_size": 4, "accum_steps": 2, "lr": 3e-3}
@@ -152,7 +152,7 @@ def test_preset_knobs_are_compared_with_the_presets_values() -> None:
 
 @pytest.mark.parametrize(("workload", "preset"), sorted(PRESET_VALUES))
 def test_the_services_preset_values_are_the_workloads(workload: str, preset: str) -> None:
-    from autotune.workloads import get_workload  # imports torch and the workload's module
+    from autotune.contract.registry import get_workload  # imports torch and the workload's module
 
     d = get_workload(workload, preset).defaults
     assert PRESET_VALUES[(workload, preset)] == {"batch_size": d.batch_size, "accum_steps": d.accum_steps, "lr": d.lr}

@@ -26,8 +26,8 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from service_helpers import StudyFactory, lease, probe_result, serve
 
-from api.limits import MAX_JSON_DEPTH, json_depth
-from autotune.protocol import MAX_THROUGHPUT, MIN_THROUGHPUT, StudySpec
+from autotune.api.limits import MAX_JSON_DEPTH, json_depth
+from autotune.contract.protocol import MAX_THROUGHPUT, MIN_THROUGHPUT, StudySpec
 
 JSON = {"content-type": "application/json"}
 DEEP = "@@deep@@"  # where _body puts the nested arrays

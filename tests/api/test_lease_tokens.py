@@ -21,8 +21,8 @@ from service_helpers import StudyFactory, lease, make_settings, probe_result
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from api.backup import backup_sqlite
-from api.main import create_app
+from autotune.api.backup import backup_sqlite
+from autotune.api.main import create_app
 
 TOKEN = re.compile(r"[0-9a-f]{32}")
 

@@ -24,7 +24,7 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
 from typer.testing import CliRunner
 
-from api.db import (
+from autotune.api.db import (
     LEGACY_REVISION,
     MIGRATIONS_DIR,
     VERSION_TABLE,
@@ -37,8 +37,8 @@ from api.db import (
     upgrade_schema,
     utcnow,
 )
-from api.main import create_app
-from autotune.cli import app as cli_app
+from autotune.api.main import create_app
+from autotune.cli.main import app as cli_app
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_TABLES = set(Base.metadata.tables)
@@ -131,7 +131,7 @@ def test_a_database_made_by_create_all_is_adopted(empty_db_url: str, caplog: pyt
                                                          state="running", created_at=utcnow()))
     engine.dispose()
 
-    with caplog.at_level("WARNING", logger="api.db"):
+    with caplog.at_level("WARNING", logger="autotune.api.db"):
         assert upgrade_schema(empty_db_url) == (LEGACY_REVISION, "0004")
     assert "predate migrations" in caplog.text and f"revision {LEGACY_REVISION}" in caplog.text
     assert "autotune_tokens" in table_names(empty_db_url)
@@ -248,12 +248,17 @@ def test_an_unreachable_database_is_a_clear_cli_error() -> None:
     assert "the database failed (OperationalError" in result.stderr and "check --db / AUTOTUNE_DB_URL" in result.stderr
 
 
-def test_the_migrations_are_packaged_next_to_api() -> None:
+def test_the_migrations_are_packaged_inside_autotune() -> None:
+    """The repository keeps migrations/ and api/ at the top level; the package holds them as
+    autotune.migrations and autotune.api (links), so the wheel installs no top-level package of
+    theirs (tests/test_wheel.py installs one)."""
     from setuptools import find_packages
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     assert MIGRATIONS_DIR == REPO / "migrations" and (MIGRATIONS_DIR / "env.py").is_file()
+    assert (REPO / "autotune" / "migrations").resolve() == MIGRATIONS_DIR
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    packages = find_packages(str(REPO), include=config["packages"]["find"]["include"])
-    assert {"migrations", "migrations.versions", "api"} <= set(packages)
-    assert "script.py.mako" in config["package-data"]["migrations"]
+    packages = set(find_packages(str(REPO), include=config["packages"]["find"]["include"]))
+    assert {"autotune.migrations", "autotune.migrations.versions", "autotune.api"} <= packages
+    assert not {"api", "migrations"} & packages
+    assert "script.py.mako" in config["package-data"]["autotune.migrations"]

@@ -16,9 +16,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_helpers import complete, lease, make_settings, probe_result
 
-from api.db import utcnow
-from api.main import create_app
-from api.service import TuningService
+from autotune.api.db import utcnow
+from autotune.api.main import create_app
+from autotune.api.service import TuningService
 
 VERBS = {"heartbeat": "heartbeat", "report": "report on", "complete": "complete"}
 STOP = "stop running it and lease a new trial"

@@ -1,4 +1,4 @@
-"""The documented Python client of a running service (autotune.client.Client): submit (a spec,
+"""The documented Python client of a running service (autotune.worker.client.Client): submit (a spec,
 its dict or a YAML file), status, best, stop, over real HTTP."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import yaml
 from fastapi import FastAPI
 from service_helpers import serve
 
-from autotune.client import Client, Invalid, NotFound
+from autotune.worker.client import Client, Invalid, NotFound
 
 
 def test_submit_status_best_stop(app: FastAPI, tmp_path: Path) -> None:

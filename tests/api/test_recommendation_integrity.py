@@ -19,9 +19,9 @@ from optuna_dashboard._pareto_front import get_pareto_front_trials
 from rich.console import Console
 from service_helpers import StudyFactory, complete, lease, probe_result
 
-from api.service import TuningService
-from autotune.protocol import Recommendation
-from autotune.tables import recommendation_table
+from autotune.api.service import TuningService
+from autotune.cli.tables import recommendation_table
+from autotune.contract.protocol import Recommendation
 
 ONE_KNOB = {"params": {"batch_size": {"choices": [4, 8, 16]}}, "fixed": {}}
 

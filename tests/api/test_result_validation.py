@@ -1,4 +1,4 @@
-"""complete validates its result (autotune.protocol.TrialResult, CompleteRequest): a malformed
+"""complete validates its result (autotune.contract.protocol.TrialResult, CompleteRequest): a malformed
 result, or one for another config than the leased one, is a 422 naming the field; nothing
 changes and the trial stays leased to its worker, whose corrected complete then goes through.
 On SQLite and PostgreSQL. What the current worker sends keeps passing (the last tests)."""
@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from service_helpers import complete, lease, make_settings, probe_result
 
-from api.main import create_app
-from api.outcome import config_differences
-from autotune.protocol import CompleteRequest, TrialLease, TrialResult
+from autotune.api.main import create_app
+from autotune.api.outcome import config_differences
+from autotune.contract.protocol import CompleteRequest, TrialLease, TrialResult
 
 JSON = {"content-type": "application/json"}
 
@@ -180,9 +180,9 @@ def test_what_the_worker_sends_passes_and_goes_on_the_wire_as_built() -> None:
     """The current worker's results (autotune.worker: the probe's, minimal_result's failures,
     partial_result's stopped_early) validate, and the client's dump is the dict it was given:
     no field added, none changed."""
-    from autotune.hardware import Hardware
-    from autotune.probe import ProbeResult
-    from autotune.worker import TrialRun, minimal_result, partial_result
+    from autotune.engine.probe import ProbeResult
+    from autotune.worker.hardware import Hardware
+    from autotune.worker.loop import TrialRun, minimal_result, partial_result
 
     lease_ = TrialLease(trial_id=1, study="s", number=0, params={}, config={"batch_size": 8}, workload="ups",
                         preset="tiny", probe={"samples": 80})  # type: ignore[arg-type]
@@ -205,6 +205,6 @@ def test_what_the_worker_sends_passes_and_goes_on_the_wire_as_built() -> None:
                minimal_result(lease_, hardware, {"kind": "interrupted", "message": "worker interrupted by SIGTERM"}),
                partial_result(run, hardware)]
     for result in results:
-        wire = CompleteRequest(worker_id="w", result=result).model_dump(mode="json")  # autotune/client.py
+        wire = CompleteRequest(worker_id="w", result=result).model_dump(mode="json")  # autotune/worker/client.py
         assert wire == {"worker_id": "w", "result": json.loads(json.dumps(result))}
         assert TrialResult.model_validate(result).as_dict() == wire["result"]

@@ -12,8 +12,8 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from service_helpers import free_port
 
-from api.main import create_app, database_line
-from api.settings import Settings
+from autotune.api.main import create_app, database_line
+from autotune.api.settings import Settings
 
 
 def first_line_of_serve(db_url: str, cwd: Path) -> str:

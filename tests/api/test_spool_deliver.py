@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from service_helpers import free_port, probe_result, serve
 from typer.testing import CliRunner, Result
 
-from autotune.cli import app as cli
-from autotune.client import Client
-from autotune.protocol import LeaseRequest, TrialLease
-from autotune.spool import Spool, SpoolEntry
+from autotune.cli.main import app as cli
+from autotune.contract.protocol import LeaseRequest, TrialLease
+from autotune.worker.client import Client
+from autotune.worker.spool import Spool, SpoolEntry
 
 
 def deliver(url: str, spool: Spool) -> Result:

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from service_helpers import lease, make_settings, probe_result
 
-from api.main import create_app
-from api.service import TuningService
+from autotune.api.main import create_app
+from autotune.api.service import TuningService
 
 
 @pytest.fixture

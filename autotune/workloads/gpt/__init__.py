@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from autotune.workloads.base import PresetWorkload, TrainingDefaults
+from autotune.contract.workload import PresetWorkload, TrainingDefaults
 from autotune.workloads.gpt.data import VOCAB, TextSpec, TokenWindows, load_or_generate
 from autotune.workloads.gpt.model import GPTModel, GPTSpec
 

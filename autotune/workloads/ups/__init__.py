@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from autotune.config import TrainConfig
-from autotune.metrics import nrmse_per_sample
-from autotune.optimizers import OptimizerLike, muon_adamw
-from autotune.workloads.base import PresetWorkload, TrainingDefaults
+from autotune.contract.config import TrainConfig
+from autotune.contract.workload import PresetWorkload, TrainingDefaults
+from autotune.engine.metrics import nrmse_per_sample
+from autotune.engine.optimizers import OptimizerLike, muon_adamw
 from autotune.workloads.ups.data import DataSpec, PairDataset, load_or_generate, split_indices
 from autotune.workloads.ups.model import ModelSpec, UPSModel
 
@@ -39,7 +39,7 @@ class Preset:
     model: ModelSpec
     n_queries: int
     training: TrainingDefaults
-    optimizer: str = "adamw"  # "adamw" | "muon" (Muon + AdamW, autotune.optimizers.muon_adamw)
+    optimizer: str = "adamw"  # "adamw" | "muon" (Muon + AdamW, autotune.engine.optimizers.muon_adamw)
 
 
 PRESETS: dict[str, Preset] = {

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from autotune.config import TrainConfig
+from autotune.contract.config import TrainConfig
 from autotune.workloads import TrainingDefaults, Workload
 from gpt_script import train as script
 

@@ -11,14 +11,14 @@ The probe applies them in this order (each function checks its own preconditions
 6. ``apply_compile``         torch.compile with the chosen mode (wraps the whole loss, and the
                              DDP module: dynamo's DDPOptimizer splits graphs at bucket boundaries)
 7. ``build_optimizers``      the workload's optimizer(s) (default AdamW; a Muon + AdamW hybrid ...),
-                             ``fused_optimizer`` set on them in place (autotune/optimizers.py)
+                             ``fused_optimizer`` set on them in place (autotune/engine/optimizers.py)
 8. ``build_loader``          DataLoader workers / prefetch / pin_memory / persistent workers
 9. ``Trainer``               autocast + GradScaler, accumulation (no_sync on all but the last
                              micro-batch with several ranks), inverse-loss frequency, gradient
                              clipping, the optimizer step compiled (``compile_optimizer``) and the
-                             whole step as one CUDA graph (``step_graph``, autotune/step_graph.py)
+                             whole step as one CUDA graph (``step_graph``, autotune/engine/step_graph.py)
 
-The NCCL knobs are environment variables, set on the launch (`autotune.distributed`) before
+The NCCL knobs are environment variables, set on the launch (`autotune.engine.distributed`) before
 any rank starts; `apply_ddp` records them.
 
 Every function returns what it built and records in ``notes`` what it did, or why it was
@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from autotune import step_graph
-from autotune.config import TrainConfig
-from autotune.epoch_cost import Boundary
-from autotune.errors import ProbeError
-from autotune.optimizers import (
+from autotune.contract.config import TrainConfig
+from autotune.contract.errors import ProbeError
+from autotune.engine import step_graph
+from autotune.engine.epoch_cost import Boundary
+from autotune.engine.optimizers import (
     OptimizerLike,
     adamw,
     all_params,
@@ -139,7 +139,7 @@ def world_size() -> int:
 
 def record_inactive_distributed(config: TrainConfig, notes: Notes, why: str) -> None:
     """Note every distributed knob as inactive (`why`: e.g. 'world size 1')."""
-    from autotune.config import DISTRIBUTED_KNOBS
+    from autotune.contract.config import DISTRIBUTED_KNOBS
 
     for name in DISTRIBUTED_KNOBS:
         notes[name] = f"{_shown(getattr(config, name))} (inactive: {why})"
@@ -154,9 +154,9 @@ def _shown(value: Any) -> str:
 
 
 def _record_nccl(config: TrainConfig, device: torch.device, notes: Notes) -> None:
-    """The NCCL knobs are environment variables set on the launch (autotune.distributed);
+    """The NCCL knobs are environment variables set on the launch (autotune.engine.distributed);
     here they are only recorded, with whether NCCL is the backend at all."""
-    from autotune.config import NCCL_ENV_KNOBS
+    from autotune.contract.config import NCCL_ENV_KNOBS
 
     for name, variable in NCCL_ENV_KNOBS.items():
         value = getattr(config, name)
@@ -374,7 +374,7 @@ class EpochIterator:
     Re-creating the iterator at each epoch boundary is what makes `persistent_workers`
     matter: without it the worker processes are started again every epoch. Each epoch start
     after the first is recorded in `boundaries` with the host seconds its fetch took
-    (autotune/epoch_cost.py amortizes them).
+    (autotune/engine/epoch_cost.py amortizes them).
 
     The fetch that will begin an epoch is foreseen from the loader's length in micro-batches
     (`predicted` lists them), and on a CUDA device it is bracketed with CUDA events on the
@@ -492,7 +492,7 @@ class Trainer:
     sets it: a loop that writes ``group["lr"]`` itself keeps doing so, also where the knobs
     turned the lr into a device tensor, see `_adopt_written_lrs`).
 
-    `optimizer` is one optimizer or several (autotune.optimizers.Optimizers, or a list): a
+    `optimizer` is one optimizer or several (autotune.engine.optimizers.Optimizers, or a list): a
     hybrid such as Muon + AdamW steps as one. `clip_norm`: clip the gradients' global L2 norm
     to it before the update (after fp16's GradScaler has unscaled them), on the device.
 
@@ -521,9 +521,9 @@ class Trainer:
         notes["grad_clip"] = (f"max norm {clip_norm:g} (global L2, on the device)" if clip_norm is not None
                               else "off")
         self.cudagraphs = config.compile == "reduce-overhead"
-        # compile_optimizer: one compiled function steps every optimizer (autotune/optimizers.py)
+        # compile_optimizer: one compiled function steps every optimizer (autotune/engine/optimizers.py)
         self.compiled_step = compile_optimizer_step(self.optimizers, config, device, notes, compile_backend)
-        # step_graph: the whole step replayed as one CUDA graph (autotune/step_graph.py)
+        # step_graph: the whole step replayed as one CUDA graph (autotune/engine/step_graph.py)
         self.graph: step_graph.StepGraph | None = None
         if config.step_graph:
             why = step_graph.blocker(config, device, world, self.optimizers, self.compiled_step is not None)

@@ -104,7 +104,7 @@ class Estimate:
         """The rate of equal-work windows with a CI that contains it.
 
         A probe's throughput is its timed work over its timed seconds: the harmonic mean of the
-        windows' rates (autotune.probe). The interval is the Student-t interval of the mean time
+        windows' rates (autotune.engine.probe). The interval is the Student-t interval of the mean time
         per unit of work, inverted (when that interval reaches zero time, the upper bound is
         the fastest window).
         """

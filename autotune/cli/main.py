@@ -19,15 +19,15 @@ from rich.console import Console
 from rich.markup import escape as rich_escape
 from rich.table import Table
 
-from autotune.client import DEFAULT_API, ApiError, Client, Conflict, Invalid, NotFound, ServiceUnavailable
-from autotune.compile_workers import summary as compile_workers_summary
-from autotune.config import KNOBS, ConfigError, load_config_arg, parse_config
-from autotune.stdout_guard import stdout_to_stderr
-from autotune.tables import studies_table, trials_table, verdict_line, verdict_table
+from autotune.cli.tables import studies_table, trials_table, verdict_line, verdict_table
+from autotune.contract.config import KNOBS, ConfigError, load_config_arg, parse_config
+from autotune.engine.compile_workers import summary as compile_workers_summary
+from autotune.engine.stdout_guard import stdout_to_stderr
+from autotune.worker.client import DEFAULT_API, ApiError, Client, Conflict, Invalid, NotFound, ServiceUnavailable
 
 if TYPE_CHECKING:
-    from autotune.protocol import StudyInfo
-    from autotune.spool import Kept, Spool, SpoolEntry
+    from autotune.contract.protocol import StudyInfo
+    from autotune.worker.spool import Kept, Spool, SpoolEntry
 
 app = typer.Typer(
     help="autotune: find the fastest PyTorch training configuration that keeps model quality.",
@@ -89,7 +89,7 @@ def print_probe_result(result: Any, console: Console) -> None:
 
 def _gpu_summary(windows: list[dict[str, Any]]) -> str:
     """The timed windows' SM clock and temperature ranges and peak power ("-": no telemetry)."""
-    from autotune.gpu_telemetry import window_range
+    from autotune.engine.gpu_telemetry import window_range
 
     def span(key: str, unit: str) -> str | None:
         got = window_range(windows, key)
@@ -104,10 +104,10 @@ def _gpu_summary(windows: list[dict[str, Any]]) -> str:
 
 
 def _epoch_summary(result: Any) -> str:
-    """The DataLoader's epoch starts the probe measured (autotune/epoch_cost.py), how much of
+    """The DataLoader's epoch starts the probe measured (autotune/engine/epoch_cost.py), how much of
     their stall the GPU idled where that was measured, and how the windows count them ("-":
     not recorded)."""
-    from autotune.epoch_cost import Boundary, gpu_idle_summary
+    from autotune.engine.epoch_cost import Boundary, gpu_idle_summary
 
     epoch = result.epoch_micro_batches
     if epoch is None:
@@ -122,10 +122,10 @@ def _epoch_summary(result: Any) -> str:
 
 
 def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
-    """The training loop's thread over the timed windows (autotune.host_telemetry): its busy
+    """The training loop's thread over the timed windows (autotune.engine.host_telemetry): its busy
     range, page faults, preemptions and sleeps in all; the whole host's busy range; and the
     host's CPU ("-": nothing recorded)."""
-    from autotune.gpu_telemetry import window_range
+    from autotune.engine.gpu_telemetry import window_range
 
     parts = []
     busy = window_range(windows, "busy_fraction")
@@ -186,8 +186,8 @@ def probe(
             table.add_row(k.name, json.dumps(k.default), k.allowed(), k.doc)
         Console().print(table)
         return
-    from autotune.probe import ProbeSettings, run_probe
-    from autotune.workloads import UnknownWorkloadError
+    from autotune.contract.registry import UnknownWorkloadError
+    from autotune.engine.probe import ProbeSettings, run_probe
 
     try:
         cfg = parse_config(load_config_arg(config))
@@ -229,7 +229,7 @@ def _probe_progress() -> Iterator[Any]:
     one line per phase otherwise (a log, a pipe)."""
     import time
 
-    from autotune.worker import describe_progress
+    from autotune.worker.loop import describe_progress
 
     started = time.monotonic()
     last: list[str] = []
@@ -358,21 +358,21 @@ app.add_typer(token_app, name="token")
 
 
 def service(app: bool = False) -> ModuleType:
-    """The service's package (api/) with the modules its commands use: the database, its
+    """The service's package (autotune.api, the repository's api/) with the modules its commands use: the database, its
     tokens and backups, settings and errors (`db`, `token`); with `app`, also the web
     application (`serve`: fastapi, Optuna). The one place the CLI reaches the service, on
     first use only: the core never imports it at module level, so `autotune worker` and
     `autotune probe` start without fastapi or sqlalchemy, and `autotune token create` without
     the web application (about 1 CPU-second less)."""
-    import api.auth
-    import api.backup
-    import api.db
-    import api.errors
-    import api.settings
+    import autotune.api.auth
+    import autotune.api.backup
+    import autotune.api.db
+    import autotune.api.errors
+    import autotune.api.settings
 
     if app:
-        import api.main
-    return api
+        import autotune.api.main
+    return autotune.api
 
 
 def _database_url(db: str | None) -> str:
@@ -567,7 +567,7 @@ def worker(
     warm_start: Annotated[bool, typer.Option(
         "--warm-start/--cold-start", envvar="AUTOTUNE_WARM_START",
         help="Fork each probe child from a process that has imported torch once (saves ~3 CPU-seconds of "
-             "imports a trial; Linux, one GPU per trial). --cold-start runs `python -m autotune.probe_child` "
+             "imports a trial; Linux, one GPU per trial). --cold-start runs `python -m autotune.engine.probe_child` "
              "afresh for every trial.")] = True,
 ) -> None:
     """Pull trials from the service and run their probes, one child process per trial.
@@ -576,7 +576,7 @@ def worker(
     1 when the service refuses this worker (unknown study, bad token); 2 for bad input;
     3 when --idle-exit ran out while the service could not be reached.
     """
-    from autotune.worker import WorkerOptions, run_worker
+    from autotune.worker.loop import WorkerOptions, run_worker
 
     options = WorkerOptions(api=api, token=resolve_token(token, token_file), study=study, device=device,
                             max_trials=max_trials,
@@ -603,7 +603,7 @@ STATE_WORDS = {"pending": "pending", "settled": "settled (delivered; a leftover)
 
 
 def _spool(spool_dir: Path | None) -> Spool:
-    from autotune.spool import Spool, default_spool_dir
+    from autotune.worker.spool import Spool, default_spool_dir
 
     return Spool(spool_dir or default_spool_dir(), log_unreadable=False)  # said by the commands
 
@@ -703,7 +703,7 @@ def spool_deliver(
     service could not be reached, refused the token, or does not take a result yet: each is
     said); 2 for bad input.
     """
-    from autotune.spool import belongs_to, deliver_entries, service_identity, spool_command
+    from autotune.worker.spool import belongs_to, deliver_entries, service_identity, spool_command
 
     spool = _spool(spool_dir)
     console = Console(highlight=False, soft_wrap=True)
@@ -883,7 +883,7 @@ def _implicit_cpu_check(spec_file: Path, data: dict[str, Any]) -> None:
     on CPUs writes hardware: cpu."""
     from pydantic import ValidationError
 
-    from autotune.protocol import StudySpec
+    from autotune.contract.protocol import StudySpec
 
     try:  # as a GPU study: the spec's GPU intent, also where cpu rules refuse it (fp8)
         as_gpu = StudySpec.model_validate({**data, "hardware": GPU_NAME_EXAMPLE})
@@ -909,7 +909,7 @@ def _worker_command(info: StudyInfo, api: str) -> tuple[str, list[str]]:
     is not built in (NAME=module:attr where this machine knows the import path)."""
     import shlex
 
-    from autotune.workloads import ENTRY_POINT_GROUP, ENV_VAR, registered_workloads
+    from autotune.contract.registry import ENTRY_POINT_GROUP, ENV_VAR, registered_workloads
 
     spec = info.spec
     gpu = spec.hardware != "cpu"
@@ -945,7 +945,7 @@ def _load_spec(spec_file: Path, name: str | None, check_cpu: bool = True) -> tup
     import yaml
     from pydantic import ValidationError
 
-    from autotune.protocol import StudySpec
+    from autotune.contract.protocol import StudySpec
 
     if not spec_file.is_file():
         raise usage_error(f"{spec_file}: no such file; give a YAML or JSON study spec")
@@ -987,7 +987,7 @@ def tune(
     Exit status: 0 a certified pick in best.yaml; 1 finished without one (best.yaml holds the
     baseline's config: keep it); 2 bad input; 3 the study could not finish; 130 interrupted.
     """
-    from autotune.local import run_tune
+    from autotune.cli.local import run_tune
 
     spec, _ = _load_spec(spec_file, name, check_cpu=False)  # the host decides: its GPUs, else the CPU
     code, _ = run_tune(spec, workdir, workers=workers, out=out, allow_workloads=allow_workload or (), port=port)
@@ -1002,7 +1002,7 @@ def submit(
     token_file: TokenFileOption = None,
     name: Annotated[str | None, typer.Option(help="Override the spec's study name.")] = None,
 ) -> None:
-    """Create a study from a YAML/JSON spec (autotune.protocol.StudySpec) and print it, with a
+    """Create a study from a YAML/JSON spec (autotune.contract.protocol.StudySpec) and print it, with a
     worker command that takes its trials.
 
     A spec without `hardware` is a CPU study (said so); one whose preset or knobs need a GPU
@@ -1115,7 +1115,7 @@ def best(
     no verdict yet, or --uncertified printed an uncertified config), or the service is
     unreachable; 2 bad input (an unknown option value or study).
     """
-    from autotune.recommendation import recommendation_yaml, uncertified_yaml
+    from autotune.contract.recommendation import recommendation_yaml, uncertified_yaml
 
     if output_format not in ("yaml", "json"):
         raise usage_error(f"--format: {output_format!r} is not allowed; allowed: yaml | json")
@@ -1157,7 +1157,7 @@ def report(
 
     Exit status: 0 written, 1 no such study (or the service is unreachable).
     """
-    from autotune.report import write_report
+    from autotune.cli.report import write_report
 
     with service_client(api, resolve_token(token, token_file)) as client:
         try:
@@ -1193,7 +1193,7 @@ def demo(
     Prints the Pareto front, the recommended config and how to open the Optuna dashboard.
     Exit status 0 when the study finished with completed trials.
     """
-    from autotune.demo import run_demo
+    from autotune.cli.demo import run_demo
 
     try:
         code = run_demo(workdir, trials=trials, workers=workers, port=port, samples=samples)
@@ -1203,7 +1203,7 @@ def demo(
 
 
 def _recommendation(best: Mapping[str, Any]) -> Any:
-    from autotune.protocol import Recommendation
+    from autotune.contract.protocol import Recommendation
 
     return Recommendation.model_validate(best)
 

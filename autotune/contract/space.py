@@ -12,7 +12,7 @@ A space is YAML (files in `search_spaces/`, or inline in a study spec)::
     fixed:
       pin_memory: false
 
-Every name is a knob of `autotune.config.KNOBS`; every value is checked by that knob; a
+Every name is a knob of `autotune.contract.config.KNOBS`; every value is checked by that knob; a
 conditional parameter (`when`) is sampled only when its condition holds, otherwise the
 knob keeps its default, which is how "prefetch only with workers > 0" is expressed.
 `parse_space` rejects a space that can draw a configuration breaking a cross-knob rule
@@ -41,7 +41,15 @@ from typing import Any, Protocol
 
 import yaml
 
-from autotune.config import DISTRIBUTED_KNOBS, KNOBS, RULE_KNOBS, ConfigError, check_hardware, check_rules, parse_config
+from autotune.contract.config import (
+    DISTRIBUTED_KNOBS,
+    KNOBS,
+    RULE_KNOBS,
+    ConfigError,
+    check_hardware,
+    check_rules,
+    parse_config,
+)
 
 # The named spaces: $AUTOTUNE_SPACES_DIR, else the repository's search_spaces/ (editable
 # installs and checkouts; the Docker image sets the variable).
@@ -281,7 +289,7 @@ def _representatives(param: Param, read_by_conditions: set[Any]) -> list[Any]:
 
 def _check_drawable_combinations(space: Space) -> None:
     """Every configuration the space can draw must pass the cross-knob rules
-    (`autotune.config.check_rules`): a parameter whose values break a rule for some value
+    (`autotune.contract.config.check_rules`): a parameter whose values break a rule for some value
     of another needs a `when` condition (e.g. prefetch_factor only when num_workers > 0).
 
     Walks the parameters in declaration order (the order `suggest` draws them), keeping the
@@ -356,7 +364,7 @@ def _rule_violation(space: Space, drawn: dict[str, Any], error: ConfigError) -> 
 def validate_for(space: Space, hardware: str, world_size: int = 1) -> None:
     """Hardware rules: raise SpaceError when the space cannot run on `hardware` with trials of
     `world_size` processes (a study's gpus_per_trial). The distributed knobs
-    (`autotune.config.DISTRIBUTED_KNOBS`: bucket_cap_mb, parallel, gradient_as_bucket_view,
+    (`autotune.contract.config.DISTRIBUTED_KNOBS`: bucket_cap_mb, parallel, gradient_as_bucket_view,
     static_graph, no_sync_accumulation, the NCCL variables) may be searched only when
     world_size > 1: at world size 1 they would change nothing but the sampler's data. A fixed
     value is accepted at any world size (a single-process probe records it as inactive), so

@@ -2,12 +2,12 @@
 
 Phases of `run_probe`:
 
-setup     build the workload, data, model; apply the knobs (see autotune/knobs.py)
+setup     build the workload, data, model; apply the knobs (see autotune/engine/knobs.py)
 warm-up   the first optimizer steps (compilation, CUDA-graph recording, cudnn autotuning,
           allocator growth, DataLoader worker start). Timed and reported apart as
           ``warmup_s``; never part of the throughput. A compiling probe on a GPU starts
           TorchInductor's compile pool at the start of its setup, and after the warm-up
-          stops its idle workers (``compile_workers``; autotune/compile_workers.py), as
+          stops its idle workers (``compile_workers``; autotune/engine/compile_workers.py), as
           TorchInductor itself stops them after a minute: a long run trains without them.
 timed     the remaining steps split into equal windows (>= 5). Each window is timed with
           CUDA events on a GPU, or with the host clock on a CPU (where every op is
@@ -23,7 +23,7 @@ timed     the remaining steps split into equal windows (>= 5). Each window is ti
           stall (CUDA events; work queued ahead covers the rest, in a long run too), on a CPU
           the host's stall. The windows count the mean cost (``epoch_cost_s``) once per
           ``epoch_micro_batches``; ``window_throughputs`` are the amortized windows,
-          ``raw_window_throughputs`` the timed ones (autotune/epoch_cost.py).
+          ``raw_window_throughputs`` the timed ones (autotune/engine/epoch_cost.py).
           The pruner sees the timed windows as they come.
           With ``trace_path`` (``autotune probe --trace``), the last steps of the warm-up
           (``trace_steps``, at most half of it: the first steps compile and capture) run under
@@ -42,7 +42,7 @@ rounded down to a whole number of optimizer steps; ``samples_trained`` records i
 Failures (OOM, NaN/inf loss, timeout, unsupported combination, any other error) end as a
 ProbeResult with ``failure = {kind, message}``: never an unrecorded crash.
 
-Several ranks (a process group is initialised, see autotune/distributed.py): every rank runs
+Several ranks (a process group is initialised, see autotune/engine/distributed.py): every rank runs
 `run_probe` on its own device with micro-batches of ``batch_size`` (its slice of each global
 micro-batch), so the effective batch is ``batch_size × accum_steps × world``, and the sample
 budget and the LR schedule count the samples of all ranks. Windows are aligned: the ranks
@@ -55,13 +55,13 @@ shards are gathered into a full state dict first), and peak memory is the maximu
 ``data_wait_fraction`` and ``warmup_s`` are rank 0's.
 
 Each window records what the training loop's thread did (``window_host``: its busy fraction,
-page faults and preemptions; autotune/host_telemetry.py), the host's CPU model goes with the
+page faults and preemptions; autotune/engine/host_telemetry.py), the host's CPU model goes with the
 result (``host_cpu``), and on a GPU each window also records what the GPU did (``window_gpu``: SM clock, temperature,
-power, the fraction of the window the driver held the clocks down; autotune/gpu_telemetry.py),
+power, the fraction of the window the driver held the clocks down; autotune/engine/gpu_telemetry.py),
 and a window throttled for ≥ 5 % of its time adds a line to ``measurement_notes``.
 
 Energy (on a GPU): every rank meters its own GPU over each timed window (NVML's total-energy
-counter, else integrated power readings: ``energy_method``; autotune/gpu_telemetry.py
+counter, else integrated power readings: ``energy_method``; autotune/engine/gpu_telemetry.py
 `EnergyMeter`), and the ranks' joules meet on every rank after the window.
 ``energy_j_per_sample`` is the energy of all the trial's GPUs in the timed windows over the
 samples in them (the windows hold equal samples, so it is the mean of
@@ -93,14 +93,15 @@ from typing import Any
 
 import torch
 
-from autotune import step_graph
-from autotune.compile_workers import note as compile_workers_note
-from autotune.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
-from autotune.config import ConfigError, TrainConfig, parse_config
-from autotune.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
-from autotune.errors import FAILURE_KINDS  # noqa: F401 (re-exported: autotune.probe.FAILURE_KINDS)
-from autotune.gate import window_rate
-from autotune.gpu_telemetry import (
+from autotune.contract.config import ConfigError, TrainConfig, parse_config
+from autotune.contract.errors import FAILURE_KINDS  # noqa: F401 (re-exported: autotune.engine.probe.FAILURE_KINDS)
+from autotune.contract.gate import window_rate
+from autotune.contract.registry import Workload, get_workload
+from autotune.engine import step_graph
+from autotune.engine.compile_workers import note as compile_workers_note
+from autotune.engine.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
+from autotune.engine.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
+from autotune.engine.gpu_telemetry import (
     ENERGY_METHODS,
     EnergyMeter,
     GpuTelemetry,
@@ -109,9 +110,9 @@ from autotune.gpu_telemetry import (
     throttle_note,
     window_stats,
 )
-from autotune.host_telemetry import ThreadUsage, cpu_model
-from autotune.host_telemetry import window_stats as host_window_stats
-from autotune.knobs import (
+from autotune.engine.host_telemetry import ThreadUsage, cpu_model
+from autotune.engine.host_telemetry import window_stats as host_window_stats
+from autotune.engine.knobs import (
     EpochIterator,
     Notes,
     ProbeError,
@@ -126,7 +127,6 @@ from autotune.knobs import (
     build_optimizers,
     world_size,
 )
-from autotune.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class ProbeSettings:
     trace_path: str | None = None  # a Chrome trace (torch.profiler) of the warm-up's last steps
     trace_steps: int = 5  # at most; never more than half the warm-up (its first steps compile)
     # start TorchInductor's compile pool early and stop its idle workers before timing
-    # (autotune.compile_workers); False leaves the pool to TorchInductor: started at the first
+    # (autotune.engine.compile_workers); False leaves the pool to TorchInductor: started at the first
     # compile, beside the timed windows as a process's first minute has it
     quiesce_compile_workers: bool = True
 
@@ -185,15 +185,15 @@ class ProbeResult:
     peak_mem_allocated_bytes: int | None = None
     data_wait_fraction: float | None = None
     window_data_wait_s: list[float] = field(default_factory=list)  # rank 0's host seconds blocked on data, per window
-    # rank 0's GPU per window (autotune.gpu_telemetry): SM clock, temperature, power, throttled fraction
+    # rank 0's GPU per window (autotune.engine.gpu_telemetry): SM clock, temperature, power, throttled fraction
     window_gpu: list[dict[str, float | None]] = field(default_factory=list)
-    # energy of every GPU of the trial over the timed windows (autotune.gpu_telemetry): joules over the windows'
+    # energy of every GPU of the trial over the timed windows (autotune.engine.gpu_telemetry): joules over the windows'
     # samples; per window; per GPU (rank order, they sum up); "nvml_total_energy" | "power_integral". None on a CPU
     energy_j_per_sample: float | None = None
     window_energy_j_per_sample: list[float] = field(default_factory=list)
     gpu_energy_j_per_sample: list[float] = field(default_factory=list)
     energy_method: str | None = None
-    # rank 0's training-loop thread per window (autotune.host_telemetry): busy fraction, page faults, preemptions
+    # rank 0's training-loop thread per window (autotune.engine.host_telemetry): busy fraction, page faults, preemptions
     window_host: list[dict[str, float | int | None]] = field(default_factory=list)
     epoch_micro_batches: int | None = None  # one DataLoader epoch (a rank's micro-batches)
     # every epoch start after the first: micro_batch (index), stall_s (host seconds of its fetch),
@@ -203,7 +203,7 @@ class ProbeResult:
     epoch_cost_s: float | None = None  # the mean excess: what one epoch start costs
     traced_steps: int = 0  # warm-up steps in the trace (ProbeSettings.trace_path)
     # TorchInductor's compile workers stopped before the timed windows: workers, worker_cpu_s,
-    # wait_s, left (autotune.compile_workers); None when there were none or they were kept
+    # wait_s, left (autotune.engine.compile_workers); None when there were none or they were kept
     compile_workers: dict[str, Any] | None = None
     host_cpu: str | None = None  # the host's CPU model: host-bound throughputs compare only between like CPUs
     measurement_notes: list[str] = field(default_factory=list)  # what qualifies the throughput (e.g. throttling)
@@ -319,7 +319,7 @@ def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], span
                            seconds: list[float], window_samples: int, sync: _RankSync, cfg: TrainConfig,
                            planned_micro_batches: int) -> None:
     """Count the DataLoader's epoch starts in the windows at the rate a long run pays them
-    (autotune/epoch_cost.py): record each start's stall and GPU gap (`boundaries` resolved:
+    (autotune/engine/epoch_cost.py): record each start's stall and GPU gap (`boundaries` resolved:
     `EpochIterator.resolved_boundaries`), and replace the window throughputs with amortized
     ones (the raw ones are kept). Several ranks: a window's excess and the mean cost are the
     largest over the ranks (the slowest rank sets the window's time)."""
@@ -520,7 +520,7 @@ class Training:
 
 def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSettings, notes: Notes,
                    total: int, phase: Callable[[str], None] = lambda name: None) -> Training:
-    """Apply the knobs in the documented order (autotune/knobs.py) and build the model, data and
+    """Apply the knobs in the documented order (autotune/engine/knobs.py) and build the model, data and
     trainer of `total` optimizer steps (the LR schedule's length); `phase(name)` is called as
     each part is built (the probe's setup breakdown)."""
     apply_backend_flags(cfg, dev, notes)
@@ -602,13 +602,13 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         early_pool = start_compile_pool()
         phase("compile_pool")
     if cfg.precision == "fp8":  # fail fast, before data and model are built
-        from autotune.knobs import fp8_supported
+        from autotune.engine.knobs import fp8_supported
 
         reason = fp8_supported(dev)
         if reason:
             raise ProbeError("unsupported", reason)
 
-    # --- setup: the knobs, in the documented order (autotune/knobs.py) ---
+    # --- setup: the knobs, in the documented order (autotune/engine/knobs.py) ---
     t = build_training(wl, cfg, dev, settings, notes, total, phase)
     plain_model, loader, data, trainer, sync, val_set = t.plain_model, t.loader, t.data, t.trainer, t.sync, t.val_set
     eff, rank, world = t.eff, t.rank, t.world

@@ -40,8 +40,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autotune.config import ConfigError, parse_config
-from autotune.space import Space, SpaceError, _active, _can_take
+from autotune.contract.config import ConfigError, parse_config
+from autotune.contract.space import Space, SpaceError, _active, _can_take
 
 MAX_POINTS = 20
 MODEL_BASED_SAMPLERS = ("tpe", "nsga2", "gp")
@@ -103,7 +103,7 @@ def auto_points(space: Space, baseline: Mapping[str, Any]) -> list[dict[str, Any
     _fold_accumulation(space, fast, baseline)
     graphs = {**fast, "compile": "reduce-overhead"}
     aux = {**graphs, "inverse_loss_frequency": AUX_EVERY}
-    # first, the whole step as one CUDA graph (autotune/step_graph.py) where the space has it:
+    # first, the whole step as one CUDA graph (autotune/engine/step_graph.py) where the space has it:
     # a step bound by per-parameter host work then keeps the GPU busy (bench/README.md, step
     # graph; the user's optimizer step); last, no CUDA graph at all, in case graphs break the model
     step_graph = {**aux, "compile": "default", "step_graph": True}

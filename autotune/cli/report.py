@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from autotune.protocol import ConfigVerdict, Recommendation, StudyInfo, TrialInfo
+from autotune.contract.protocol import ConfigVerdict, Recommendation, StudyInfo, TrialInfo
 
 log = logging.getLogger(__name__)
 

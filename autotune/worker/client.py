@@ -1,4 +1,4 @@
-"""A small typed HTTP client of the autotune service (the routes of autotune/protocol.py).
+"""A small typed HTTP client of the autotune service (the routes of autotune/contract/protocol.py).
 
 Every call retries what a restart or a network hiccup looks like (connection errors,
 timeouts, HTTP 5xx) with exponential backoff capped at `max_backoff_s`, for up to
@@ -18,7 +18,7 @@ retry state is per call.
 
 For a running service from Python (what `autotune submit/status/best/stop` do)::
 
-    from autotune.client import Client
+    from autotune.worker.client import Client
     with Client("http://127.0.0.1:8000", token=ADMIN_TOKEN) as service:
         service.submit("study.yaml")           # a StudySpec, its dict, or a YAML/JSON file
         info = service.status("my-study")      # StudyInfo: state, counts, the verdict so far
@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from autotune.protocol import (
+from autotune.contract.protocol import (
     CompleteRequest,
     HeartbeatReply,
     HeartbeatRequest,

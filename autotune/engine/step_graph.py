@@ -22,7 +22,7 @@ How, in the order it happens:
 * Each optimizer reads its state and learning rate on the device: an optimizer with a
   capturable mode (Adam, AdamW) is switched to it (step counters on the device), and each
   group's learning rate becomes a device tensor the schedule writes into
-  (`autotune.optimizers.lr_to_tensor`; ``Trainer`` does this before any step). An optimizer
+  (`autotune.engine.optimizers.lr_to_tensor`; ``Trainer`` does this before any step). An optimizer
   without a capturable mode (torch's Muon, SGD) is captured through its compiled step
   (``compile_optimizer``), which reads the lr tensor on the device; eager, it would read the
   lr on the host once, at capture.
@@ -52,8 +52,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from autotune.config import TrainConfig
-from autotune.errors import ProbeError
+from autotune.contract.config import TrainConfig
+from autotune.contract.errors import ProbeError
 
 EAGER_RUNS = 2  # eager steps of each variant before it is captured (the first compiles, the second settles)
 

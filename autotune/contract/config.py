@@ -92,7 +92,7 @@ class Knob:
         return value
 
 
-# The knob families, in the order they are applied by the probe (see autotune/knobs.py).
+# The knob families, in the order they are applied by the probe (see autotune/engine/knobs.py).
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in (
@@ -204,7 +204,7 @@ assert set(KNOBS) == {f.name for f in dataclasses.fields(TrainConfig)}, "KNOBS a
 
 # The knobs that act only when a trial spans several processes (world size > 1: DDP or FSDP2
 # over the trial's GPUs). A single-process probe records them as inactive, and a search space
-# may declare them only for a study of gpus_per_trial > 1 (autotune.space.validate_for).
+# may declare them only for a study of gpus_per_trial > 1 (autotune.contract.space.validate_for).
 DISTRIBUTED_KNOBS = ("bucket_cap_mb", "parallel", "gradient_as_bucket_view", "static_graph", "no_sync_accumulation",
                      "nccl_nsocks_perthread", "nccl_socket_nthreads", "nccl_min_nchannels")
 
@@ -214,8 +214,16 @@ NCCL_ENV_KNOBS = {"nccl_nsocks_perthread": "NCCL_NSOCKS_PERTHREAD", "nccl_socket
 
 
 # The knobs `check_rules` reads: a search space is checked over every combination of these
-# it can draw (autotune.space), so a rule reading another knob must be listed here.
+# it can draw (autotune.contract.space), so a rule reading another knob must be listed here.
 RULE_KNOBS = ("num_workers", "prefetch_factor", "persistent_workers")
+
+
+def knobs_of(config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """The knob settings in `config` (derived and unknown keys dropped; {} for a non-mapping):
+    what a stored config holds beside its knobs (effective_batch, ...) never becomes one."""
+    if not isinstance(config, Mapping):
+        return {}
+    return {k: v for k, v in config.items() if k in KNOBS}
 
 
 def check_rules(values: Mapping[str, Any]) -> None:

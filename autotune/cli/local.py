@@ -28,9 +28,9 @@ from typing import Any
 
 from rich.console import Console
 
-from autotune.client import ApiError, Client, NotFound, ServiceUnavailable
-from autotune.demo import DemoError, Processes, follow, free_port, report, sigterm_as_interrupt, wait_for_health
-from autotune.protocol import Recommendation, StudySpec
+from autotune.cli.demo import DemoError, Processes, follow, free_port, report, sigterm_as_interrupt, wait_for_health
+from autotune.contract.protocol import Recommendation, StudySpec
+from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
 
 CERTIFIED, KEEP_BASELINE, BAD_INPUT, DID_NOT_FINISH, INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -73,7 +73,7 @@ def local_devices(spec_hardware: str | None, workers: int | None) -> Devices:
 def _tokens(cli: list[str], workdir: Path, db_url: str) -> tuple[str, str]:
     """The work directory's admin and worker tokens: kept in admin.token / worker.token (0600)
     and reused on a rerun; made (`autotune token create`, which also makes the tables) when absent."""
-    from autotune.demo import create_token
+    from autotune.cli.demo import create_token
 
     out = []
     for role in ("admin", "worker"):
@@ -94,7 +94,7 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
              allow_workloads: Sequence[str] = (), port: int = 0, console: Console | None = None,
              idle_exit_s: float = 30.0) -> tuple[int, Recommendation | None]:
     """Tune `spec` on this machine (see the module docstring); (exit status, the verdict or None)."""
-    from autotune.workloads import parse_workload_option
+    from autotune.contract.registry import parse_workload_option
 
     console = console or Console(highlight=False, soft_wrap=True)
     names = []

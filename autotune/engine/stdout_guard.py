@@ -4,7 +4,7 @@
 its dataset may print in DataLoader worker processes (which inherit file descriptor 1), C
 code may write to fd 1. None of it may reach stdout, where the result goes (``--json``: one
 JSON object). The worker's probe child does the same for its whole life
-(`autotune.probe_child.claim_stdout`).
+(`autotune.engine.probe_child.claim_stdout`).
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autotune.config import TrainConfig
-from autotune.errors import ProbeError
+from autotune.contract.config import TrainConfig
+from autotune.contract.errors import ProbeError
 
 Notes = dict[str, str]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import yaml
 
-from autotune.config import KNOBS
-from autotune.protocol import Recommendation
+from autotune.contract.config import knobs_of
+from autotune.contract.protocol import Recommendation
 
 
 def recommendation_yaml(rec: Recommendation) -> str:
@@ -43,7 +43,7 @@ def uncertified_yaml(rec: Recommendation) -> str:
              "worse than the baseline beyond the noise",
              f"# {row.reason}" if row.reason else "# (no reason recorded)",
              f"# {row.n} runs; speedup {speed}"]
-    config = {k: v for k, v in row.config.items() if k in KNOBS}
+    config = knobs_of(row.config)
     return "\n".join(lines) + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
 
 

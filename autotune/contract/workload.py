@@ -9,7 +9,7 @@ Presets give the default batch size, accumulation, learning rate and sample budg
 The quality metric is named by ``quality_metric`` (``"val_nrmse"`` for field regression,
 ``"val_loss"`` for a language model, ...) and has a ``quality_direction``: ``"minimize"``
 (the default: lower is better) or ``"maximize"`` (an accuracy). The study's quality gate
-compares every trial's metric with the baseline's in that direction (autotune/gate.py).
+compares every trial's metric with the baseline's in that direction (autotune/contract/gate.py).
 ``aux_loss_name`` names the expensive optional loss term that ``forward(batch,
 with_aux=True)`` adds and the ``inverse_loss_frequency`` knob thins out (None: the model has
 none, and the knob changes nothing).
@@ -37,7 +37,7 @@ Optional hooks (defaults: what a probe trained with before a workload could say 
 * ``build_optimizers(model, config)``: the optimizer(s) of the user's step, from the model
   and the trial's config (``config.lr`` is the resolved learning rate): any
   ``torch.optim.Optimizer`` with any parameter groups, or a list of them (a Muon + AdamW
-  hybrid: `autotune.optimizers.muon_adamw`). Default: AdamW over every trainable parameter
+  hybrid: `autotune.engine.optimizers.muon_adamw`). Default: AdamW over every trainable parameter
   with the preset's lr and weight decay. The knobs act on what it returns, in place
   (``fused_optimizer`` sets the groups' fused/foreach flags where the optimizer has them);
   a knob that cannot act on it is recorded as inactive with the reason.
@@ -68,8 +68,8 @@ if TYPE_CHECKING:  # the registry (autotune.workloads) is read by the service an
     from torch import nn
     from torch.utils.data import Dataset
 
-    from autotune.config import TrainConfig
-    from autotune.optimizers import OptimizerLike
+    from autotune.contract.config import TrainConfig
+    from autotune.engine.optimizers import OptimizerLike
 
 
 QUALITY_DIRECTIONS = ("minimize", "maximize")
@@ -116,7 +116,7 @@ class Workload(ABC):
     def build_optimizers(self, model: nn.Module, config: TrainConfig) -> OptimizerLike:
         """The optimizer(s) of this job's step over `model` (already on its device, wrapped for
         several ranks where there are several). Default: AdamW, the preset's lr and weight decay."""
-        from autotune.optimizers import adamw
+        from autotune.engine.optimizers import adamw
 
         assert config.lr is not None, "resolve() the config first"
         return adamw(model, config.lr, self.defaults.weight_decay)
@@ -128,8 +128,8 @@ class Workload(ABC):
 
     def lr_multiplier(self, progress: float) -> float:
         """The factor of each parameter group's base lr at `progress` (samples trained / the
-        probe's budget). Default: warm-up, then cosine (`autotune.knobs.lr_factor`)."""
-        from autotune.knobs import lr_factor
+        probe's budget). Default: warm-up, then cosine (`autotune.engine.knobs.lr_factor`)."""
+        from autotune.engine.knobs import lr_factor
 
         d = self.defaults
         return lr_factor(progress, d.warmup_fraction, d.final_lr_fraction)

@@ -13,7 +13,7 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autotune.host_telemetry import cpu_model
+from autotune.engine.host_telemetry import cpu_model
 
 
 @dataclass(frozen=True)

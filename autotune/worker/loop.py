@@ -1,7 +1,7 @@
 """The worker: lease a trial, run its probe in a child process, report, complete; repeat.
 
 One worker serves one device, or several *GPU groups* (`plan_groups`): with
-``--gpus-per-trial N`` every trial runs on N GPUs at once (`autotune.distributed`),
+``--gpus-per-trial N`` every trial runs on N GPUs at once (`autotune.engine.distributed`),
 and ``--device cuda:0,1,2,3 --gpus-per-trial 2`` makes two groups (GPUs 0,1 and 2,3), each
 with its own lease loop (a thread; worker id suffixed with the group) and its own trials.
 ``--device cpu --gpus-per-trial 2`` runs 2 gloo processes per trial (tests, smoke runs). The
@@ -9,7 +9,7 @@ worker leases only studies whose ``gpus_per_trial`` equals its own (the lease re
 it; pinned with --study to another world size, the service answers 422 naming the fix).
 The loop of one group (`Worker.run`):
 
-spool     first, results not yet delivered (`autotune.spool`: a folder per service id, one JSON
+spool     first, results not yet delivered (`autotune.worker.spool`: a folder per service id, one JSON
           file per result) are handed in, at the worker's start and around every lease; only the
           folder of the service answering (and the top, for an unknown service's) is read.
 lease     POST /v1/trials/lease with the worker's hardware class, its allow-list (the service
@@ -41,13 +41,13 @@ refuse    the allow-list is the worker's own boundary, whatever the service send
           ``--allow-workload NAME=module:attr`` entry allows NAME and defines it for this
           worker's children (exported in AUTOTUNE_WORKLOADS, see autotune.workloads): the
           operator's import path, never the service's.
-probe     `python -m autotune.probe_child` in its own process group (see probe_child.py for
+probe     `python -m autotune.engine.probe_child` in its own process group (see probe_child.py for
           the stdin/stdout protocol), with a hard limit of the study's probe.timeout_s plus a
           small grace, torch threads and a per-host TorchInductor cache set in its environment,
           and the worker's token (AUTOTUNE_TOKEN) taken out of it: every child of the worker
           (fork server, cold probes, distributed launchers, hardware detection) runs without it.
           Warm start (the default; `--cold-start` turns it off): the child is forked from the
-          worker's fork server (`autotune.fork_server`), which imported torch, torch._dynamo
+          worker's fork server (`autotune.engine.fork_server`), which imported torch, torch._dynamo
           and the probe once, in that same environment; a GPU's hardware detection at start
           is forked from it too (a CPU is detected without torch). A server that cannot
           serve leaves the children starting cold.
@@ -57,7 +57,7 @@ probe     `python -m autotune.probe_child` in its own process group (see probe_c
           pins the child to them and runs it with one torch thread per core (at most
           OMP_NUM_THREADS, if set); the banner says "cpu: N threads, core share k of m".
           ``--threads N`` keeps N threads and no share.
-          A group of N > 1 GPUs runs `python -m autotune.distributed` instead (a launcher
+          A group of N > 1 GPUs runs `python -m autotune.engine.distributed` instead (a launcher
           that imports torch once and forks N ranks, CUDA_VISIBLE_DEVICES = the group's
           GPUs), the job in a job directory: prune = its stop file; a kill ends the
           launcher's group and every rank's group; a rank's failure record (kind, message
@@ -73,7 +73,7 @@ monitor   drains the child's stdout (its report lines and its result) and acts o
           the probe's timed windows (measured in the child) are never touched.
 complete  the result is written to the spool, then POST /complete (retried COMPLETE_RETRY_S)
           if the service still shows the lease's service id (else it waits in the spool for
-          that service: `autotune.spool.misplaced`); the file is removed once the service has it.
+          that service: `autotune.worker.spool.misplaced`); the file is removed once the service has it.
           Not delivered, it stays in the spool and the lease loop delivers it when the service
           answers. A child that dies without a result (crash, OOM kill, signal), hangs past the
           hard limit, or is interrupted becomes a failure record; the worker itself goes on.
@@ -84,7 +84,7 @@ also across a kill of the worker (the next worker on that spool delivers it). A 
 trial is no longer this worker's: the child is stopped, and a result it gave anyway is kept
 in the spool's rejected/ folder (in the spool itself, for the service that leased it, when
 the service does not know the trial or holds another lease of it: another database). How
-this meets the service's lease grace: `autotune.spool`.
+this meets the service's lease grace: `autotune.worker.spool`.
 SIGINT/SIGTERM: the running child is killed, its trial completed as failed, kind
 "interrupted" ("worker interrupted by SIGTERM"; the service re-runs it on another worker: a
 preemption says nothing about the config), and the worker exits 128 + signal.
@@ -115,7 +115,26 @@ from typing import IO, Any, TypeVar
 from rich.console import Console
 from rich.markup import escape
 
-from autotune.client import (
+from autotune.contract.gate import window_rate
+from autotune.contract.protocol import ANOTHER_LEASE, LeaseRequest, TrialLease
+from autotune.contract.registry import (
+    ENTRY_POINT_GROUP,
+    builtin_workload_names,
+    export_workload_paths,
+    registered_workloads,
+    workload_paths,
+)
+from autotune.engine.distributed import (
+    JOB_DIR_ENV,
+    collect_failure,
+    kill_ranks,
+    launch_argv,
+    prepare_job_dir,
+    request_stop,
+)
+from autotune.engine.fork_server import ForkedChild, ForkServer, ForkServerError, without_secrets
+from autotune.engine.probe_child import ChildJob
+from autotune.worker.client import (
     DEFAULT_API,
     ApiError,
     Client,
@@ -125,13 +144,8 @@ from autotune.client import (
     ServiceUnavailable,
     Unauthorized,
 )
-from autotune.distributed import JOB_DIR_ENV, collect_failure, kill_ranks, launch_argv, prepare_job_dir, request_stop
-from autotune.fork_server import ForkedChild, ForkServer, ForkServerError, without_secrets
-from autotune.gate import window_rate
-from autotune.hardware import Hardware, detect_cpu, installed_torch_version
-from autotune.probe_child import ChildJob
-from autotune.protocol import ANOTHER_LEASE, LeaseRequest, TrialLease
-from autotune.spool import (
+from autotune.worker.hardware import Hardware, detect_cpu, installed_torch_version
+from autotune.worker.spool import (
     Delivery,
     Services,
     Spool,
@@ -145,17 +159,10 @@ from autotune.spool import (
     spool_command,
     unauthorized_hint,
 )
-from autotune.workloads import (
-    ENTRY_POINT_GROUP,
-    builtin_workload_names,
-    export_workload_paths,
-    registered_workloads,
-    workload_paths,
-)
 
 log = logging.getLogger(__name__)
 
-CHILD_MODULE = "autotune.probe_child"
+CHILD_MODULE = "autotune.engine.probe_child"
 IDLE_BACKOFF_START_S = 0.5
 IDLE_BACKOFF_CAP_S = 5.0
 PRUNE_GRACE_S = 5.0  # a pruned child gets this long to stop at a window boundary and print its result
@@ -205,7 +212,7 @@ def child_environment(threads: int | None, base: Mapping[str, str] | None = None
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
-    env["AUTOTUNE_PARENT_PID"] = str(os.getpid())  # the child dies with this worker (autotune/probe_child.py)
+    env["AUTOTUNE_PARENT_PID"] = str(os.getpid())  # the child dies with this worker (autotune/engine/probe_child.py)
     return env
 
 
@@ -310,9 +317,10 @@ class WorkerOptions:
     threads: int | None = None  # torch threads in the child (default: torch's)
     allow_workloads: tuple[str, ...] | None = None  # workloads it runs (default: the built-in ones)
     gpus_per_trial: int = 1  # GPUs (cpu: gloo processes) per trial; the device is split into groups of this many
-    spool_dir: Path | None = None  # undelivered results (default: autotune.spool.default_spool_dir())
+    spool_dir: Path | None = None  # undelivered results (default: autotune.worker.spool.default_spool_dir())
     child_argv: list[str] = field(default_factory=lambda: [sys.executable, "-m", CHILD_MODULE])
-    warm_start: bool = True  # fork the probe children from a server that has imported torch (autotune.fork_server)
+    # fork the probe children from a server that has imported torch (autotune.engine.fork_server)
+    warm_start: bool = True
     launch_argv: list[str] = field(default_factory=launch_argv)  # the distributed launcher (gpus_per_trial > 1)
 
     def allowed_workloads(self) -> tuple[str, ...]:
@@ -763,7 +771,7 @@ class ProbeProcess:
     is kept as a tail. The child leads its own process group; `kill` ends the whole group
     (DataLoader workers, compile workers), so no orphans remain.
 
-    With a `job_dir` the child is a distributed launcher (`autotune.distributed`): the job
+    With a `job_dir` the child is a distributed launcher (`autotune.engine.distributed`): the job
     is in the directory (not on stdin), a stop request is its stop file, and a kill also ends
     the process group of every rank (each rank leads its own session)."""
 
@@ -1116,7 +1124,7 @@ def progress_text(lease: TrialLease, elapsed_s: float, progress: dict[str, Any] 
 
 
 def describe_progress(progress: Mapping[str, Any] | None) -> str:
-    """A probe's progress message (autotune.probe.ProgressCallback) in words: its phase, samples
+    """A probe's progress message (autotune.engine.probe.ProgressCallback) in words: its phase, samples
     done of all, the timed window, the ETA of its training (validation not counted)."""
     if not progress:
         return "starting"
@@ -1139,7 +1147,7 @@ def minimal_result(lease: TrialLease, hardware: Hardware, failure: dict[str, str
                    **fields: Any) -> dict[str, Any]:
     """A ProbeResult dict for a trial whose child gave none: workload, preset, config, device,
     torch_version and the failure always present."""
-    from autotune.probe import ProbeResult  # imports torch (CPU side only: no CUDA context)
+    from autotune.engine.probe import ProbeResult  # imports torch (CPU side only: no CUDA context)
 
     result = ProbeResult(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
                          device=hardware.device_name, torch_version=hardware.torch_version, failure=failure)
@@ -1155,7 +1163,7 @@ def partial_result(run: TrialRun, hardware: Hardware) -> dict[str, Any]:
              if "loss" in r["metrics"]]
     fields: dict[str, Any] = {"stopped_early": True, "window_throughputs": throughputs, "loss_curve": curve}
     if throughputs:
-        rate, spread = window_rate(throughputs)  # as the probe's own (autotune.probe)
+        rate, spread = window_rate(throughputs)  # as the probe's own (autotune.engine.probe)
         fields.update(throughput_samples_per_s=rate, throughput_spread=spread)
     if run.reports:
         last = run.reports[-1]
@@ -1461,9 +1469,9 @@ class Worker:
         return None if service_id is None else (service_id, None)
 
     def deliver_spool(self, retry_for_s: float | None = SPOOL_RETRY_S) -> bool:
-        """Hand in the spooled results of this service, oldest first (`autotune.spool.deliver_entries`),
+        """Hand in the spooled results of this service, oldest first (`autotune.worker.spool.deliver_entries`),
         each only if it belongs here: the service shows the entry's service id, and its study
-        holds the trial (`autotune.spool.misplaced`). Only this service's folder of the spool
+        holds the trial (`autotune.worker.spool.misplaced`). Only this service's folder of the spool
         (and its top) is read; the results of other services leased at this URL (the service
         restarted on another database) are counted in one line, once per service answering.
         False when the service could not be reached (the rest wait for the next round). A
@@ -1652,7 +1660,7 @@ class Worker:
             if run.result is not None and entry.measured:  # the child finished anyway: never throw a measurement away
                 # a service that does not know the trial (or holds another lease of it) runs on another
                 # database: the measurement waits in the spool for the leasing one
-                # (`autotune.spool.misplaced`), else rejected/
+                # (`autotune.worker.spool.misplaced`), else rejected/
                 foreign = "not leased by this service" in run.dropped or ANOTHER_LEASE in run.dropped
                 try:
                     where = str(self.spool.put(entry) if foreign else self.spool.reject(entry, run.dropped))
@@ -1851,7 +1859,7 @@ def _kill_after(child: ProbeProcess, grace_s: float) -> None:
 
 
 DETECT_SCRIPT = ("import json, sys\n"
-                 "from autotune.hardware import detect\n"
+                 "from autotune.worker.hardware import detect\n"
                  "try:\n"
                  "    print(json.dumps(detect(sys.argv[1]).to_dict()))\n"
                  "except ValueError as e:\n"
@@ -1902,7 +1910,7 @@ def run_python(args: list[str], server: ForkServer | None = None, timeout_s: flo
 
 
 def detect_hardware(device: str, server: ForkServer | None = None) -> Hardware:
-    """`autotune.hardware.detect(device)` run in a short-lived child process (forked from the
+    """`autotune.worker.hardware.detect(device)` run in a short-lived child process (forked from the
     worker's `server` when there is one: it has imported torch already).
 
     Asking torch about a GPU creates a CUDA context (~400 MiB of GPU memory on an H100)
@@ -1923,7 +1931,7 @@ def detect_hardware(device: str, server: ForkServer | None = None) -> Hardware:
 
 
 def start_fork_server(options: WorkerOptions) -> ForkServer | None:
-    """The worker's fork server (`autotune.fork_server`), started in the environment its probe
+    """The worker's fork server (`autotune.engine.fork_server`), started in the environment its probe
     children get, or None: warm starts off (--cold-start), not Linux, several GPUs per trial
     (the distributed launcher starts cold, with its group's GPUs, and forks its ranks itself), or the
     server could not be started (said; the children start cold)."""

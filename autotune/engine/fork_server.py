@@ -1,12 +1,12 @@
 """Warm probe starts: one process per worker imports torch once, then forks a probe child per trial.
 
-Started cold (``python -m autotune.probe_child``), a probe child spends about 3 CPU-seconds
+Started cold (``python -m autotune.engine.probe_child``), a probe child spends about 3 CPU-seconds
 before its first step on a CPU host, more on a GPU host: importing torch (1.1-1.4 s) and
 ``torch._dynamo`` (1.1-1.3 s; ``torch.optim.Optimizer`` imports it on an optimizer's first
 use, compiled or not); on an H100/H200 host 8-9 s in all (bench/README.md, probe start). The
 worker also asked a fresh interpreter about its device at start
 (`autotune.worker.detect_hardware`: importing torch again). The fork server pays for those
-imports once per worker: ``python -m autotune.fork_server`` imports them (`PRELOAD`: torch
+imports once per worker: ``python -m autotune.engine.fork_server`` imports them (`PRELOAD`: torch
 first, the rest one module at a time while no request waits, so the worker's hardware
 detection need not wait for torch._dynamo), then forks a child per request. A forked child
 runs exactly what ``python -m MODULE ARGS`` (or ``python -c CODE ARGS``) would run, with the
@@ -34,7 +34,7 @@ ranks see only their group's GPUs).
 Protocol, over a Unix SOCK_SEQPACKET pair the worker creates (`ForkServer`):
 
 request   worker → server on the control socket: one JSON object ``{"argv": ["-m",
-          "autotune.probe_child"], "preloaded": true}`` (or ``["-c", CODE, ARG...]``) with
+          "autotune.engine.probe_child"], "preloaded": true}`` (or ``["-c", CODE, ARG...]``) with
           four file descriptors attached (SCM_RIGHTS): the child's stdin, stdout, stderr, and
           one end of a fresh socket pair that carries this child's answers. ``preloaded``:
           fork once every module is imported (a probe, which needs them all: forked before,
@@ -50,7 +50,7 @@ release   the worker closes its end once it has the exit status; only then does 
 
 The child leads a new session (the worker kills its process group: DataLoader and compile
 workers with it), and its ``AUTOTUNE_PARENT_PID`` is the server's: a probe dies with the
-server (`autotune.probe_child.watch_parent`), the server with the worker (PR_SET_PDEATHSIG,
+server (`autotune.engine.probe_child.watch_parent`), the server with the worker (PR_SET_PDEATHSIG,
 and a poll of its parent pid). The worker ends the server as it ends (`ForkServer.close`).
 
 `ForkServer` is the worker's side: `popen` returns a `ForkedChild`, which a
@@ -79,12 +79,12 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import IO, Any, NoReturn
 
-log = logging.getLogger("autotune.fork_server")
+log = logging.getLogger("autotune.engine.fork_server")
 
-MODULE = "autotune.fork_server"
+MODULE = "autotune.engine.fork_server"
 # What every probe imports: torch, torch._dynamo (torch.optim imports it on an optimizer's first
 # use), the probe and the built-in workloads. Never a module that starts a thread or touches CUDA.
-PRELOAD = ("torch", "torch._dynamo", "autotune.probe", "autotune.probe_child", "autotune.hardware",
+PRELOAD = ("torch", "torch._dynamo", "autotune.engine.probe", "autotune.engine.probe_child", "autotune.worker.hardware",
            "autotune.workloads")
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 PARENT_POLL_S = 0.5
@@ -190,7 +190,7 @@ def _run_argv(argv: list[str]) -> int:
     import runpy
 
     if len(argv) >= 2 and argv[0] == "-m":
-        from autotune.probe_child import set_process_name
+        from autotune.engine.probe_child import set_process_name
 
         set_process_name(argv[1].rpartition(".")[2])  # ps shows the server's command line: comm says which
         sys.argv = [argv[1], *argv[2:]]
@@ -202,13 +202,13 @@ def _run_argv(argv: list[str]) -> int:
         sys.argv = ["-c", *argv[2:]]
         exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         return 0
-    raise SystemExit(f"autotune.fork_server: cannot run {argv!r}: give -m MODULE or -c CODE")
+    raise SystemExit(f"autotune.engine.fork_server: cannot run {argv!r}: give -m MODULE or -c CODE")
 
 
 def serve(control: socket.socket, parent_pid: int, modules: tuple[str, ...] = PRELOAD) -> int:
     """The server's loop (see the module docstring). Returns when the worker closes the control
     socket or dies."""
-    from autotune.probe_child import PARENT_PID_ENV, set_parent_death_signal
+    from autotune.engine.probe_child import PARENT_PID_ENV, set_parent_death_signal
 
     set_parent_death_signal()
     if os.getppid() != parent_pid:
@@ -289,23 +289,23 @@ def serve(control: socket.socket, parent_pid: int, modules: tuple[str, ...] = PR
 
 
 def main() -> int:
-    """``python -m autotune.fork_server FD PARENT_PID``: serve the worker PARENT_PID on socket FD.
+    """``python -m autotune.engine.fork_server FD PARENT_PID``: serve the worker PARENT_PID on socket FD.
     (No logging set up here: a child's own would be a no-op after it.)"""
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
     with socket.socket(fileno=fd) as control:
         try:
             return serve(control, parent_pid)
         except Exception as exc:  # the preload failed: the worker starts its children cold
-            print(f"autotune.fork_server: stopping: {exc}", file=sys.stderr)
+            print(f"autotune.engine.fork_server: stopping: {exc}", file=sys.stderr)
             return 1
 
 
-def probe_children(worker_pid: int, module: str = "autotune.probe_child") -> list[int]:
+def probe_children(worker_pid: int, module: str = "autotune.engine.probe_child") -> list[int]:
     """The running children of worker `worker_pid` that run `module` (Linux /proc; [] elsewhere):
     started cold, its own children with `module` on their command line; forked, its fork
     server's children, which show the server's command line but are named after the module's
     last part (`_run_argv` sets it as they start: a child forked a moment ago may not show yet)."""
-    from autotune.compile_workers import children, cmdline, process_name, process_stat
+    from autotune.engine.compile_workers import children, cmdline, process_name, process_stat
 
     found = []
     for pid in children(worker_pid):

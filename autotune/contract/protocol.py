@@ -1,6 +1,6 @@
 """The wire contract between the service, workers and clients (pydantic models).
 
-The service (`api/`) and the worker (`autotune/worker.py`) both import these models, so
+The service (`api/`) and the worker (`autotune/worker/loop.py`) both import these models, so
 the protocol is written down once. Routes, all under /v1:
 
   POST   /v1/studies                 StudySpec            → 201 StudyInfo
@@ -76,11 +76,11 @@ from pydantic import (
     model_validator,
 )
 
-from autotune.config import ConfigError, check_hardware, parse_config
-from autotune.errors import FAILURE_KINDS
-from autotune.space import Space, SpaceError, load_space, parse_space, validate_for
-from autotune.starting import check_points
-from autotune.workloads import UnknownWorkloadError, check_workload
+from autotune.contract.config import ConfigError, check_hardware, parse_config
+from autotune.contract.errors import FAILURE_KINDS
+from autotune.contract.registry import UnknownWorkloadError, check_workload
+from autotune.contract.space import Space, SpaceError, load_space, parse_space, validate_for
+from autotune.contract.starting import check_points
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 # Free text that names something (worker ids, hardware classes): printable, no control characters
@@ -148,7 +148,7 @@ class ProbeSpec(Strict):
 
 
 class GateSpec(Strict):
-    """Quality gate (autotune.gate) on the study's quality metric q: feasible iff
+    """Quality gate (autotune.contract.gate) on the study's quality metric q: feasible iff
     q <= μ + max(abs_tol, k·σ) (a metric to minimize; q >= μ − max(abs_tol, k·σ) for one to
     maximize), with μ, σ the mean and sample standard deviation of the baseline's q over its
     seeds."""
@@ -169,7 +169,7 @@ class PruningSpec(Strict):
 
 class RemeasureSpec(Strict):
     """The verdict: once the search is done, the top configs and the baseline are measured again
-    in interleaved rounds until each config is decided (autotune.verdict; docs/measurement.md,
+    in interleaved rounds until each config is decided (autotune.contract.verdict; docs/measurement.md,
     *The verdict*). Every round runs the baseline and the undecided configs once each, with the
     round's own probe seed; a config is *certified* when its speedup's interval lies above 1 and
     its quality is non-inferior to the baseline's at the same budget, *rejected* when either is
@@ -242,8 +242,8 @@ class StudySpec(Strict):
     baseline_seeds: Int = Field(3, ge=1, le=10, description="baseline runs (probe seeds seed, seed+1, …); the "
                                                             "search starts once they are done")
     starting_points: Literal["auto", "none"] | list[dict[str, Any]] = Field(
-        "auto", description="the first search trials (autotune.starting): 'auto' (GPU studies with tpe, nsga2 or "
-                            "gp: the fast stack derived from the baseline: CUDA graphs, bf16, fused AdamW, "
+        "auto", description="the first search trials (autotune.contract.starting): 'auto' (GPU studies with tpe, "
+                            "nsga2 or gp: the fast stack derived from the baseline: CUDA graphs, bf16, fused AdamW, "
                             "accumulation folded into the micro-batch, …), 'none', or a list of partial "
                             "configs of the space's parameters (the sampler draws the rest)")
     max_memory_gb: Number | None = Field(None, gt=0, description="peak reserved memory limit (GiB): "
@@ -394,7 +394,7 @@ class StudyList(BaseModel):
 # A lease's token as a worker sends it back (`TrialLease.lease_token`: 32 hex digits today)
 LeaseToken = Annotated[str, Field(strict=True, min_length=1, max_length=64, pattern=r"^[0-9A-Za-z_-]+$")]
 # The words of the 409 for a call that names another lease of the trial than the service's
-# (`autotune.spool.deliver` keeps such a result in the spool, for the service that leased it)
+# (`autotune.worker.spool.deliver` keeps such a result in the spool, for the service that leased it)
 ANOTHER_LEASE = "another lease of trial"
 
 
@@ -465,13 +465,13 @@ class ReportReply(BaseModel):
     reason: str | None = None
 
 
-# The failure kinds a worker may report: the probe's (autotune/errors.py) and the worker's own,
+# The failure kinds a worker may report: the probe's (autotune/contract/errors.py) and the worker's own,
 # "refused" (a workload off its allow-list, or not installed) and "interrupted" (SIGTERM/SIGINT).
 # "lost" is the service's alone (the reaper's verdict on a silent worker).
 ReportedFailureKind = Literal["oom", "nan", "timeout", "unsupported", "error", "refused", "interrupted"]
 WORKER_FAILURE_KINDS = ("refused", "interrupted")
 assert set(get_args(ReportedFailureKind)) == {*FAILURE_KINDS, *WORKER_FAILURE_KINDS}, \
-    "ReportedFailureKind and autotune.errors.FAILURE_KINDS disagree"
+    "ReportedFailureKind and autotune.contract.errors.FAILURE_KINDS disagree"
 
 # Numbers of a result. Strict: a string ("12.5", "fast") or a boolean is not a number here,
 # where pydantic's lax mode would convert the first and accept the second as 1.
@@ -505,7 +505,7 @@ class ProbeFailure(BaseModel):
 
 
 class TrialResult(BaseModel):
-    """What a worker hands in to complete a trial: `autotune.probe.ProbeResult.to_dict()`.
+    """What a worker hands in to complete a trial: `autotune.engine.probe.ProbeResult.to_dict()`.
 
     Every field is typed and range-checked, so a malformed result is a 422 naming the field
     rather than a trial failed for a bad payload (a baseline that "fails" because of a typo
@@ -651,7 +651,7 @@ class TrialList(BaseModel):
 
 
 class ConfigVerdict(BaseModel):
-    """One config's part in the verdict (autotune.verdict): its runs at the judged budget and what
+    """One config's part in the verdict (autotune.contract.verdict): its runs at the judged budget and what
     the decision rule made of them. The baseline's row has no speedup or quality difference."""
 
     trial_number: int = Field(..., description="the search trial (or the baseline's first seed) it stands for")
@@ -746,7 +746,7 @@ class Recommendation(BaseModel):
     energy_method: str | None = Field(None, description="nvml_total_energy | power_integral")
     energy_verdict: str = Field("", description="one sentence on the energy ratio (empty: not measured)")
     certified: bool = Field(False, description="the pick is faster beyond the noise and its quality no worse than "
-                            "the baseline's (autotune.verdict); False: `config` is the baseline's own")
+                            "the baseline's (autotune.contract.verdict); False: `config` is the baseline's own")
     outcome: Literal["certified", "no_win", "undecided", "not_judged"] = Field(
         "not_judged", description="certified; no_win: every candidate was rejected; undecided: the re-measure budget "
         "ran out before a candidate was decided; not_judged: re-measurement is off (remeasure.top_k 0)")

@@ -2,7 +2,7 @@
 
 A study recommends a config (``autotune best STUDY --format yaml > best.yaml``). `apply`
 puts it on *your* objects, through the same knob functions the probe uses
-(autotune/knobs.py), in the same order, so your loop runs the step that was measured::
+(autotune/engine/knobs.py), in the same order, so your loop runs the step that was measured::
 
     import autotune
 
@@ -71,9 +71,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from autotune.config import DISTRIBUTED_KNOBS, KNOBS, ConfigError, TrainConfig, load_config_arg, parse_config
-from autotune.errors import ProbeError
-from autotune.knobs import (
+from autotune.contract.config import DISTRIBUTED_KNOBS, KNOBS, ConfigError, TrainConfig, load_config_arg, parse_config
+from autotune.contract.errors import ProbeError
+from autotune.engine.knobs import (
     Notes,
     Schedule,
     Trainer,
@@ -86,7 +86,7 @@ from autotune.knobs import (
     loader_options,
     record_inactive_distributed,
 )
-from autotune.optimizers import OptimizerLike, Optimizers, apply_fused_optimizer, as_optimizers, set_lr
+from autotune.engine.optimizers import OptimizerLike, Optimizers, apply_fused_optimizer, as_optimizers, set_lr
 
 LossFn = Callable[[nn.Module, Any, bool], torch.Tensor]
 

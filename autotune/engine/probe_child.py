@@ -1,8 +1,8 @@
-"""The probe child process: ``python -m autotune.probe_child`` runs one probe for a worker.
+"""The probe child process: ``python -m autotune.engine.probe_child`` runs one probe for a worker.
 
 The worker starts one child per trial (its own process group, its own CUDA context), so a
 crash, an OOM kill or a hang ends only the child: by default forked from the worker's fork
-server with torch already imported (`autotune.fork_server`; it runs this module as
+server with torch already imported (`autotune.engine.fork_server`; it runs this module as
 ``python -m`` would), else as a fresh interpreter. Protocol:
 
 stdin   one JSON object (`ChildJob.to_json`): workload, preset, config, device, probe
@@ -11,7 +11,7 @@ stdout  JSON lines, nothing else:
           {"type": "report", "step": S, "metrics": {"samples": .., "loss": .., "throughput": .., "window": ..}}
             after every timed window;
           {"type": "progress", "phase": P, "samples": .., "total_samples": .., ...} at every phase
-            and window (autotune.probe.ProgressCallback: what the worker shows a person);
+            and window (autotune.engine.probe.ProgressCallback: what the worker shows a person);
           {"type": "result", "result": ProbeResult.to_dict()}  exactly once, last.
 stderr  everything else (logging, warnings, library chatter). File descriptor 1 is pointed
         at stderr before torch is imported, so stray prints cannot corrupt the protocol.
@@ -19,7 +19,7 @@ stderr  everything else (logging, warnings, library chatter). File descriptor 1 
 Exit status 0 whenever the result line was written (the probe's failure, if any, is in it).
 
 This is the single-process probe. A probe over several GPUs (``world_size`` > 1) runs under
-ranks forked by one launcher instead (`autotune.distributed`): the same job and the same stdout
+ranks forked by one launcher instead (`autotune.engine.distributed`): the same job and the same stdout
 protocol, written by rank 0, with the job passed in a file.
 SIGTERM asks the probe to stop at the next window boundary: the result then has
 ``stopped_early`` set (the worker sends it after the service said prune).
@@ -48,9 +48,9 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import IO, Any
 
-from autotune.stdout_guard import divert_stdout
+from autotune.engine.stdout_guard import divert_stdout
 
-log = logging.getLogger("autotune.probe_child")
+log = logging.getLogger("autotune.engine.probe_child")
 
 PARENT_PID_ENV = "AUTOTUNE_PARENT_PID"
 PARENT_POLL_S = 0.5
@@ -68,7 +68,7 @@ class ChildJob:
     device: str = "cpu"
     probe: dict[str, Any] = field(default_factory=dict)  # ProbeSpec fields
     threads: int | None = None  # torch intra-op threads (None: torch's default)
-    world_size: int = 1  # processes of the probe: > 1 runs as N ranks (autotune.distributed)
+    world_size: int = 1  # processes of the probe: > 1 runs as N ranks (autotune.engine.distributed)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -97,10 +97,10 @@ class ProtocolWriter:
 
 def claim_stdout() -> ProtocolWriter:
     """Keep a private handle on stdout for the protocol; point fd 1 (and sys.stdout) at stderr
-    for the rest of the process (`autotune.stdout_guard.divert_stdout`)."""
+    for the rest of the process (`autotune.engine.stdout_guard.divert_stdout`)."""
     protocol_fd = divert_stdout()
     if protocol_fd is None:
-        raise SystemExit("autotune.probe_child: stdout must be open (the protocol goes there)")
+        raise SystemExit("autotune.engine.probe_child: stdout must be open (the protocol goes there)")
     return ProtocolWriter(os.fdopen(protocol_fd, "w", buffering=1, encoding="utf-8"))
 
 
@@ -170,8 +170,8 @@ def run_job(job: ChildJob, out: ProtocolWriter, stop: threading.Event) -> dict[s
 
     if job.threads:
         torch.set_num_threads(job.threads)
-    from autotune.config import ConfigError
-    from autotune.probe import ProbeResult, ProbeSettings, classify_exception, device_name, run_probe
+    from autotune.contract.config import ConfigError
+    from autotune.engine.probe import ProbeResult, ProbeSettings, classify_exception, device_name, run_probe
 
     def on_report(step: int, metrics: dict[str, float]) -> bool:
         out.write({"type": "report", "step": step, "metrics": metrics})
@@ -218,7 +218,7 @@ def main() -> int:
     try:
         job = ChildJob.from_json(sys.stdin.read())
     except (ValueError, TypeError) as e:
-        print(f"autotune.probe_child: bad job on stdin: {e}", file=sys.stderr)
+        print(f"autotune.engine.probe_child: bad job on stdin: {e}", file=sys.stderr)
         return 2
     result = run_job(job, out, stop)
     if stop.is_set() and not result.get("failure"):

@@ -120,7 +120,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from autotune.client import (
+from autotune.contract.protocol import ANOTHER_LEASE, TrialInfo
+from autotune.worker.client import (
     ApiError,
     Client,
     ClientError,
@@ -130,7 +131,6 @@ from autotune.client import (
     ServiceUnavailable,
     Unauthorized,
 )
-from autotune.protocol import ANOTHER_LEASE, TrialInfo
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A study with ``gpus_per_trial`` N > 1 runs every probe (baselines, trials, re-measurements)
 on N processes of one host: one per GPU with NCCL, or N CPU processes with gloo (tests). The
-worker starts ``python -m autotune.distributed`` (the *launcher*) in its own process group.
+worker starts ``python -m autotune.engine.distributed`` (the *launcher*) in its own process group.
 The launcher imports torch and the probe once, then forks the N *ranks* (`launch_main`), each
 in its own session: a rank starts in a few hundredths of a second instead of importing torch
 for itself (seconds of CPU each; what torchrun's fresh interpreters would cost). It forks
@@ -19,7 +19,7 @@ The job directory (``$AUTOTUNE_JOB_DIR``, made by the worker with `prepare_job_d
 ``rank-R.json``     a rank's failure record: ``{rank, time, result}`` (a ProbeResult dict
                     whose failure names the rank)
 
-Output: rank 0 alone writes the protocol of `autotune.probe_child` on stdout (report lines
+Output: rank 0 alone writes the protocol of `autotune.engine.probe_child` on stdout (report lines
 after every window with the global throughput and the mean loss over ranks, then the
 result); every rank points its own fd 1 at stderr. A rank whose probe fails writes its
 record and exits 1 at once: the launcher then kills the other ranks (they may be blocked in
@@ -58,7 +58,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autotune.config import NCCL_ENV_KNOBS
+from autotune.contract.config import NCCL_ENV_KNOBS
 
 JOB_DIR_ENV = "AUTOTUNE_JOB_DIR"
 JOB_FILE = "job.json"
@@ -78,7 +78,7 @@ def prepare_job_dir(job_json: str, parent: str | None = None) -> Path:
 
 def launch_argv(python: str = sys.executable) -> list[str]:
     """The command that runs one distributed probe (its job directory comes by environment)."""
-    return [python, "-m", "autotune.distributed"]
+    return [python, "-m", "autotune.engine.distributed"]
 
 
 def request_stop(job_dir: Path) -> None:
@@ -141,7 +141,7 @@ def kill_ranks(job_dir: Path) -> None:
 def _job_dir() -> Path:
     value = os.environ.get(JOB_DIR_ENV)
     if not value or not (Path(value) / JOB_FILE).is_file():
-        raise SystemExit(f"autotune.distributed: ${JOB_DIR_ENV} must name a directory holding {JOB_FILE}")
+        raise SystemExit(f"autotune.engine.distributed: ${JOB_DIR_ENV} must name a directory holding {JOB_FILE}")
     return Path(value)
 
 
@@ -155,13 +155,14 @@ def _describe(status: int) -> str:
 def launch_main() -> int:
     """The launcher (see the module docstring): import once, fork the N ranks, wait for them;
     the first rank to fail ends the others. 0 when every rank ended well, else 1."""
-    from autotune.probe_child import PARENT_PID_ENV, ChildJob, set_parent_death_signal, watch_parent
+    from autotune.engine.probe_child import PARENT_PID_ENV, ChildJob, set_parent_death_signal, watch_parent
 
     set_parent_death_signal()  # the watchdog thread comes after the forks (fork from one thread only)
     job_dir = _job_dir()
     job = ChildJob.from_json((job_dir / JOB_FILE).read_text())
     if not 2 <= job.world_size <= MAX_WORLD_SIZE:
-        print(f"autotune.distributed: world_size {job.world_size} is not in [2, {MAX_WORLD_SIZE}]", file=sys.stderr)
+        print(f"autotune.engine.distributed: world_size {job.world_size} is not in [2, {MAX_WORLD_SIZE}]",
+              file=sys.stderr)
         return 2
     worker = os.environ.get(PARENT_PID_ENV, "")
     worker_pid = int(worker) if worker.isdigit() else os.getppid()
@@ -194,16 +195,16 @@ def _preload() -> None:
     import torch
     import torch.distributed
 
-    import autotune.probe  # noqa: F401
+    import autotune.engine.probe  # noqa: F401
 
     if threading.active_count() != 1 or torch.cuda.is_initialized():
-        raise SystemExit("autotune.distributed: the launcher started a thread or CUDA before forking its ranks")
+        raise SystemExit("autotune.engine.distributed: the launcher started a thread or CUDA before forking its ranks")
 
 
 def _rank_process(rank: int, world: int, listener: socket.socket) -> NoReturn:
     """In a forked rank: lead a new session, run `rank_main`, exit with its status. Never returns."""
-    from autotune.fork_server import exit_forked
-    from autotune.probe_child import set_process_name
+    from autotune.engine.fork_server import exit_forked
+    from autotune.engine.probe_child import set_process_name
 
     def rank_process() -> int:
         os.setsid()
@@ -232,7 +233,7 @@ def _wait_for_ranks(ranks: dict[int, int]) -> int:
         if rank is None or status == 0 or failed is not None:
             continue
         failed = f"rank {rank} {_describe(status)}"
-        print(f"autotune.distributed: {failed}: ending the other {len(ranks)} rank(s)", file=sys.stderr)
+        print(f"autotune.engine.distributed: {failed}: ending the other {len(ranks)} rank(s)", file=sys.stderr)
         for other in ranks:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(other, signal.SIGKILL)
@@ -268,7 +269,7 @@ def rank_main(listener: socket.socket | None = None) -> int:
     MASTER_PORT set; rank 0 gets the store's listening socket): join the process group, run
     the probe on this rank's device, then either write the result (rank 0) or, on failure,
     the rank's record (and exit 1 at once)."""
-    from autotune.probe_child import ChildJob, ProtocolWriter, claim_stdout, run_job, watch_parent
+    from autotune.engine.probe_child import ChildJob, ProtocolWriter, claim_stdout, run_job, watch_parent
 
     watch_parent()
     out = claim_stdout()
@@ -292,7 +293,7 @@ def rank_main(listener: socket.socket | None = None) -> int:
         torch.distributed.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank,
                                              world_size=world)
     except Exception as e:
-        from autotune.probe import ProbeResult
+        from autotune.engine.probe import ProbeResult
 
         failed = ProbeResult(workload=job.workload, preset=job.preset, config=job.config, device=device,
                              torch_version=torch.__version__, world_size=world,
@@ -315,7 +316,8 @@ def rank_main(listener: socket.socket | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv:
-        print("usage: python -m autotune.distributed  (the job directory comes in $AUTOTUNE_JOB_DIR)", file=sys.stderr)
+        print("usage: python -m autotune.engine.distributed  (the job directory comes in $AUTOTUNE_JOB_DIR)",
+              file=sys.stderr)
         return 2
     return launch_main()
 

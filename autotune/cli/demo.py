@@ -31,9 +31,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.client import ApiError, Client, NotFound, ServiceUnavailable
-from autotune.protocol import ProbeSpec, RemeasureSpec, StudyInfo, StudySpec
-from autotune.tables import recommendation_table, trials_table, verdict_table
+from autotune.cli.tables import recommendation_table, trials_table, verdict_table
+from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudyInfo, StudySpec
+from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
 
 HEALTH_TIMEOUT_S = 90.0
 STOP_GRACE_S = 25.0  # a worker may spend up to 20 s completing its interrupted trial

@@ -1,0 +1,5 @@
+"""`python -m autotune.cli ...` is `autotune ...`."""
+
+from autotune.cli.main import app
+
+app()
