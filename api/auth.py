@@ -1,19 +1,10 @@
 """Bearer tokens: how they are made and stored, and how a request's token is checked.
 
-A token is ``at_`` + 43 URL-safe characters (`secrets.token_urlsafe(32)`: 256 random bits).
-Only its SHA-256 is stored (``autotune_tokens.token_sha256``): the secret is printed once by
-`autotune token create` and cannot be recovered from the database. With that much entropy
-a fast hash is enough (no password stretching), and a lookup by hash needs no
-constant-time comparison: an attacker who can time it learns bits of a hash, not of the
-secret.
-
-Roles: ``admin`` may do everything; ``worker`` may lease, heartbeat, report and complete
-trials. Reads (GET) and /v1/health need no token. The service checks tokens when
-`Settings.auth` is on (the default); off, every caller is `ANONYMOUS` (an admin).
-
-`TokenStore` reads and writes the table (for the CLI and the service); `TokenVerifier`
-checks a request's token, caching each lookup for `cache_s` seconds, so a revoked token
-stops working within that time in every service process. It is thread safe.
+Only a token's SHA-256 is stored: the secret, printed once by `autotune token create`, cannot be
+recovered from the database. Roles: ``admin`` may do everything, ``worker`` the trial calls; reads
+and /v1/health need no token. `TokenStore` reads and writes the table; `TokenVerifier` checks a
+request's token, caching each lookup for `cache_s` seconds (a revoked token stops working within
+them, in every service process).
 """
 
 from __future__ import annotations
@@ -202,6 +193,8 @@ class TokenVerifier:
         self.store = store
         self.cache_s = cache_s
         self.touch_every = timedelta(seconds=touch_every_s)
+        # A time-to-live cache by hand: a dict of (monotonic stamp, lookup) with a size cap. The usual
+        # library (cachetools) is not a dependency of the service, and a dozen lines need none.
         self._cache: dict[str, tuple[float, TokenInfo | None]] = {}
         self._lock = threading.Lock()
 

@@ -1,14 +1,9 @@
 """`autotune db backup OUT`: a consistent copy of a live SQLite database.
 
-Copying the service's SQLite file with `cp` is not a backup: the service runs SQLite in WAL
-mode, so recent commits live in `autotune.db-wal` until a checkpoint, and a copy of the main
-file alone misses them (or catches a checkpoint half way). `backup_sqlite` uses SQLite's
-online backup API (`sqlite3.Connection.backup`), which reads the database, WAL included, in
-one read transaction: a snapshot as of one commit, taken while the service keeps writing (in
-WAL mode readers and writers do not block each other). The copy is written next to OUT and
-renamed onto it only once complete and checked, so OUT is never a half-written file.
-
-PostgreSQL has its own tool: `pg_dump_command` builds the command line to suggest.
+A plain `cp` misses the commits still in the WAL file. `backup_sqlite` uses SQLite's online backup
+API (one read transaction: a snapshot as of one commit while the service keeps writing) and
+renames the checked copy onto OUT, so OUT is never half-written. PostgreSQL has its own tool:
+`pg_dump_command` builds the command line to suggest.
 """
 
 from __future__ import annotations

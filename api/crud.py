@@ -1,6 +1,6 @@
 """Reads and writes of the service tables. Every helper takes a Session and never commits.
 
-The caller (api/service.py) owns the transaction. ORM rows never leave this module:
+The caller (api/service.py, api/studies.py) owns the transaction. ORM rows never leave this module:
 reads return frozen dataclasses.
 """
 
@@ -134,7 +134,7 @@ def active_lease_of_worker(session: Session, worker_id: str) -> LeaseRecord | No
 
 
 def new_lease_token() -> str:
-    """A lease's token: a random UUID4, 32 hex digits (what `autotune.contract.protocol.LeaseToken` takes)."""
+    """A lease's token: a random UUID4, 32 hex digits (what `autotune.contract.results.LeaseToken` takes)."""
     return uuid.uuid4().hex
 
 

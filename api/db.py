@@ -1,42 +1,10 @@
-"""The service's own tables and the engine/session that reach them.
+"""The service's own tables, the engine and sessions that reach them, and schema upgrades.
 
-Optuna owns its tables (``studies``, ``trials``, ...) in the same database; ours are
-prefixed ``autotune_`` so the two schemas never collide. All models live in this module and
-Alembic (``migrations/``) targets ``Base.metadata`` with its own version table,
-``autotune_alembic_version`` (Optuna's schema already uses the default ``alembic_version``);
-its autogenerate and its migrations only ever see ``autotune_*`` tables.
-
-Tables:
-
-* ``autotune_studies``: one row per study: the submitted spec, the resolved search space
-  (frozen at creation, so editing a YAML file later cannot change a running study), the
-  hardware class and the state (running | stopped).
-* ``autotune_leases``: one row per trial handed to a worker. ``trial_id`` (Optuna's global
-  trial id) is the primary key, so a trial can never be handed out twice; a partial unique
-  index allows at most one *active* lease per worker. Each lease has a random ``token``
-  (migration 0004; NULL for leases made before it), handed to the worker with the lease: a
-  complete that carries a token is taken only for the lease holding it, so a result measured
-  for a trial of another database (a backup, with the same service id) never lands here.
-* ``autotune_reports``: intermediate metrics a worker reported for a trial, with the prune
-  decision the service answered (and its reason).
-* ``autotune_workers``: every worker seen, with its hardware and when it was last heard from.
-* ``autotune_tokens``: the API's bearer tokens: name, role (worker | admin) and the SHA-256
-  of the secret (the secret itself is never stored); revoked tokens keep their row.
-* ``autotune_service``: one row, the service's identity: a UUID made with the tables (migration
-  0003), shown by GET /v1/health. Trial ids restart at 1 in every database; a worker delivers a
-  spooled result only to the service id it leased the trial from (autotune/worker/spool.py).
-
-Schema changes: `upgrade_schema` brings a database to the newest migration (the service does
-it at start, `autotune db upgrade` on demand). It holds a lock while it checks and migrates
-(PostgreSQL: an advisory lock; SQLite: BEGIN IMMEDIATE), so service processes starting
-together migrate once. A database whose tables were made before migrations existed (by
-``create_all``: tables present, no version row) is adopted: stamped at `LEGACY_REVISION`,
-then upgraded.
-
-Engines: SQLite files run in WAL mode with a busy timeout (readers never block the single
-writer; a writer waits instead of failing with "database is locked"). A SQLite file the
-service makes is created 0600 before SQLite opens it (`create_sqlite_file`): it holds the
-token hashes and every study, and SQLite gives its -wal and -shm files the same mode.
+Our tables are prefixed ``autotune_`` beside Optuna's in the same database; Alembic
+(``migrations/``) sees only them, with its own version table. The lease table's primary key (the
+trial id) and a partial unique index (one active lease per worker) make a double lease impossible
+whatever the service processes do. `upgrade_schema` migrates under a lock, so processes starting
+together migrate once. SQLite runs in WAL mode with a busy timeout, its file created 0600.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`/docs` (Swagger UI) and `/redoc` (ReDoc) that work offline.
 
-FastAPI's stock pages load their JavaScript and CSS from a CDN, so without internet they
-render blank. Here the service serves those files itself, under `ASSETS_URL`, from the
-`fastapi-offline` package (a dependency: it ships swagger-ui's bundle and CSS, ReDoc's
-standalone bundle and FastAPI's favicon: the files FastAPI's pages load from the CDN). Only
-its files are used; the pages are FastAPI's own `get_swagger_ui_html` / `get_redoc_html`
-pointed at them. The pages, like `/openapi.json`, need no token.
+FastAPI's stock pages load their JavaScript and CSS from a CDN, so without internet they render
+blank. Here they are FastAPI's own pages (`get_swagger_ui_html`, `get_redoc_html`) pointed at the
+files of the `fastapi-offline` package, served under `ASSETS_URL`; like `/openapi.json`, no token.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The service's exceptions. Each maps to one HTTP status; the message is the response's detail.
 
 Foreign errors (SpaceError, Optuna's, SQLAlchemy's) are translated into these at the
-boundary of api/service.py, so routes only ever see a ServiceError.
+boundary of the service (api/service.py, api/studies.py), so routes only ever see a ServiceError.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""Request limits: a pure ASGI middleware that answers 413 to a body over the size limit and
-422 to JSON nested deeper than the depth limit.
+"""Request limits: a pure ASGI middleware (`BodySizeLimit`) that answers 413 to a body over the
+size limit (default 1 MiB, ``$AUTOTUNE_MAX_BODY_BYTES``) and 422 to JSON nested deeper than
+`max_depth` (MAX_JSON_DEPTH), before the app parses anything.
 
-Every request body of the API is a small JSON document (a study spec, a probe result of a
-few KiB), so anything near a MiB is a mistake or an attack. `BodySizeLimit` stops it
-before the app parses anything:
-
-* a ``Content-Length`` above the limit is answered 413 at once, without reading the body
-  (a Content-Length that is not a number: 400);
-* every body, chunked (no Content-Length) or not, is read and counted up to the limit and
-  answered 413 as soon as it passes it;
-* a body whose arrays and objects nest deeper than `max_depth` (default MAX_JSON_DEPTH, 32)
-  is answered 422: the API's documents nest a few levels (an inline search space, a probe
-  result's telemetry: 6 or 7), while a few hundred levels within the size limit break
-  whatever walks the document recursively after the parse (pydantic's serializer stops at
-  255 levels: that was a 500 and a dropped connection, issue 35). Brackets inside strings
-  do not count.
-
-A body within both limits is handed to the app unchanged (at most `max_bytes` are held per
-request). The size limit is ``max_bytes`` (default: ``$AUTOTUNE_MAX_BODY_BYTES``, else
-1 MiB). The answer is ``{"detail": ...}`` like every other error of the service: a string,
-for 422 a list of ``{loc, msg, type}`` (loc ``["body"]``) as FastAPI's validation errors.
+Every request body of the API is a small JSON document, so anything near a MiB is a mistake or an
+attack, and deep nesting breaks whatever walks the document recursively after the parse. The
+answers are ``{"detail": ...}`` like every other error of the service.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The FastAPI app: `create_app()` builds it, `run_server()` serves it with uvicorn.
+"""The FastAPI app: `create_app()` builds it, `run_server()` serves it with uvicorn (`autotune serve`).
 
-`autotune serve [--db URL] [--host H] [--port P] [--no-auth]` calls `run_server`. The app's
-lifespan runs the stale-lease reaper (every `reaper_interval_s`). Every error body is
-``{"detail": ...}``: a string, or for 422 a list of ``{loc, msg, type}`` naming the field.
-
-Auth (api/auth.py, api/deps.py): every write needs a bearer token (studies: admin; trials:
-worker or admin); reads, /v1/health and the docs pages (/docs, /redoc, /openapi.json: served
-offline, api/docs_assets.py) are open. `run_server` refuses to listen on a
+The app's lifespan runs the stale-lease reaper. Every error body is ``{"detail": ...}``: a string,
+or for 422 a list of ``{loc, msg, type}``. Writes need a bearer token (api/auth.py); reads,
+/v1/health and the offline docs pages are open, and `run_server` refuses to listen on a
 non-loopback address with auth off.
 """
 
@@ -32,8 +28,9 @@ from autotune.api.db import StudyRow
 from autotune.api.docs_assets import install_docs
 from autotune.api.errors import Invalid, ServiceError
 from autotune.api.limits import BodySizeLimit
+from autotune.api.reaper import Reaper
 from autotune.api.routes import health, studies, trials
-from autotune.api.service import Reaper, TuningService
+from autotune.api.service import TuningService
 from autotune.api.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,38 +1,18 @@
-"""Everything that touches Optuna: studies, samplers, ask/tell, trial reads.
+"""Everything that touches Optuna: studies, samplers, ask/tell, trial reads, through Optuna's
+public API only.
 
-Optuna holds the truth, through its public API only. Every COMPLETE trial's values are what
-its probe measured (throughput and quality, and energy where the study optimises it): search
-trials, baseline seeds and re-measurements alike, each with its role in user attr ``role``
-and its feasibility as Optuna's constraint (the user attr ``constraint`` the samplers'
-constraints_func reads; ≤ 0 feasible). A probe that failed (OOM, crash, timeout, an
-unsupported combination) has no measurement and is Optuna FAIL with ``failure_kind``; a
-stopped one is PRUNED. No value is a placeholder and none is ever overwritten: the
-re-measured front and the verdict are the service's (api/study), stored beside the
-trials as the study user attr ``autotune_recommendation``.
-
-No configuration is probed twice by the search: a draw of a config already measured, in
-flight, the baseline's, or one that failed for a reason of its own (oom, unsupported) is a
-*repeat*: Optuna PRUNED at once with user attr ``repeat_of`` (no values: nothing was measured
-for it), never leased (`OptunaBridge.ask`).
-
-Optuna types do not leave this module: trials come out as `TrialRecord`. A trial's probe
-measurement (the ProbeResult fields) is stored as one user attr, ``measurement`` (a dict),
-and read back flattened into `TrialRecord.user_attrs`: one write instead of thirty.
-Optuna's RDBStorage lives in the same database as the service tables and commits its own
-transactions, so the service calls the bridge *before* it writes its own tables.
-
-Thread safety: one `optuna.Study` per study and process, reading through Optuna's own
-trial cache (finished trials never change, so no process's cache goes stale). `ask` and
-`finish` mutate a study and its sampler; the service calls them for one study under that
-study's lock. Across service processes a trial is told once: Optuna refuses to finish a
-finished trial, and `finish_once` says which call told it.
+Optuna holds the truth: every COMPLETE trial's values are what its probe measured, with its
+role and its feasibility (the constraint the samplers read) in user attrs; a failed probe is
+FAIL, a stopped one or a repeated draw PRUNED (api/repeats.py); the service's verdict is stored
+beside the trials. Optuna types do not leave the bridge and its helpers (api/optuna_codec.py):
+trials come out as `TrialRecord`. Optuna commits on its own connections, so the service calls
+the bridge before it writes its own tables; per study, `ask` and `finish` run under the
+service's study lock.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import random
 import re
 import threading
@@ -43,40 +23,42 @@ from datetime import datetime
 from typing import Any, overload
 
 import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.exceptions import DuplicatedStudyError, ExperimentalWarning, UpdateFinishedTrialError
-from optuna.samplers import BaseSampler, RandomSampler
+from optuna.samplers import RandomSampler
 from optuna.storages import RDBStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.api.db import install_sqlite_pragmas, is_sqlite, sqlite_engine_kwargs
-from autotune.api.outcome import RESULT_ATTRS, failed_attrs, retriable
-from autotune.api.study.samplers import CONSTRAINT_ATTR, make_sampler
+from autotune.api.optuna_codec import (
+    MEASURED,
+    MEASUREMENT_ATTR,
+    FixedParams,
+    MissingParam,
+    distribution,
+    flatten,
+    json_safe,
+    to_record,
+)
+from autotune.api.outcome import failed_attrs
+from autotune.api.repeats import config_key, log_repeat, repeat_attrs, twins
+from autotune.api.study.samplers import CONSTRAINT_ATTR, build_sampler
 from autotune.api.study.trials import TrialRecord
 from autotune.contract.config import normalised
 from autotune.contract.protocol import NAME_PATTERN, StudySpec
-from autotune.contract.space import Param, Space, SpaceError, params_of, suggest
+from autotune.contract.space import Space, SpaceError, params_of, suggest
 
 log = logging.getLogger(__name__)
 
-# A grid larger than this is refused at study creation: enumerating it would stall the service.
-MAX_GRID_COMBINATIONS = 1_000_000
 # A drawn search trial whose config is one measured, in flight or the baseline's is not run
 # (`OptunaBridge.ask`); at most this many such draws per ask, then the ask hands out nothing.
 MAX_REPEATS = 20
-# The user attr holding a trial's probe measurement, and the result fields stored in it
-MEASUREMENT_ATTR = "measurement"
-MEASURED = frozenset((*RESULT_ATTRS, "knobs", "stopped_early", "quality"))
-# Failures that say something about the config whatever the run: a draw of it is a repeat
-CONFIG_FAILURES = ("oom", "unsupported")
 # The system attr Optuna's constrained samplers store a trial's constraints in (their after_trial,
 # from constraints_func), and optuna-dashboard reads feasibility from; the bridge writes it itself
 # for the samplers that take no constraints (random, grid)
 OPTUNA_CONSTRAINTS_KEY = "constraints"
 UNCONSTRAINED_SAMPLERS = ("random", "grid")
 RECOMMENDATION_ATTR = "autotune_recommendation"  # study user attr: the service's verdict, once settled
-NOT_SEARCH_ROLES = ("baseline", "remeasure")
 
 
 class StudyExists(Exception):
@@ -113,24 +95,6 @@ class _Handle:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _flatten(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """User attrs as the service reads them: the measurement's fields beside the others."""
-    measurement = attrs.get(MEASUREMENT_ATTR)
-    if not isinstance(measurement, dict):
-        return dict(attrs)
-    flat = {k: v for k, v in attrs.items() if k != MEASUREMENT_ATTR}
-    for key, value in measurement.items():
-        flat.setdefault(key, value)
-    return flat
-
-
-def _record(trial: FrozenTrial, trial_id: int) -> TrialRecord:
-    return TrialRecord(trial_id=trial_id, number=trial.number, state=trial.state.name,
-                       params=dict(trial.params), values=list(trial.values) if trial.values is not None else None,
-                       user_attrs=_flatten(trial.user_attrs), datetime_start=trial.datetime_start,
-                       datetime_complete=trial.datetime_complete)
-
-
 def directions(spec: StudySpec) -> list[StudyDirection]:
     """Optuna directions in the spec's objective order (throughput maximize; quality: the study's
     quality direction, StudySpec.quality_direction)."""
@@ -142,41 +106,6 @@ def metric_names(spec: StudySpec) -> list[str]:
     quality metric's own name (val_nrmse, val_loss, ...; "quality" for a plugin workload whose
     metric the spec does not name)."""
     return spec.objective_metric_names()
-
-
-def check_sampler_fits(spec: StudySpec, space: Space) -> None:
-    """Raise SpaceError when the spec's sampler cannot search `space` (grid over a float range,
-    or a grid too large to enumerate)."""
-    if spec.sampler != "grid":
-        return
-    size = 1
-    for p in space.params.values():
-        size *= len(p.values())  # raises SpaceError for a float range, naming the parameter
-    if size > MAX_GRID_COMBINATIONS:
-        raise SpaceError("sampler", f"the grid has {size} combinations (limit {MAX_GRID_COMBINATIONS}); "
-                                    "use sampler tpe, nsga2 or random, or fewer choices")
-
-
-def build_sampler(spec: StudySpec, seed: int | None) -> BaseSampler:
-    """The sampler the spec names (api.study.samplers.make_sampler: the gate is a constraint
-    read from the trial's user attr ``constraint``). Grid studies use RandomSampler: their
-    configs are enqueued."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ExperimentalWarning)
-        # Optuna 5 deprecates constraints_func (for Trial.set_constraint, which ask/tell by trial id
-        # cannot use); it still reads the same stored constraints
-        warnings.simplefilter("ignore", FutureWarning)
-        return make_sampler(spec.sampler, seed)
-
-
-def _distribution(param: Param) -> BaseDistribution:
-    """The Optuna distribution `autotune.contract.space.suggest` draws `param` from."""
-    if param.choices is not None:
-        return CategoricalDistribution(list(param.choices))
-    assert param.low is not None and param.high is not None
-    if param.is_int:
-        return IntDistribution(int(param.low), int(param.high), step=int(param.step or 1), log=param.log)
-    return FloatDistribution(float(param.low), float(param.high), step=param.step, log=param.log)
 
 
 def _engine_kwargs(url: str, busy_timeout_s: float) -> dict[str, Any]:
@@ -328,7 +257,7 @@ class OptunaBridge:
 
     def _records(self, name: str, frozen: list[FrozenTrial]) -> list[TrialRecord]:
         study_id = self.study_id(name)
-        return [_record(t, self._id(study_id, t.number)) for t in frozen]
+        return [to_record(t, self._id(study_id, t.number)) for t in frozen]
 
     def n_trials(self, name: str) -> int:
         """Every trial the study ever created, whatever its state, less WAITING ones (enqueued and
@@ -371,13 +300,10 @@ class OptunaBridge:
         whatever it repeats; without, the space is sampled (grid: the next grid configuration,
         made the same way).
 
-        No duplicate probes: a sampled (or grid) draw whose config is one the study has
-        measured, is measuring, or saw fail for a reason of its own (`_twins`: configs compared
-        normalised, so two params that make the same training are one config) is not handed
-        out. Such a draw is a *repeat*: told PRUNED at once with user attr repeat_of (the twin's
-        number; baseline_repeat_of too when the twin is the baseline), no values (nothing was
-        measured for it); it counts toward n_trials like any draw, and the space is sampled
-        again. The samplers see the twin itself (measured, or running as a constant liar).
+        No duplicate probes: a sampled (or grid) draw of a config the study measured, is measuring
+        or saw fail for a reason of its own is a *repeat* (api/repeats.py): told PRUNED at once, it
+        counts toward n_trials like any draw, and the space is sampled again. The samplers see the
+        twin itself (measured, or running as a constant liar).
 
         A draw is tried at most MAX_REPEATS times per ask and never beyond n_trials; when the
         last one allowed is still a repeat, the ask returns None: nothing to hand out (the
@@ -396,14 +322,14 @@ class OptunaBridge:
         if params is not None:  # a retry or a starting point: those params, whatever they repeat
             try:
                 config, drawn = self._config_of(ctx, handle, params, base_attrs)
-            except _Missing:
+            except MissingParam:
                 if "starting_point" in base_attrs:  # a user's point: the sampler draws the rest
                     return self._ask_starting_point(ctx, handle, params, base_attrs)
                 # the retry of a trial the sampler never finished drawing: a new draw
             else:
                 return self._create_search(ctx, handle, drawn, {**base_attrs, "config": config},
                                            TrialState.RUNNING)
-        twins, preset = self._twins(ctx, self._frozen(ctx.name))
+        known, preset = twins(ctx.spec, ctx.space, self._frozen(ctx.name))
         configs = self.n_trials(ctx.name) if created is None else created
         # draws this ask may spend on repeats: each counts toward n_trials
         allowed = min(MAX_REPEATS, self.max_trials(ctx) - configs)
@@ -415,13 +341,13 @@ class OptunaBridge:
                 grid = self._grid(ctx, handle)
                 grid_attrs = {**base_attrs, "grid_index": index}
                 config, drawn = self._config_of(ctx, handle, grid[index % len(grid)], grid_attrs)
-                twin = twins.get(_config_key(config, preset))
+                twin = known.get(config_key(config, preset))
                 if twin is None:
                     return self._create_search(ctx, handle, drawn, {**grid_attrs, "config": config},
                                                TrialState.RUNNING)
                 self._create_search(ctx, handle, drawn, {**drawn_attrs, "grid_index": index,
-                                                         **_repeat_attrs(twin, config)}, TrialState.PRUNED)
-                _log_repeat(ctx, twin)
+                                                         **repeat_attrs(twin, config)}, TrialState.PRUNED)
+                log_repeat(ctx.name, twin)
             else:
                 trial = handle.study.ask()  # the sampler's draw: one trial, its params set as drawn
                 trial_id = self._id(handle.study_id, trial.number)
@@ -430,13 +356,13 @@ class OptunaBridge:
                 except ValueError as e:  # ConfigError/SpaceError: the space let through a bad combination
                     self.finish(ctx, trial_id, "FAIL", None, {**base_attrs, **failed_attrs("unsupported", str(e))})
                     raise SpaceError("space", f"drew a config that breaks a knob rule: {e}") from e
-                twin = twins.get(_config_key(config, preset))
+                twin = known.get(config_key(config, preset))
                 if twin is None:
                     self.set_user_attrs(trial_id, {**base_attrs, "config": config})
                     return AskedTrial(trial_id=trial_id, number=trial.number, params=dict(trial.params),
                                       config=config, is_baseline=False, role=role)
-                self.finish(ctx, trial_id, "PRUNED", None, {**drawn_attrs, **_repeat_attrs(twin, config)})
-                _log_repeat(ctx, twin)
+                self.finish(ctx, trial_id, "PRUNED", None, {**drawn_attrs, **repeat_attrs(twin, config)})
+                log_repeat(ctx.name, twin)
             repeats += 1
             if repeats >= allowed:  # the last draw allowed repeated one too: nothing to hand out now
                 log.info("study %s: %d draw(s) repeated a config measured or in flight; nothing to hand out now",
@@ -468,10 +394,10 @@ class OptunaBridge:
 
     def _config_of(self, ctx: StudyContext, handle: _Handle, params: Mapping[str, Any],
                    attrs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The config and the params the space draws from fixed `params`; _Missing when they leave
+        """The config and the params the space draws from fixed `params`; MissingParam when they leave
         an active parameter out; params that break a knob rule make a failed trial
         ("unsupported") and raise SpaceError."""
-        fixed = _Fixed(params)
+        fixed = FixedParams(params)
         try:
             config = suggest(ctx.space, fixed)
         except ValueError as e:
@@ -486,16 +412,7 @@ class OptunaBridge:
         or a grid configuration, PRUNED for a grid draw that repeats a config, FAIL for params
         that break a knob rule. (Optuna's enqueue_trial + ask take two commits: a service killed
         in between left a WAITING trial that a later draw took, spending a configuration.)"""
-        finished = state != TrialState.RUNNING
-        now = datetime.now()
-        template = FrozenTrial(number=0, trial_id=0, state=state, value=None, datetime_start=now,
-                               datetime_complete=now if finished else None, params=dict(params),
-                               distributions={name: _distribution(ctx.space.params[name]) for name in params},
-                               user_attrs={key: json_safe(value) for key, value in attrs.items()},
-                               system_attrs={}, intermediate_values={})
-        trial_id = self.storage.create_new_trial(handle.study_id, template_trial=template)
-        number = self.storage.get_trial_number_from_id(trial_id)
-        self._ids[(handle.study_id, number)] = trial_id
+        trial_id, number = self._create(ctx, handle, params, attrs, state)
         config = attrs.get("config")
         return AskedTrial(trial_id=trial_id, number=number, params=dict(params),
                           config=dict(config) if isinstance(config, dict) else {}, is_baseline=False, role="search")
@@ -511,60 +428,25 @@ class OptunaBridge:
         fixed."""
         params = params_of(ctx.space, normalised(config))  # a knob left out: its default
         is_baseline = role == "baseline"
-        user_attrs = {key: json_safe(value) for key, value in
-                      {**(attrs or {}), "is_baseline": is_baseline, "role": role, "config": config}.items()}
-        template = FrozenTrial(number=0, trial_id=0, state=TrialState.RUNNING, value=None,
-                               datetime_start=datetime.now(), datetime_complete=None, params=params,
-                               distributions={name: _distribution(ctx.space.params[name]) for name in params},
-                               user_attrs=user_attrs, system_attrs={}, intermediate_values={})
-        trial_id = self.storage.create_new_trial(handle.study_id, template_trial=template)
-        number = self.storage.get_trial_number_from_id(trial_id)
-        self._ids[(handle.study_id, number)] = trial_id
+        user_attrs = {**(attrs or {}), "is_baseline": is_baseline, "role": role, "config": config}
+        trial_id, number = self._create(ctx, handle, params, user_attrs, TrialState.RUNNING)
         return AskedTrial(trial_id=trial_id, number=number, params=params, config=config,
                           is_baseline=is_baseline, role=role)
 
-    def _twins(self, ctx: StudyContext, trials: list[FrozenTrial]
-               ) -> tuple[dict[str, tuple[str, FrozenTrial]], dict[str, Any]]:
-        """The configs a draw must not probe again, by `_config_key`, each with its twin:
-        ("baseline", the first completed baseline seed), ("measured", the first search trial that
-        completed with a measurement), ("running", a search trial in flight: RUNNING, or lost
-        with a retry to come) or ("failed", a search trial that failed for a reason of its own:
-        CONFIG_FAILURES), in that order of precedence; and the preset's values of the knobs the
-        baseline left to the preset (what it ran says them). A search trial's config is the one
-        it was leased, the space's fixed knobs and its params; the baseline's is the spec's
-        baseline config, or what it ran. Pruned search trials and other failures are no twins:
-        their configs may run again."""
-        from autotune.api.outcome import PRESET_KNOBS
-
-        trials = sorted(trials, key=lambda t: t.number)
-        base = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("role") == "baseline"
-                     and isinstance(t.user_attrs.get("config"), dict)), None)
-        preset: dict[str, Any] = {}
-        found: dict[str, tuple[str, FrozenTrial]] = {}
-        if base is not None:
-            leased, ran = normalised(ctx.spec.baseline_config()), normalised(base.user_attrs["config"])
-            preset = {k: ran[k] for k in PRESET_KNOBS if leased.get(k) is None and ran.get(k) is not None}
-            for config in (ctx.spec.baseline_config(), base.user_attrs["config"]):
-                found.setdefault(_config_key(config, preset), ("baseline", base))
-        rank = {"baseline": 0, "measured": 1, "running": 2, "failed": 3}
-        retried = {t.user_attrs.get("retry_of") for t in trials}
-        for t in trials:
-            attrs = t.user_attrs
-            if attrs.get("role", "search") != "search" or attrs.get("is_baseline") or "repeat_of" in attrs:
-                continue
-            if t.state == TrialState.COMPLETE:
-                kind = "measured"
-            elif ((t.state == TrialState.RUNNING and isinstance(attrs.get("config"), dict))
-                  or (t.state == TrialState.FAIL and t.number not in retried and retriable(ctx.spec, "FAIL", attrs))):
-                kind = "running"
-            elif t.state == TrialState.FAIL and attrs.get("failure_kind") in CONFIG_FAILURES:
-                kind = "failed"
-            else:
-                continue
-            key = _config_key({**ctx.space.fixed, **t.params}, preset)
-            if key not in found or rank[kind] < rank[found[key][0]]:
-                found[key] = (kind, t)
-        return found, preset
+    def _create(self, ctx: StudyContext, handle: _Handle, params: Mapping[str, Any], attrs: Mapping[str, Any],
+                state: TrialState) -> tuple[int, int]:
+        """(trial id, number) of a trial made with `params`, user `attrs` and `state` in one commit
+        (Optuna's create_new_trial from a template)."""
+        now = datetime.now()
+        template = FrozenTrial(number=0, trial_id=0, state=state, value=None, datetime_start=now,
+                               datetime_complete=now if state != TrialState.RUNNING else None, params=dict(params),
+                               distributions={name: distribution(ctx.space.params[name]) for name in params},
+                               user_attrs={key: json_safe(value) for key, value in attrs.items()},
+                               system_attrs={}, intermediate_values={})
+        trial_id = self.storage.create_new_trial(handle.study_id, template_trial=template)
+        number = self.storage.get_trial_number_from_id(trial_id)
+        self._ids[(handle.study_id, number)] = trial_id
+        return trial_id, number
 
     def set_user_attrs(self, trial_id: int, attrs: Mapping[str, Any],
                        stored: Mapping[str, Any] | None = None) -> None:
@@ -612,9 +494,9 @@ class OptunaBridge:
         values = [float(v) for v in values] if values is not None and told == TrialState.COMPLETE else None
         frozen = self.storage.get_trial(trial_id)
         if frozen.state.is_finished():
-            return _record(frozen, trial_id), False
+            return to_record(frozen, trial_id), False
         attrs = dict(attrs or {})
-        merged = {**_flatten(frozen.user_attrs), **attrs}
+        merged = {**flatten(frozen.user_attrs), **attrs}
         constraint = merged.get(CONSTRAINT_ATTR)
         try:
             self.set_user_attrs(trial_id, attrs, stored=frozen.user_attrs)
@@ -627,13 +509,13 @@ class OptunaBridge:
             if not finished.state.is_finished():
                 raise
             log.info("trial %s of %s finished meanwhile; leaving it as it is (%s)", trial_id, ctx.name, e)
-            return _record(finished, trial_id), False
-        return _record(self.storage.get_trial(trial_id), trial_id), True
+            return to_record(finished, trial_id), False
+        return to_record(self.storage.get_trial(trial_id), trial_id), True
 
     def get_trial(self, trial_id: int) -> TrialRecord | None:
         """The trial with Optuna's global id `trial_id`, or None if there is none."""
         try:
-            return _record(self.storage.get_trial(trial_id), trial_id)
+            return to_record(self.storage.get_trial(trial_id), trial_id)
         except KeyError:
             return None
 
@@ -657,75 +539,3 @@ class OptunaBridge:
     def trials(self, name: str) -> list[TrialRecord]:
         """Every trial of the study, by number."""
         return self._records(name, self._frozen(name))
-
-
-class _Missing(KeyError):
-    """Fixed params that leave out a parameter the space draws."""
-
-
-class _Fixed:
-    """A trial whose every suggestion is given (`autotune.contract.space.suggest` over known params)."""
-
-    def __init__(self, given: Mapping[str, Any]) -> None:
-        self._given = dict(given)
-        self.params: dict[str, Any] = {}
-
-    def _get(self, name: str) -> Any:
-        if name not in self._given:
-            raise _Missing(name)
-        self.params[name] = self._given[name]
-        return self._given[name]
-
-    def suggest_categorical(self, name: str, choices: Any) -> Any:
-        return self._get(name)
-
-    def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int:
-        value: int = self._get(name)
-        return value
-
-    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None,
-                      log: bool = False) -> float:
-        value: float = self._get(name)
-        return value
-
-
-def _repeat_attrs(twin: tuple[str, FrozenTrial], config: Mapping[str, Any]) -> dict[str, Any]:
-    """The user attrs of a draw that repeats the config of `twin` (its kind and trial): never run,
-    PRUNED without values (nothing was measured for it), repeat_of its twin (and
-    baseline_repeat_of when the twin is a baseline seed). No GPU time goes into a configuration
-    measured or in flight (re-measurement is the `remeasure` phase's job)."""
-    kind, trial = twin
-    attrs: dict[str, Any] = {"config": dict(config), "repeat_of": trial.number}
-    if kind == "baseline":
-        attrs["baseline_repeat_of"] = trial.number
-    return attrs
-
-
-def _log_repeat(ctx: StudyContext, twin: tuple[str, FrozenTrial]) -> None:
-    kind, trial = twin
-    what = {"baseline": "the baseline's config", "measured": "a config measured", "running": "a config in flight",
-            "failed": "a config that failed"}[kind]
-    log.info("study %s: a draw repeated %s (trial %d): not run", ctx.name, what, trial.number)
-
-
-def _config_key(config: Mapping[str, Any], preset: Mapping[str, Any]) -> str:
-    """What makes two configs one (`OptunaBridge._twins`): every knob normalised
-    (`autotune.contract.config.normalised`: a knob left out is at its default, 25 and 25.0 are one
-    value), and a knob left to the workload's preset (batch_size, accum_steps, lr: None) at the
-    preset's value where `preset` knows it."""
-    knobs = normalised(config)
-    for name, value in preset.items():
-        if knobs.get(name) is None:
-            knobs[name] = value
-    return json.dumps(json_safe(knobs), sort_keys=True, default=str)
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with every non-finite float replaced by None (recursively)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value

@@ -1,54 +1,12 @@
-"""How a worker's ProbeResult becomes the outcome of an Optuna trial.
+"""How a worker's ProbeResult becomes the outcome of an Optuna trial (`probe_outcome`), and the
+checks of a reported config against the leased one.
 
-The mapping is explicit (one place, one function):
-
-* ``result["failure"]`` set           → *failed*: user attrs failure_kind / failure_message
-* ``result["stopped_early"]``         → PRUNED (pruned or stopped by the service; no values)
-* otherwise                           → COMPLETE with values in the study's objective order,
-  provided both throughput_samples_per_s (> 0) and the quality value are finite numbers:
-  the gate and the recommendation need both, whichever objectives the study optimises.
-  Otherwise *failed* with kind "error" saying which value was bad. A study with the energy
-  objective also needs ``energy_j_per_sample``; a result without it (the worker's GPU
-  answered no energy reading, or nvidia-ml-py is missing there) is Optuna FAIL with kind
-  "error" and a message naming the fix: it says nothing about the config, so the samplers
-  do not see it, and it is not re-run (another worker of the same kind would measure none
-  either).
-
-A result reaches this module validated (`autotune.contract.protocol.TrialResult`, `CompleteRequest`):
-a wrong type, a non-finite or negative measurement, a throughput outside its physical
-bounds, an unknown failure kind or a missing throughput or quality is refused with 422
-before anything changes, and so is a config other than the leased one (`config_key_problems`,
-`config_differences`, checked by `TuningService.complete`, which stores `config_to_store`).
-What is left to fail here is a result that is well-formed but not a usable measurement: a
-quality metric other than the study's. The checks below stay tolerant all the same (a
-throughput of 0 still fails the trial): this function must never raise on a stored or older
-result.
-
-The quality value is ``result["quality"]`` (the workload's metric, named by
-``result["quality_metric"]``), or ``result["val_nrmse"]`` from a worker older than the
-generic field. A result whose metric name or direction differs from the study's
-(`StudySpec.quality`) fails with kind "error" naming both: a gate must never compare two
-different metrics. User attrs ``quality`` and ``quality_metric`` keep it (``val_nrmse``
-stays set for NRMSE workloads).
-
-A failed probe has no measurement, so it is Optuna **FAIL** with failure_kind /
-failure_message (Optuna holds only what was measured: no placeholder values). The samplers
-ignore FAIL trials (Optuna's convention); a draw of a config that failed for a reason of its
-own (oom, unsupported) is not run again (api/optuna_bridge.py `_twins`). Trials *lost* by a
-silent worker, *refused* by a worker that does not run their workload, or *interrupted*
-say nothing about the config: they are re-run (`retriable`). Everything the service shows reads
-the failure attrs (`api.study.service_state`): a failed trial is never feasible and is
-excluded from the Pareto front and the recommendation. (Studies stored by an older service
-hold failed probes as COMPLETE with worst-case values; the service reads them as failed.)
-
-Every completed trial carries the constraint the samplers learn (≤ 0 feasible):
-``constraint_value(nrmse, gate)``, or the larger of it and the memory constraint
-``peak reserved GiB − max_memory_gb`` when the study sets one. Baselines run before the
-gate exists; their constraint is the memory one (or 0).
-
-Every outcome carries the measurement user attrs (config, device, torch version, warm-up,
-spread, memory, data wait, samples, window throughputs, loss curve, worker, knob notes,
-failure kind or None).
+One explicit mapping: a failure is Optuna FAIL with failure_kind / failure_message (Optuna holds
+only what was measured: no placeholder values); stopped early is PRUNED; otherwise COMPLETE with
+values in objective order, provided throughput, quality (and energy, where it is an objective) are
+usable, else FAIL "error". Failures that say nothing about the config (lost, refused, interrupted)
+are re-run (`retriable`). A completed trial carries the constraint the samplers learn (≤ 0
+feasible). It never raises on a stored or older result.
 """
 
 from __future__ import annotations
@@ -188,6 +146,18 @@ def preset_values(workload: str, preset: str) -> dict[str, Any] | None:
     them (a plugin workload: only its own module, which the service never imports, says)."""
     values = PRESET_VALUES.get((workload, preset))
     return dict(values) if values is not None else None
+
+
+PRESET_RAN_ATTR = "preset_ran"  # user attr of a plugin study's baseline: the preset's knobs as it ran them
+
+
+def preset_knobs_ran(leased: Mapping[str, Any] | None, reported: Any) -> dict[str, Any]:
+    """The knobs the lease left to the preset (PRESET_KNOBS, None or absent in `leased`), as the
+    probe reported running them."""
+    if not isinstance(reported, Mapping):
+        return {}
+    leased = leased or {}
+    return {k: reported[k] for k in PRESET_KNOBS if leased.get(k) is None and reported.get(k) is not None}
 
 
 def config_key_problems(reported: Mapping[str, Any]) -> list[str]:

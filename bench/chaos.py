@@ -357,7 +357,7 @@ PHASE = re.compile(r"^### chaos: service on (\S+) (started|killed)")
 START = re.compile(r"^=== start (\d+) ===")
 BANNER = re.compile(r"^autotune worker (\S+)\s*$")
 KEPT = re.compile(r"^  trial (\d+): its result is kept in ")
-ANOTHER_LEASE = "another lease of trial"  # the service's 409 for a result of another lease (autotune.contract.protocol)
+ANOTHER_LEASE = "another lease of trial"  # the service's 409 for a result of another lease (autotune.contract.results)
 LOG_TOLERANCE = 0.06  # a worker's log prints a throughput to 0.1
 
 

@@ -40,7 +40,9 @@ from studylib import pyplot
 
 from autotune.engine.distributed import JOB_DIR_ENV, collect_failure, launch_argv, prepare_job_dir
 from autotune.engine.probe_child import ChildJob
-from autotune.worker.loop import CHILD_MODULE, DeviceGroup, ProbeProcess, child_environment
+from autotune.worker.child import ProbeProcess
+from autotune.worker.gpus import DeviceGroup
+from autotune.worker.options import CHILD_MODULE, child_environment
 
 BUCKETS = (1.0, 25.0, 100.0)
 ACCUMS = (1, 4)

@@ -154,7 +154,7 @@ def run_study(args: argparse.Namespace, work: Path, hardware: str, deadline: flo
     env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "AUTOTUNE_AUTH": "false",
            "AUTOTUNE_LEASE_GRACE_S": "30", "AUTOTUNE_REAPER_INTERVAL_S": "2",
            "AUTOTUNE_INDUCTOR_CACHE_DIR": str(work / "inductor-study"), "AUTOTUNE_API": api}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set, it would win over the study's own cache (autotune.worker)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set, it would win over the study's own cache (autotune.worker.options)
     spec = study_spec(args, hardware)
     db = work / "study.db"
     service = subprocess.Popen([*CLI, "serve", "--db", f"sqlite:///{db}", "--port", str(port)],

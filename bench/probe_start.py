@@ -1,7 +1,7 @@
 """Probe start: a probe child started cold against one forked by the worker's fork server.
 
 Each run is one probe child, started exactly as `autotune worker` starts it
-(`autotune.worker.ProbeProcess`, the worker's child environment): *cold* runs
+(`autotune.worker.child.ProbeProcess`, the worker's child environment): *cold* runs
 ``python -m autotune.engine.probe_child``, *warm* forks it from a `autotune.engine.fork_server.ForkServer`
 that imported torch once. The modes alternate, so host drift falls on both. Per run:
 
@@ -32,7 +32,8 @@ from studylib import environment, pyplot
 
 from autotune.engine.fork_server import ForkedChild, ForkServer
 from autotune.engine.probe_child import ChildJob
-from autotune.worker.loop import CHILD_MODULE, ProbeProcess, child_environment
+from autotune.worker.child import ProbeProcess
+from autotune.worker.options import CHILD_MODULE, child_environment
 
 MODES = ("cold", "warm")
 

@@ -86,8 +86,9 @@ from typing import Any
 
 from studylib import free_port, http, pyplot
 
-# the real worker's retry budgets (autotune/worker/loop.py), which the simulated workers of --kills follow
-from autotune.worker.loop import COMPLETE_RETRY_S, LEASE_RETRY_S, SPOOL_RETRY_S
+# the real worker's retry budgets (autotune/worker/delivery.py, loop.py), which the simulated workers of --kills follow
+from autotune.worker.delivery import COMPLETE_RETRY_S, SPOOL_RETRY_S
+from autotune.worker.loop import LEASE_RETRY_S
 
 # a mismatched complete is retried through an outage until the service answers it (a 422 is its verdict)
 MISMATCH_RETRY_S = 120.0
@@ -571,7 +572,7 @@ async def chaos_worker(slot: int, generation: int, base_url: str, headers: dict[
     until the study is finished. With probability args.kill_rate per trial it dies mid-probe:
     it never calls again, and a replacement with a new worker id starts in its slot.
 
-    As the real worker (autotune/worker/loop.py, autotune/worker/client.py): a call that gets no answer
+    As the real worker (autotune/worker/loop.py, delivery.py, client.py): a call that gets no answer
     (connection refused or reset, a timeout) or a 5xx is retried with exponential backoff from
     0.25 s capped at args.max_backoff_s, a lease for LEASE_RETRY_S at a time, a complete for
     COMPLETE_RETRY_S; a result whose complete got no answer goes to the slot's spool, which
@@ -806,7 +807,7 @@ def db_rows(db_url: str, study: str) -> dict[str, Any]:
     for tid, key, value in attrs:
         by_id[tid]["attrs"][key] = json.loads(value)
     for t in by_id.values():  # the measured fields (throughput, ...) live in one attr: read beside the others
-        measurement = t["attrs"].pop("measurement", None)  # as api/optuna_bridge.py's _flatten
+        measurement = t["attrs"].pop("measurement", None)  # as api/optuna_codec.py's flatten
         for key, value in (measurement if isinstance(measurement, dict) else {}).items():
             t["attrs"].setdefault(key, value)
     return {"trials": by_id, "leases": {r[0]: {"trial_id": r[0], "number": r[1], "worker": r[2], "state": r[3],

@@ -19,8 +19,8 @@ import httpx
 
 from autotune.engine.fork_server import ForkServer
 from autotune.engine.host_telemetry import cpu_model
+from autotune.worker.detect import run_python
 from autotune.worker.hardware import installed_torch_version
-from autotune.worker.loop import run_python
 
 
 def free_port() -> int:

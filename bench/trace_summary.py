@@ -32,7 +32,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-STEP, DATA = "autotune.step", "autotune.data"  # autotune/engine/probe.py's TRACE_STEP, TRACE_DATA
+STEP, DATA = "autotune.step", "autotune.data"  # autotune/engine/timing.py's TRACE_STEP, TRACE_DATA
 GPU_RANGE = "gpu_user_annotation"  # the profiler's GPU-side copy of a record_function range
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 

@@ -128,7 +128,7 @@ def chunk(args: argparse.Namespace) -> None:
     cache = Path(args.inductor_cache or Path(tempfile.gettempdir()) / "autotune-bench-inductor" / args.strategy)
     cache_warm = cache.is_dir() and any(cache.iterdir())
     env["AUTOTUNE_INDUCTOR_CACHE_DIR"] = str(cache)
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set, it would win over the strategy's own (autotune.worker)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set, it would win over the strategy's own (autotune.worker.options)
     n = len(state["chunks"])
     service = subprocess.Popen([*CLI, "serve", "--db", f"sqlite:///{out / 'study.db'}", "--port", str(port)],
                                stdout=(out / f"service-{n}.log").open("wb"), stderr=subprocess.STDOUT, env=env)
@@ -563,7 +563,8 @@ def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Ca
     run: its windows already hold the starts at about their rate), none holds one, or the
     probe did not record its data waits, or the config does not name its batch shape (a given
     config left to the preset's defaults)."""
-    from autotune.engine.probe import ProbeSettings, plan_steps
+    from autotune.engine.probe import ProbeSettings
+    from autotune.engine.timing import plan_steps
 
     windows = probe["window_throughputs"]
     if probe.get("raw_window_throughputs"):

@@ -665,7 +665,8 @@ def run_jobs(args: argparse.Namespace, jobs: list[tuple[Scenario, int]], seeds: 
 RESUME_KEYS = ("workers", "n_trials", "samples", "hardware", "remeasure_windows")  # what makes studies comparable
 
 
-SERVICE_CODE = ("api/", "autotune/contract/protocol.py", "autotune/contract/verdict.py", "autotune/contract/space.py",
+SERVICE_CODE = ("api/", "autotune/contract/protocol.py", "autotune/contract/results.py", "autotune/contract/views.py",
+                "autotune/contract/verdict.py", "autotune/contract/space.py",
                 "autotune/contract/config.py")
 
 

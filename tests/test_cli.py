@@ -1,4 +1,4 @@
-"""autotune.cli.main: `autotune probe` output, exit codes and input errors."""
+"""autotune.cli.probe_cmd: `autotune probe` output, exit codes and input errors."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from autotune.cli.main import app, print_probe_result
+from autotune.cli.main import app
+from autotune.cli.probe_cmd import print_probe_result
 from autotune.contract.config import KNOBS
-from autotune.engine.probe import ProbeResult
+from autotune.engine.result import ProbeResult
 
 RESULT_KEYS = {"throughput_samples_per_s", "throughput_spread", "val_nrmse", "warmup_s", "peak_mem_reserved_bytes",
                "data_wait_fraction", "config", "device", "failure"}

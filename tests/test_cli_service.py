@@ -220,7 +220,7 @@ def test_the_database_commands_load_the_service_without_its_web_application() ->
     only; `autotune serve` adds the web application (fastapi, Optuna). In a fresh process,
     since this one has imported them all already."""
     code = ("import sys\n"
-            "from autotune.cli.main import service\n"
+            "from autotune.cli.seam import service\n"
             "api = service()\n"
             "assert api.auth.TokenStore and api.db.MigrationError and api.backup\n"
             "assert not {'autotune.api.main', 'fastapi', 'optuna'} & set(sys.modules), \\\n"

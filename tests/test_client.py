@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from autotune.contract.protocol import LeaseRequest
+from autotune.contract.results import LeaseRequest
 from autotune.worker.client import (
     ApiError,
     Client,

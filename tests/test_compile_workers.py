@@ -110,7 +110,7 @@ while len(children(sidecar)) < 2 and time.time() < deadline:
 # 10 steps of 16: 5 warm-up + 5 windows of 1
 settings = ProbeSettings(samples=160, windows=5, quiesce_compile_workers=sys.argv[1] == "quiesce")
 r = run_probe("ups", parse_config({"batch_size": 16, "accum_steps": 1}), preset="tiny", device="cpu", settings=settings)
-from autotune.cli.main import print_probe_result
+from autotune.cli.probe_cmd import print_probe_result
 from rich.console import Console
 console = Console(record=True, width=200)
 print_probe_result(r, console)

@@ -69,7 +69,9 @@ from live_service import (
     wait_until,
 )
 
-from autotune.worker.loop import FINAL_COMPLETE_RETRY_S, KILL_GRACE_S, plan_groups
+from autotune.worker.delivery import FINAL_COMPLETE_RETRY_S
+from autotune.worker.gpus import plan_groups
+from autotune.worker.trial import KILL_GRACE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -26,10 +26,11 @@ from live_service import is_alive, wait_until
 from rich.console import Console
 from test_worker import HARDWARE, FakeClient
 
-import autotune.worker.loop as worker_module
+import autotune.worker.trial as trial_module
 from autotune.contract.config import DISTRIBUTED_KNOBS, TrainConfig
-from autotune.contract.protocol import LeaseRequest, ProbeSpec, StudySpec, TrialLease
+from autotune.contract.protocol import ProbeSpec, StudySpec
 from autotune.contract.registry import ENV_VAR, get_workload, registered_workloads
+from autotune.contract.results import LeaseRequest, TrialLease
 from autotune.contract.space import SpaceError, load_space, parse_space, validate_for
 from autotune.engine.distributed import (
     JOB_DIR_ENV,
@@ -48,9 +49,13 @@ from autotune.engine.knobs import (
     build_loader,
     build_optimizer,
 )
-from autotune.engine.probe import ProbeResult, ProbeSettings, run_probe
+from autotune.engine.probe import ProbeSettings, run_probe
 from autotune.engine.probe_child import ChildJob
-from autotune.worker.loop import DeviceGroup, ProbeProcess, Worker, WorkerOptions, child_environment, plan_groups
+from autotune.engine.result import ProbeResult
+from autotune.worker.child import ProbeProcess
+from autotune.worker.gpus import DeviceGroup, plan_groups
+from autotune.worker.loop import Worker
+from autotune.worker.options import WorkerOptions, child_environment
 from autotune.workloads.ups import UPSWorkload
 
 CPU = torch.device("cpu")
@@ -296,7 +301,7 @@ def test_a_two_rank_probe_reports_global_throughput_and_stops_when_pruned(job_ro
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # the ranks stop themselves at their next window: that is under test, not the kill that
     # follows a slow stop (3 processes on a loaded 2-core host may need more than 5 s)
-    monkeypatch.setattr(worker_module, "PRUNE_GRACE_S", 60.0)
+    monkeypatch.setattr(trial_module, "PRUNE_GRACE_S", 60.0)
     client = FakeClient(prune_at=0)  # prune at the first report: rank 0 stops every rank at that window
     run = two_rank_worker(client).run_trial(lease(samples=800))
     [result] = client.completed
@@ -377,7 +382,8 @@ def test_no_rank_outlives_a_killed_worker_or_a_killed_probe(job_root: Path, tiny
     # 2. the worker itself killed with SIGKILL: the launcher dies with it, the ranks with the launcher
     job_dir = prepare_job_dir(job.to_json())
     fake_worker = subprocess.Popen(
-        [sys.executable, "-c", "import os, subprocess, sys, time; from autotune.worker.loop import child_environment\n"
+        [sys.executable, "-c", "import os, subprocess, sys, time\n"
+                               "from autotune.worker.options import child_environment\n"
                                f"env = {{**child_environment(1), {JOB_DIR_ENV!r}: {str(job_dir)!r}}}\n"
                                f"subprocess.Popen({launch_argv()!r}, env=env, start_new_session=True)\n"
                                "time.sleep(600)"])

@@ -14,7 +14,8 @@ import torch
 
 import autotune.engine.probe as probe_module
 from autotune.api.study.prune_rules import PruneRules, Reference, decide
-from autotune.contract.protocol import StudySpec, TrialResult
+from autotune.contract.protocol import StudySpec
+from autotune.contract.results import TrialResult
 from autotune.engine.gpu_telemetry import (
     ENERGY_METHODS,
     NVML_CALLS,
@@ -24,7 +25,8 @@ from autotune.engine.gpu_telemetry import (
     power_integral_joules,
     summarize_energy,
 )
-from autotune.engine.probe import ProbeResult, ProbeSettings, run_probe
+from autotune.engine.probe import ProbeSettings, run_probe
+from autotune.engine.result import ProbeResult
 
 # --- the arithmetic ------------------------------------------------------------------------------
 

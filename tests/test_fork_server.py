@@ -24,15 +24,9 @@ from live_service import is_alive, wait_until
 from autotune.engine.compile_workers import children
 from autotune.engine.fork_server import ForkedChild, ForkServer, ForkServerError, probe_children
 from autotune.engine.probe_child import ChildJob
-from autotune.worker.loop import (
-    CHILD_MODULE,
-    ProbeProcess,
-    WorkerOptions,
-    child_environment,
-    detect_hardware,
-    run_python,
-    start_fork_server,
-)
+from autotune.worker.child import ProbeProcess
+from autotune.worker.detect import detect_hardware, run_python, start_fork_server
+from autotune.worker.options import CHILD_MODULE, WorkerOptions, child_environment
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +177,7 @@ def test_the_server_ends_with_its_worker_and_takes_the_probes_with_it(tmp_path: 
     script = textwrap.dedent("""
         import json, sys, time
         from autotune.engine.fork_server import ForkServer
-        from autotune.worker.loop import child_environment
+        from autotune.worker.options import child_environment
         server = ForkServer(child_environment(1)).start()
         child = server.popen(["-c", "from autotune.engine.probe_child import watch_parent\\nwatch_parent()\\n"
                                     "import time\\ntime.sleep(60)"])

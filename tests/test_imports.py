@@ -7,7 +7,7 @@ One package, autotune, in wings that match the processes (docs/architecture.md):
 * autotune.worker — the GPU host's process; no optuna, fastapi or SQL, nothing of the service;
 * autotune.api (the repository's api/) — the service; nothing of the engine, worker or CLI;
 * autotune.cli — the command line; it reaches the service through one seam,
-  `autotune.cli.main.service()`, never through module names in strings.
+  `autotune.cli.seam.service()`, never through module names in strings.
 No circle among the modules, counting the imports inside functions too (a lazy import that
 closes a circle is still one for a reader and for the tools)."""
 
@@ -128,7 +128,7 @@ def test_the_product_has_no_import_circle() -> None:
     modules = product_modules()
     graph = {name: imports_of(path, name, set(modules)) for name, path in modules.items()}
     # the walk sees lazy imports (the command line imports the demo in a function)
-    assert "autotune.cli.demo" in graph["autotune.cli.main"]
+    assert "autotune.cli.demo" in graph["autotune.cli.study_cmds"]
     assert circles(graph) == []
 
 
@@ -212,7 +212,7 @@ def test_the_contract_imports_no_torch_at_import_time() -> None:
 
 
 def test_the_command_line_reaches_the_service_through_one_seam() -> None:
-    """Outside the service, only `autotune.cli.main.service()` imports it."""
+    """Outside the service, only `autotune.cli.seam.service()` imports it."""
     reaching = set()
     for module, path in product_modules().items():
         if wing(module) in ("api", "migrations"):
@@ -221,7 +221,7 @@ def test_the_command_line_reaches_the_service_through_one_seam() -> None:
         for name, node in imported_names(path, module):
             if name.startswith("autotune.") and wing(name) in ("api", "migrations"):
                 reaching.add((module, where.get(id(node), "?")))
-    assert sorted(reaching) == [("autotune.cli.main", "service")]
+    assert sorted(reaching) == [("autotune.cli.seam", "service")]
 
 
 @pytest.mark.parametrize(("modules", "absent"), [

@@ -53,6 +53,21 @@ def walkthrough_script(port: int) -> str:
     return f"set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n{body}\n"
 
 
+def test_the_gpu_quick_start_is_first_and_its_spec_validates_on_a_gpu() -> None:
+    """The first path the README shows: pip install, then `autotune tune` with a small spec that
+    leaves `hardware` to the host (as `autotune tune` does, the host's GPU fills it in)."""
+    first = re.search(r"^## (.*)$", README, re.M)
+    assert first and first.group(1).startswith("On your GPU host"), "the GPU quick start is no longer first"
+    body = section(README, "On your GPU host")
+    assert re.search(r"^pip install .*\n^autotune tune study\.yaml", body, re.M), body
+    block = re.search(r"```yaml\n(.*?)```", body, re.S)
+    assert block, "the quick start lost its study.yaml"
+    data = yaml.safe_load(block.group(1))
+    assert "hardware" not in data
+    spec = StudySpec.model_validate({**data, "hardware": "NVIDIA H100 80GB HBM3"})
+    assert spec.space == "h100" and spec.workload == "gpt"
+
+
 def test_the_readme_study_spec_validates() -> None:
     block = re.search(r"A study spec \(`autotune.contract.protocol.StudySpec`\):\n\n```yaml\n(.*?)```", README, re.S)
     assert block, "the README lost its study-spec example"

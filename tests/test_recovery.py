@@ -38,7 +38,7 @@ from live_service import (
     wait_until,
 )
 
-from autotune.contract.protocol import LeaseRequest
+from autotune.contract.results import LeaseRequest
 from autotune.worker.client import Client, Conflict
 
 pytestmark = pytest.mark.slow

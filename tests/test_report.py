@@ -9,17 +9,11 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from autotune.cli.report import (
-    best_so_far,
-    failures_figure,
-    importances,
-    pareto_figure,
-    pareto_front,
-    progress_figure,
-    remeasured_points,
-    write_report,
-)
-from autotune.contract.protocol import ConfigVerdict, Recommendation, StudyInfo, StudySpec, TrialInfo
+from autotune.cli.plots import failures_figure, pareto_figure, progress_figure
+from autotune.cli.report import write_report
+from autotune.cli.report_data import best_so_far, importances, pareto_front, remeasured_points
+from autotune.contract.protocol import StudySpec
+from autotune.contract.views import ConfigVerdict, Recommendation, StudyInfo, TrialInfo
 
 
 def trial(number: int, tp: float | None, nrmse: float | None, feasible: bool | None, state: str = "COMPLETE",

@@ -281,7 +281,8 @@ def test_a_worker_delivers_its_services_folder_and_names_the_others_in_one_line(
     from rich.console import Console
 
     from autotune.worker.hardware import Hardware
-    from autotune.worker.loop import Worker, WorkerOptions
+    from autotune.worker.loop import Worker
+    from autotune.worker.options import WorkerOptions
 
     spool = Spool(tmp_path / "spool")
     ours, same_url, elsewhere = of("svc-B", 7), of("svc-A", 8), of("svc-C", 9, api="http://other:8000")

@@ -43,10 +43,13 @@ from autotune.api.backup import backup_sqlite
 from autotune.api.db import upgrade_schema
 from autotune.api.main import create_app
 from autotune.api.settings import Settings
-from autotune.contract.protocol import LeaseRequest, ProbeSpec, TrialLease
+from autotune.contract.protocol import ProbeSpec
+from autotune.contract.results import LeaseRequest, TrialLease
+from autotune.worker import delivery as delivery_module
 from autotune.worker import loop as worker_module
 from autotune.worker.client import Client
-from autotune.worker.loop import Worker, WorkerOptions
+from autotune.worker.loop import Worker
+from autotune.worker.options import WorkerOptions
 from autotune.worker.spool import Spool, SpoolEntry
 
 RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "device": "cpu", "torch_version": "x",
@@ -282,8 +285,8 @@ def test_a_lease_handed_back_before_its_spooled_result_went_in_is_not_run(tmp_pa
     spool = Spool(tmp_path / "spool")
     spooled(spool, "svc-A", study="s")
     # away longer than the first delivery round (SPOOL_RETRY_S): then a lease call fails, and the next gets trial 1
-    service = FakeService("svc-A", {1: ("s", 0)}, leases=[1], down_s=worker_module.SPOOL_RETRY_S + 0.5)
-    text = run_worker(service, spool, probe_printing(tmp_path, THEIRS), idle_exit_s=worker_module.SPOOL_RETRY_S + 2)
+    service = FakeService("svc-A", {1: ("s", 0)}, leases=[1], down_s=delivery_module.SPOOL_RETRY_S + 0.5)
+    text = run_worker(service, spool, probe_printing(tmp_path, THEIRS), idle_exit_s=delivery_module.SPOOL_RETRY_S + 2)
     assert not (tmp_path / "ran").exists(), text
     assert service.completed == {1: OURS} and spool.pending() == []
     said = " ".join(text.split())
@@ -475,7 +478,7 @@ def test_after_a_restart_the_delivered_trial_is_not_run_again(processes: Process
     kill(service)
     wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
     # the lease loop's delivery round, then a whole lease call fail: the worker sees the service away
-    time.sleep(worker_module.SPOOL_RETRY_S + worker_module.LEASE_RETRY_S + 2)
+    time.sleep(delivery_module.SPOOL_RETRY_S + worker_module.LEASE_RETRY_S + 2)
     service.start()
     assert worker.wait(timeout=180) == 0, log_text(worker)[-3000:]
     log = log_text(worker)

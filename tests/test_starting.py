@@ -95,7 +95,7 @@ def test_the_trials_table_names_the_starting_points() -> None:
     from rich.console import Console
 
     from autotune.cli.tables import trials_table
-    from autotune.contract.protocol import TrialInfo
+    from autotune.contract.views import TrialInfo
 
     trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"compile": "reduce-overhead"},
                         starting_point=0),

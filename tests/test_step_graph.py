@@ -12,7 +12,8 @@ from autotune.contract.registry import Workload
 from autotune.engine import step_graph
 from autotune.engine.knobs import Schedule, Trainer, build_optimizer
 from autotune.engine.optimizers import Optimizers, lr_to_tensor, muon_adamw, set_lr
-from autotune.engine.probe import ProbeSettings, plan_steps, run_probe
+from autotune.engine.probe import ProbeSettings, run_probe
+from autotune.engine.timing import plan_steps
 
 CUDA = torch.device("cuda", 0)
 

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from autotune.cli.main import app
 from autotune.contract.registry import ENTRY_POINT_GROUP, ENV_VAR, registered_workloads
-from autotune.worker.loop import WorkerOptions
+from autotune.worker.options import WorkerOptions
 
 H100 = "NVIDIA H100 80GB HBM3"
 ENTRY_POINT_WL = "hintwl"  # an installed plugin (entry point), never run here

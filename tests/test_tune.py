@@ -97,3 +97,18 @@ def test_the_progress_line_estimates_the_time_left() -> None:
     assert eta_text(60.0, 3, 9) == " · ETA ~2 min"  # 20 s a trial, 6 to go
     assert eta_text(10.0, 2, 4) == " · ETA ~10 s"
     assert eta_text(5.0, 0, 4) == "" and eta_text(5.0, 4, 4) == ""  # nothing to go on, or nothing left
+
+
+def test_a_spec_without_hardware_is_checked_against_this_hosts_gpu(tmp_path: Path) -> None:
+    """`autotune tune` on a GPU host: a spec that leaves `hardware` out takes the host's GPU
+    before it is validated, so a GPU space (fp8 among its precisions) is not refused as a CPU
+    study's. (The GPU's name comes from the host; here it is given.)"""
+    import typer
+
+    from autotune.cli.study_cmds import _load_spec
+
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump({"name": "gpu-job", "workload": "gpt", "space": "h100"}))
+    with pytest.raises(typer.Exit):  # taken as a CPU study, the h100 space's fp8 is refused
+        _load_spec(tmp_path / "study.yaml", None, check_cpu=False)
+    spec, implicit = _load_spec(tmp_path / "study.yaml", None, host_hardware=lambda: "NVIDIA H100 80GB HBM3")
+    assert implicit and spec.hardware == "NVIDIA H100 80GB HBM3" and spec.space == "h100"

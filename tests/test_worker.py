@@ -24,20 +24,18 @@ import torch
 from live_service import is_alive, wait_until
 from rich.console import Console
 
-from autotune.contract.protocol import HeartbeatReply, ProbeSpec, ReportReply, TrialInfo, TrialLease, TrialList
+from autotune.contract.protocol import ProbeSpec
+from autotune.contract.results import HeartbeatReply, ReportReply, TrialLease
+from autotune.contract.views import TrialInfo, TrialList
 from autotune.engine.probe_child import ChildJob
-from autotune.worker import loop as worker_module
+from autotune.worker import trial as trial_module
+from autotune.worker.child import ProbeProcess
 from autotune.worker.client import Conflict, ServiceUnavailable
+from autotune.worker.detect import detect_hardware
 from autotune.worker.hardware import Hardware, detect
-from autotune.worker.loop import (
-    ProbeProcess,
-    Worker,
-    WorkerOptions,
-    child_environment,
-    describe_exit,
-    detect_hardware,
-    hard_timeout_grace_s,
-)
+from autotune.worker.loop import Worker
+from autotune.worker.options import WorkerOptions, child_environment, hard_timeout_grace_s
+from autotune.worker.results import describe_exit
 
 RESULT_KEYS = {"workload", "preset", "config", "device", "torch_version", "failure"}
 HARDWARE = Hardware(hardware_class="cpu", device="cpu", device_name="cpu (test)", memory_bytes=None,
@@ -292,8 +290,8 @@ def test_a_hanging_child_is_killed_at_the_hard_timeout(tmp_path: Path, monkeypat
         wait_until(lambda: pid_file.is_file() and pid_file.read_text().strip(), 60, "the child's grandchild")
         return 0.0
 
-    monkeypatch.setattr(worker_module, "hard_timeout_grace_s", grace_until_the_grandchild_runs)
-    monkeypatch.setattr(worker_module, "KILL_GRACE_S", 0.2)  # SIGTERM is ignored: SIGKILL follows it
+    monkeypatch.setattr(trial_module, "hard_timeout_grace_s", grace_until_the_grandchild_runs)
+    monkeypatch.setattr(trial_module, "KILL_GRACE_S", 0.2)  # SIGTERM is ignored: SIGKILL follows it
     argv = fake_child(tmp_path, """
 import os, signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a hang that even ignores SIGTERM
@@ -318,7 +316,7 @@ time.sleep(120)
 
 def test_prune_stops_the_child_and_completes_a_partial_stopped_early_result(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "PRUNE_GRACE_S", 0.3)
+    monkeypatch.setattr(trial_module, "PRUNE_GRACE_S", 0.3)
     argv = fake_child(tmp_path, """
 import signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # does not stop by itself: the worker must SIGKILL it
@@ -444,7 +442,7 @@ def test_hardware_is_detected_in_a_child_process_and_the_cpu_without_torch() -> 
     assert hardware == detect("cpu")  # as torch itself answers it
     # the worker process never imports torch: the CPU's only question for it, the version, is
     # answered by its installed distribution
-    code = ("import sys; from autotune.worker.loop import detect_hardware; h = detect_hardware('cpu'); "
+    code = ("import sys; from autotune.worker.detect import detect_hardware; h = detect_hardware('cpu'); "
             "print(h.torch_version, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == [torch.__version__, "False"], out.stderr

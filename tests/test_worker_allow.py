@@ -39,7 +39,8 @@ from autotune.contract.registry import (
     workload_names,
     workload_paths,
 )
-from autotune.worker.loop import WorkerOptions, refusal
+from autotune.worker.allow import refusal
+from autotune.worker.options import WorkerOptions
 
 PLUGIN = "fakewl"
 PLUGIN_MODULE = "fakewl_module"
@@ -105,7 +106,8 @@ def test_unknown_workloads_and_presets_name_the_field_and_the_known_ones() -> No
 
 
 def test_the_registry_the_protocol_and_the_worker_import_no_torch() -> None:
-    code = ("import sys, autotune.workloads, autotune.contract.protocol, autotune.worker\n"
+    code = ("import sys, autotune.workloads, autotune.contract.protocol, autotune.contract.results, "
+            "autotune.contract.views, autotune.worker\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n"
             "assert 'autotune.workloads.ups' not in sys.modules, 'a workload module was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -137,7 +139,8 @@ def test_a_stored_spec_is_read_back_whatever_is_installed_now() -> None:
     from storage are validated with context {"stored": True}, which skips the registry."""
     from pydantic import ValidationError
 
-    from autotune.contract.protocol import StudyInfo, StudySpec
+    from autotune.contract.protocol import StudySpec
+    from autotune.contract.views import StudyInfo
 
     with pytest.raises(ValidationError, match="unknown workload 'gone'"):
         StudySpec.model_validate({"name": "s", "workload": "gone"})

@@ -1,4 +1,4 @@
-"""CPU workers on one host split its cores (autotune.worker.CpuShare): real registries in a
+"""CPU workers on one host split its cores (autotune.worker.cpu_share.CpuShare): real registries in a
 temporary directory, real processes holding them (killed with SIGKILL too), a real Worker
 pinning its probe child, and real `autotune worker` processes printing their banners."""
 
@@ -20,13 +20,11 @@ import pytest
 from rich.console import Console
 from test_worker import HARDWARE, FakeClient, fake_child, make_lease
 
-from autotune.worker.loop import (
+from autotune.worker.cpu_share import (
     CPU_SHARE_ENV,
     CoreShare,
     CpuShare,
     PhysicalCore,
-    Worker,
-    WorkerOptions,
     claim_cpu_share,
     cpu_siblings,
     format_cores,
@@ -34,6 +32,8 @@ from autotune.worker.loop import (
     physical_cores,
     split_cores,
 )
+from autotune.worker.loop import Worker
+from autotune.worker.options import WorkerOptions
 
 
 def cores(n: int) -> tuple[PhysicalCore, ...]:
@@ -46,7 +46,7 @@ CORES = cores(4)
 HOLDER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from autotune.worker.loop import CpuShare, PhysicalCore
+    from autotune.worker.cpu_share import CpuShare, PhysicalCore
     host = [PhysicalCore(i, (i,)) for i in range(int(sys.argv[2]))]
     share = CpuShare(Path(sys.argv[1]), cores=host).claim()
     print(json.dumps({"slot": share.slot}), flush=True)

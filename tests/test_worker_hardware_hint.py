@@ -23,11 +23,13 @@ import torch
 from live_service import LiveService, Processes, log_text, small_spec, start_worker
 from rich.console import Console
 
-from autotune.contract.protocol import TrialLease
+from autotune.contract.results import TrialLease
 from autotune.worker import loop as worker_module
+from autotune.worker.allow import skipped_studies
 from autotune.worker.client import ServiceUnavailable
 from autotune.worker.hardware import Hardware
-from autotune.worker.loop import Worker, WorkerOptions, skipped_studies
+from autotune.worker.loop import Worker
+from autotune.worker.options import WorkerOptions
 
 H100 = "NVIDIA H100 80GB HBM3"
 CPU = Hardware(hardware_class="cpu", device="cpu", device_name="cpu (test)", memory_bytes=None,

@@ -35,10 +35,13 @@ from live_service import (
 from rich.console import Console
 from test_worker import HARDWARE, fake_child, make_lease
 
-from autotune.contract.protocol import HeartbeatReply, ReportReply, TrialInfo, TrialLease, TrialList
-from autotune.worker import loop as worker_module
+from autotune.contract.results import HeartbeatReply, ReportReply, TrialLease
+from autotune.contract.views import TrialInfo, TrialList
+from autotune.worker import courier as courier_module
 from autotune.worker.client import Client, Conflict, ServiceUnavailable
-from autotune.worker.loop import MAX_PENDING_REPORTS, UNREACHABLE_EXIT, Worker, WorkerOptions
+from autotune.worker.courier import MAX_PENDING_REPORTS
+from autotune.worker.loop import UNREACHABLE_EXIT, Worker
+from autotune.worker.options import WorkerOptions
 from autotune.worker.spool import Spool, SpoolEntry
 
 RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "device": "cpu", "torch_version": "x",
@@ -153,7 +156,7 @@ def test_the_monitor_drains_the_probe_while_reports_and_heartbeats_hang(
     """The child's 20 reports and its result are all taken while the courier's first call
     hangs: the monitor never waits on the service, the queue of reports stays bounded, and the
     trial completes with the child's own result while that call is still hanging."""
-    monkeypatch.setattr(worker_module, "COURIER_CLOSE_S", 0.2)
+    monkeypatch.setattr(courier_module, "COURIER_CLOSE_S", 0.2)
     client = HangingClient()
     worker = make_worker(client, child_printing(tmp_path, 20), tmp_path / "spool", heartbeat_s=0.05)
     try:
@@ -191,7 +194,7 @@ class AwayThenBackClient(ScriptedClient):
 
 def test_reports_wait_bounded_while_the_service_is_away_and_the_newest_go_in_when_it_is_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "AWAY_PAUSE_S", 0.01)
+    monkeypatch.setattr(courier_module, "AWAY_PAUSE_S", 0.01)
     back = tmp_path / "back"
     argv = child_printing(tmp_path, 12, f"""
 while not os.path.exists({str(back)!r}):  # the probe goes on until the service is back

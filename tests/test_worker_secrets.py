@@ -26,10 +26,13 @@ from test_worker import HARDWARE, FakeClient, fake_child, make_lease
 from typer.testing import CliRunner
 
 from autotune.api.auth import TokenStore
-from autotune.cli.main import app, resolve_token
+from autotune.cli.common import resolve_token
+from autotune.cli.main import app
 from autotune.engine import fork_server
 from autotune.engine.fork_server import ForkServer
-from autotune.worker.loop import Worker, WorkerOptions, child_environment, run_python
+from autotune.worker.detect import run_python
+from autotune.worker.loop import Worker
+from autotune.worker.options import WorkerOptions, child_environment
 
 TOKEN = "secret-worker-token-for-the-test"
 REPORT_ENV = """

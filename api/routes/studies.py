@@ -10,8 +10,9 @@ from typing import Any, Literal
 from fastapi import APIRouter, Path, Query, Response, status
 
 from autotune.api.deps import AdminAuth, ServiceDep
-from autotune.contract.protocol import NAME_PATTERN, Recommendation, StudyInfo, StudyList, StudySpec, TrialList
+from autotune.contract.protocol import NAME_PATTERN, StudySpec
 from autotune.contract.recommendation import recommendation_yaml
+from autotune.contract.views import Recommendation, StudyInfo, StudyList, TrialList
 
 router = APIRouter(prefix="/studies", tags=["studies"])
 

@@ -1,24 +1,10 @@
-"""The worker protocol: lease → heartbeat / report → complete (see autotune/contract/protocol.py).
+"""The worker protocol: lease → heartbeat / report → complete (autotune/contract/results.py).
 
-Every route needs a worker (or admin) token. The token is not tied to a worker id: a
-worker token may act for any worker (workers are trusted alike; the token keeps others out).
-
-heartbeat, report and complete answer a trial that is not the caller's the same way: 404 when
-no such trial exists, 409 when it is held by another worker, its lease was reaped or it was
-never leased here ("cannot <verb> trial N: <why>; stop running it and lease a new trial"),
-409 "cannot <verb> trial N: it is already completed ..." once its result is in. A worker
-needs one rule: 409 = the trial is no longer its own; stop the probe, lease the next one.
-The one 200 after completion is the completing worker repeating its complete (a network
-retry): it gets the stored TrialInfo, nothing changes. A heartbeat's "stop" is an
-instruction to the trial's holder (its study was stopped, or the trial finished meanwhile).
-
-A call that carries a lease token (`TrialLease.lease_token`) is taken only for the lease holding
-that token: another token is a 409 "... another lease of trial N ..." before anything else (a
-lease of another database or a restored copy, whose trial ids are the same); nothing is stored.
-
-complete validates its result (`autotune.contract.protocol.TrialResult`): a malformed one, or one
-whose config is not the leased config, is a 422 naming the field; nothing changes and the
-trial stays leased to the worker, so a corrected complete goes through.
+Every route needs a worker (or admin) token, not tied to a worker id. heartbeat, report and
+complete answer a trial that is not the caller's the same way (api/ownership.py): 404 for no such
+trial, 409 for one that is no longer its own (the worker stops the probe and leases the next one).
+A complete repeated by its worker gets the stored TrialInfo; a malformed result, or one of another
+config, is a 422 that changes nothing.
 """
 
 from __future__ import annotations
@@ -28,16 +14,16 @@ from typing import Any
 from fastapi import APIRouter, Path, Response, status
 
 from autotune.api.deps import ServiceDep, WorkerAuth
-from autotune.contract.protocol import (
+from autotune.contract.results import (
     CompleteRequest,
     HeartbeatReply,
     HeartbeatRequest,
     LeaseRequest,
     ReportReply,
     ReportRequest,
-    TrialInfo,
     TrialLease,
 )
+from autotune.contract.views import TrialInfo
 
 # Optuna's trial ids are database integers: a larger id cannot exist (and would overflow the driver)
 TrialId = Path(..., ge=0, le=2**31 - 1, description="the trial's id (TrialLease.trial_id)")

@@ -58,7 +58,7 @@ def gate_quality(spec: StudySpec, trials: Sequence[TrialRecord]) -> float | None
     return Gate(spec.gate.abs_tol, spec.gate.k).threshold(summary.quality, spec.quality_direction)
 
 
-gate_nrmse = gate_quality  # the name from before quality was generalised (api/service.py uses it)
+gate_nrmse = gate_quality  # the name from before quality was generalised (api/service.py and api/studies.py use it)
 
 
 def fits_memory(trial: TrialRecord, spec: StudySpec) -> bool:

@@ -1,31 +1,10 @@
 """Multi-objective pruning: stop a running trial that cannot matter.
 
-Optuna cannot prune multi-objective trials (`Trial.should_prune` raises), so the service
-decides on every intermediate report with `decide`, a pure function of curves:
-
-1. **diverged**: a non-finite loss, or a loss that has grown to `divergence_factor` × its
-   own best so far;
-2. **cannot reach the front**: its stable throughput (the median of its windows so far,
-   after `min_windows`: robust to one slow window, which a decision on a few windows needs,
-   while the final throughput counts every window) is below ρ × the best feasible
-   throughput, *and* its loss at equal
-   samples is no better than that best trial's — slower and not better, it is dominated.
-   A study whose only objective is throughput (`quality_counts` false) drops the loss
-   clause: a better loss cannot make a slow trial the fastest. A study that also minimizes
-   energy (`energy_counts`) adds an energy clause: the trial's energy per sample (over its
-   windows so far, as its last report says: a single window's is coarse, NVML's counter
-   advancing in 0.1 s steps) is no lower than that best trial's; a trial without energy
-   readings is then never pruned for speed (it might be the thrifty one). A study without a
-   throughput objective (`throughput_counts` false) never prunes for speed; one that
-   minimizes energy instead prunes for energy the same way: after `min_windows`, its energy
-   per sample is above the lowest feasible energy per sample / ρ, and (when quality counts)
-   its loss at equal samples is no better than that trial's;
-3. **predicts a gate failure**: after `min_fraction` of the sample budget, its loss at
-   equal samples exceeds the baseline's by more than `loss_margin` (relative).
-
-Curves are lists of (samples seen, training loss); losses at equal samples are compared
-by linear interpolation on the reference curve. Every decision carries its reason, which
-the service stores on the trial.
+Optuna cannot prune multi-objective trials, so the service decides on every report with `decide`,
+a pure function of curves and a reason for each decision: the trial **diverged**; it **cannot
+reach the front** (slower than ρ × the best feasible trial and no better in loss, or in energy, at
+equal samples; by energy alone in a study without a throughput objective); or it **predicts a gate
+failure** (its loss exceeds the baseline's at equal samples by more than loss_margin).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Whether a running trial should stop early, from what its worker reported.
 
-Optuna's `Trial.report`/`should_prune` raise for multi-objective studies, so the decision
-is ours: `decide` delegates to `api.study.prune_rules.decide` (diverged · cannot reach the front ·
-predicts a gate failure) with a `Reference` built from a cheap per-study summary
-(`StudySummary`) that the service keeps in memory and updates when a trial completes: the
-best feasible throughput and its loss curve (and energy per sample), the lowest feasible
-energy per sample and its loss curve (studies that minimize energy), the baseline seeds' mean
-loss curve, the sample budget. The running trial's own curve, window throughputs and window
-energy per sample so far come from a small per-trial cache of its reports (`TrialReports`). No
-report of the study is ever read.
+`decide` applies `api.study.prune_rules.decide` to the trial's own reports (`TrialReports`, a
+small per-trial cache) against a `Reference` from a per-study `StudySummary` that the service keeps
+in memory and updates when a trial completes: no report of the study is ever read.
 """
 
 from __future__ import annotations

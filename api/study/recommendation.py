@@ -29,8 +29,9 @@ from autotune.api.study.trials import (
 )
 from autotune.contract.config import knobs_of
 from autotune.contract.gate import Estimate
-from autotune.contract.protocol import ConfigVerdict, Recommendation, StudySpec
+from autotune.contract.protocol import StudySpec
 from autotune.contract.verdict import Judgement, Sample, t_ppf, welch
+from autotune.contract.views import ConfigVerdict, Recommendation
 
 
 class NoRecommendation(Exception):

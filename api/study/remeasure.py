@@ -26,7 +26,7 @@ from autotune.contract.protocol import StudySpec
 from autotune.contract.verdict import Judgement, judge, level_at
 
 # The range within which a throughput or an energy per sample takes part in the verdict. The
-# service refuses a measured throughput outside [MIN_THROUGHPUT, MAX_THROUGHPUT) (autotune.contract.protocol),
+# service refuses a measured throughput outside [MIN_THROUGHPUT, MAX_THROUGHPUT) (autotune.contract.results),
 # but a trial stored before may hold anything, and an energy per sample has no floor there: out of
 # this range the ratio of two values overflows (1e-300 against 1.7e308 read "inf×", issue 35).
 RATIO_RANGE = (1e-12, 1e12)

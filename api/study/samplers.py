@@ -1,17 +1,6 @@
-"""Optuna samplers for a study, with the quality gate as a constraint.
-
-`make_sampler(name, seed, constraints_func)`:
-
-tpe     multi-objective TPE, multivariate (+ group, for conditional spaces), constant_liar
-        (parallel workers do not all sample the same point while trials run), constraints,
-        and a "good" set of the best 25 % of trials (`tpe_gamma`; Optuna's default is 10 %)
-nsga2   NSGA-II with constraints
-random  uniform sampling (and the base of the grid sampler, whose configs are enqueued)
-gp      Gaussian-process sampler with constraints (imports torch: only when chosen)
-
-`constraints_func(frozen_trial) -> [value]` reads the trial's stored constraint (≤ 0 is
-feasible; see autotune.contract.gate). Trials without one (running, or told before the gate was
-known) count as feasible-unknown for the sampler (Optuna's convention for missing values).
+"""Optuna samplers for a study (`make_sampler`, `build_sampler`), with the quality gate as a
+constraint read from each trial's stored constraint (`stored_constraint`: ≤ 0 feasible), and
+whether a sampler can search a space at all (`check_sampler_fits`).
 """
 
 from __future__ import annotations
@@ -22,11 +11,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
+from optuna.exceptions import ExperimentalWarning
 from optuna.samplers import BaseSampler, NSGAIISampler, RandomSampler, TPESampler
 
 from autotune.api.outcome import CONSTRAINT_ATTR  # the user attr holding the gate constraint value
+from autotune.contract.protocol import StudySpec
+from autotune.contract.space import Space, SpaceError
 
 ConstraintsFunc = Callable[[optuna.trial.FrozenTrial], Sequence[float]]
+# A grid larger than this is refused at study creation: enumerating it would stall the service.
+MAX_GRID_COMBINATIONS = 1_000_000
 
 
 def stored_constraint(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
@@ -50,6 +44,19 @@ def tpe_gamma(n_trials: int) -> int:
 
 def make_sampler(name: str, seed: int | None = None,
                  constraints_func: ConstraintsFunc | None = stored_constraint) -> BaseSampler:
+    """The sampler `name` names:
+
+    tpe     multi-objective TPE, multivariate (+ group, for conditional spaces), constant_liar
+            (parallel workers do not all sample the same point while trials run), constraints,
+            and a "good" set of the best 25 % of trials (`tpe_gamma`; Optuna's default is 10 %)
+    nsga2   NSGA-II with constraints
+    random  uniform sampling (and the base of the grid sampler, whose configs are enqueued)
+    gp      Gaussian-process sampler with constraints (imports torch: only when chosen)
+
+    `constraints_func(frozen_trial) -> [value]` reads the trial's stored constraint (≤ 0 is
+    feasible; see autotune.contract.gate). Trials without one (running, or told before the gate
+    was known) count as feasible-unknown for the sampler (Optuna's convention for missing values).
+    """
     # Optuna 5 marks constraints_func as deprecated (FutureWarning) but still honours it.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -69,3 +76,27 @@ def _make_sampler(name: str, seed: int | None, constraints_func: ConstraintsFunc
     if name in ("random", "grid"):
         return RandomSampler(seed=seed)
     raise ValueError(f"unknown sampler {name!r}; allowed: tpe | nsga2 | random | grid | gp")
+
+
+def check_sampler_fits(spec: StudySpec, space: Space) -> None:
+    """Raise SpaceError when the spec's sampler cannot search `space` (grid over a float range,
+    or a grid too large to enumerate)."""
+    if spec.sampler != "grid":
+        return
+    size = 1
+    for p in space.params.values():
+        size *= len(p.values())  # raises SpaceError for a float range, naming the parameter
+    if size > MAX_GRID_COMBINATIONS:
+        raise SpaceError("sampler", f"the grid has {size} combinations (limit {MAX_GRID_COMBINATIONS}); "
+                                    "use sampler tpe, nsga2 or random, or fewer choices")
+
+
+def build_sampler(spec: StudySpec, seed: int | None) -> BaseSampler:
+    """The sampler the spec names (`make_sampler`: the gate is a constraint read from the trial's
+    user attr ``constraint``). Grid studies use RandomSampler: their configs are enqueued."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        # Optuna 5 deprecates constraints_func (for Trial.set_constraint, which ask/tell by trial id
+        # cannot use); it still reads the same stored constraints
+        warnings.simplefilter("ignore", FutureWarning)
+        return make_sampler(spec.sampler, seed)

@@ -22,7 +22,8 @@ from autotune.api.study.trials import (
     role,
     service_state,
 )
-from autotune.contract.protocol import OBJECTIVES, StudySpec, TrialInfo
+from autotune.contract.protocol import OBJECTIVES, StudySpec
+from autotune.contract.views import TrialInfo
 
 
 def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: int | None = None,

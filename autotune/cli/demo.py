@@ -32,7 +32,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.cli.tables import recommendation_table, trials_table, verdict_table
-from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudyInfo, StudySpec
+from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
+from autotune.contract.views import StudyInfo
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
 
 HEALTH_TIMEOUT_S = 90.0

@@ -29,7 +29,8 @@ from typing import Any
 from rich.console import Console
 
 from autotune.cli.demo import DemoError, Processes, follow, free_port, report, sigterm_as_interrupt, wait_for_health
-from autotune.contract.protocol import Recommendation, StudySpec
+from autotune.contract.protocol import StudySpec
+from autotune.contract.views import Recommendation
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
 
 CERTIFIED, KEEP_BASELINE, BAD_INPUT, DID_NOT_FINISH, INTERRUPTED = 0, 1, 2, 3, 130
@@ -194,7 +195,9 @@ def tune(spec: StudySpec | dict[str, Any] | str | Path, *, workdir: str | Path =
     if isinstance(spec, (str, Path)):
         import yaml
 
-        spec = yaml.safe_load(Path(spec).read_text())
+        spec = dict(yaml.safe_load(Path(spec).read_text()))
+    if isinstance(spec, dict) and "hardware" not in spec:  # this host's, before the space is checked against it
+        spec = {**spec, "hardware": local_devices(None, workers).hardware}
     if not isinstance(spec, StudySpec):
         spec = StudySpec.model_validate(spec)
     code, verdict = run_tune(spec, Path(workdir), workers=workers, out=None if out is None else Path(out),

@@ -10,7 +10,7 @@ from rich.markup import escape as rich_escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from autotune.contract.protocol import Recommendation, StudyInfo, TrialInfo
+    from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
 
 
 def _num(value: float | None, fmt: str) -> str:

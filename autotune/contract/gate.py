@@ -1,19 +1,16 @@
 """The quality gate: which trials keep the model's quality.
 
-A study's baseline (the user's current config) runs with R seeds. With the mean μ and sample
-standard deviation σ of their quality metric q (the workload's: NRMSE for `ups`, validation
-loss for `gpt`), a trial is *feasible* iff it completed and
+With μ and σ the mean and sample standard deviation of the baseline seeds' quality metric q
+(the workload's: NRMSE for `ups`, validation loss for `gpt`), a trial is *feasible* iff it
+completed and
 
     q ≤ μ + max(abs_tol, k · σ)      for a metric to minimize (the default)
     q ≥ μ − max(abs_tol, k · σ)      for a metric to maximize (an accuracy)
 
-abs_tol = 0.01 follows the source research's gate (validation NRMSE ≤ baseline + 0.01);
-the k · σ term widens it where the baseline's own seed-to-seed spread is larger, so the
-gate never rejects what is only noise. Samplers learn it as an Optuna constraint:
-``constraint_value`` is ≤ 0 when feasible (Optuna's convention), and a failed trial gets a
-large positive value so its region is avoided rather than ignored.
-
-Pure functions, no I/O: the service and the reports share them.
+so the gate never rejects what is only the baseline's own seed noise. Samplers learn it as an
+Optuna constraint: ``constraint_value`` ≤ 0 when feasible, and a failed trial gets a large
+positive value so its region is avoided rather than ignored. Pure functions, no I/O: the
+service and the reports share them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import yaml
 
 from autotune.contract.config import knobs_of
-from autotune.contract.protocol import Recommendation
+from autotune.contract.views import Recommendation
 
 
 def recommendation_yaml(rec: Recommendation) -> str:

@@ -1,30 +1,14 @@
-"""The workload registry: the training jobs autotune can probe, looked up by name.
+"""The workload registry: the training jobs autotune can probe, looked up by name, never by a
+module path taken from a request.
 
-A study names a workload and a preset (`StudySpec.workload`, `.preset`); a worker's probe
-child builds it with `get_workload`. A name resolves through this registry only, never to
-a module path taken from a request:
-
-* the built-in workloads (`BUILTIN`): ``ups`` (PDE transformer, quality val_nrmse) and
-  ``gpt`` (a small causal language model, quality val_loss);
-* workloads other installed packages register under the entry-point group
-  ``autotune.workloads`` (``[project.entry-points."autotune.workloads"]
-  mine = "my_pkg.workload:MyWorkload"``); their presets and quality metric are not known
-  until the workload is loaded, so only their names are checked before a probe runs;
-* workloads the operator names in the environment variable ``AUTOTUNE_WORKLOADS``
-  (comma-separated ``NAME=module:attr``, or a bare ``NAME``): the worker sets it from its
-  ``--allow-workload NAME=module:attr`` options, so its probe children resolve the same
-  names; on the service a bare ``NAME`` only makes the name known (the service never
-  imports a workload), so studies of a workload that exists only on the workers' command
-  line are accepted (`AUTOTUNE_WORKLOADS=my-wl autotune serve`).
-
-The service rejects a study naming a workload or preset it does not know (422 naming
-``workload`` or ``preset``). That is a convenience, not the security boundary: a worker
-runs only the workloads on its allow-list (``autotune worker --allow-workload NAME``,
-default: the built-ins) and refuses any other lease without importing anything it names
-(see autotune/worker/loop.py).
-
-This module imports neither torch nor any workload module until `get_workload` is called:
-the service and the worker read the registry without them.
+Names come from the built-ins (`BUILTIN`: ``ups``, ``gpt``), from installed packages' entry
+points (group ``autotune.workloads``; their presets are known only once loaded), and from
+``AUTOTUNE_WORKLOADS`` (``NAME=module:attr``, or a bare ``NAME`` that only makes the name known
+to the service): the worker sets it from its ``--allow-workload`` options, so its probe children
+resolve the same names. The service's 422 for an unknown workload or preset is a convenience;
+the security boundary is the worker's allow-list, which refuses any other lease without
+importing what it names. Nothing is imported (no torch, no workload module) until
+`get_workload` is called: the service and the worker read the registry without them.
 """
 
 from __future__ import annotations

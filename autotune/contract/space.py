@@ -1,6 +1,6 @@
 """Search spaces: which knobs a study searches, over which values, under which rules.
 
-A space is YAML (files in `search_spaces/`, or inline in a study spec)::
+A space is YAML (``search_spaces/<name>.yaml``, or inline in a study spec)::
 
     name: cpu
     description: knobs that matter on a CPU host
@@ -12,20 +12,12 @@ A space is YAML (files in `search_spaces/`, or inline in a study spec)::
     fixed:
       pin_memory: false
 
-Every name is a knob of `autotune.contract.config.KNOBS`; every value is checked by that knob; a
-conditional parameter (`when`) is sampled only when its condition holds, otherwise the
-knob keeps its default, which is how "prefetch only with workers > 0" is expressed.
-`parse_space` rejects a space that can draw a configuration breaking a cross-knob rule
-(prefetch_factor or persistent_workers with num_workers 0) and names the parameter to
-guard. `validate_for(space, hardware, world_size)` adds the hardware rules (fp8 needs a
-GPU of compute capability >= 8.9; bucket_cap_mb and the other distributed knobs only with
-world size > 1).
-
-A named space is a file ``SPACES_DIR/<name>.yaml``; `load_space` takes names only, never
-paths (a study spec comes over the network).
-
-`suggest(space, trial)` draws a configuration through any object with Optuna's
-``suggest_categorical/suggest_int/suggest_float`` (this module does not import optuna).
+Every name is a knob of `autotune.contract.config.KNOBS` and every value is checked by it; a
+conditional parameter is sampled only when its condition holds (else the knob keeps its
+default). `parse_space` rejects a space that can draw a config breaking a cross-knob rule,
+`validate_for` adds the hardware rules, `load_space` takes names only, never paths (a spec
+comes over the network), and `suggest` draws through Optuna's ``suggest_*`` interface without
+importing optuna.
 """
 
 from __future__ import annotations

@@ -1,38 +1,22 @@
 """Starting points: the first search trials of a study, before the sampler draws its own.
 
-A sampler starts blind: TPE's first trials are random draws, and in a space of half a million
-configurations a 20-GPU-minute study may never land on the handful that matter. The knobs'
-effects are not a mystery, though (`shared research`, DESIGN.md): on a GPU, CUDA graphs and
-the micro-batch dominate a launch-bound transformer step, bf16 autocast and fused AdamW help
-once the step is compiled, and activation checkpointing trades speed for memory. So a GPU
-study with a model-based sampler (tpe, nsga2, gp) starts from the *fast stack*, derived from
-the user's own baseline and the study's space:
+A sampler starts blind, and in a space of half a million configs a short study may never land
+on the few that matter, while the knobs' effects on a GPU are known. So a GPU study with a
+model-based sampler (tpe, nsga2, gp) starts from the *fast stack* derived from its baseline and
+space (`auto_points`):
 
-1. the baseline's config with compile default and the whole step as one CUDA graph
-   (``step_graph``), precision bf16 (else tf32), fused AdamW, the optimizer step compiled
-   (``compile_optimizer``: what lets the step graph capture an optimizer without a capturable
-   mode, such as the research job's Muon, and on its own 11-36 % faster under reduce-overhead;
-   bench/README.md, the user's optimizer step), cudnn benchmark, no activation checkpointing,
-   persistent DataLoader workers (where
-   it has workers: on the H100 the oracle's config, which has them, ran 4 % faster over a long
-   run than the same config restarting them at every epoch, a cost a short probe under-counts;
-   bench/README.md, tuning strategies), gradient accumulation folded into the micro-batch
-   (batch × accum kept, so the optimizer sees the same effective batch: the quality gate
-   stays within reach) and the auxiliary (inverse) loss every 4th step (the research's
-   tier-3 setting). On the H100 it was the fastest point for AdamW and for Muon + AdamW
-   (7 158 and 3 767 samples/s, against 5 225 and 918 with reduce-overhead);
-2. the same with compile reduce-overhead instead of the step graph (its own CUDA graphs);
-3. that with the baseline's auxiliary-loss frequency, in case skipping it costs quality;
-4. the first with compile default and no graph at all, in case CUDA graphs break this model.
+1. the baseline with compile default and the whole step as one CUDA graph (``step_graph``),
+   bf16 (else tf32), fused AdamW, ``compile_optimizer``, cudnn benchmark, no activation
+   checkpointing, persistent DataLoader workers, accumulation folded into the micro-batch
+   (the effective batch kept) and the inverse loss every 4th step;
+2. the same with compile reduce-overhead instead of the step graph;
+3. that with the baseline's inverse-loss frequency, in case skipping it costs quality;
+4. the first with no CUDA graph at all, in case graphs break this model.
 
-Each point takes only values the space can draw (a knob outside the space, or a value it lacks,
-is left to the sampler), must pass the knob rules, and is dropped when it repeats an earlier
-point or the baseline. The sampler then searches with these measurements in hand: its trials
-are told like any other, the gate judges them, and they may well lose.
-
-`StudySpec.starting_points`: "auto" (the above; nothing on CPU studies or with the random and
-grid samplers, which are baselines by definition), "none", or a list of the user's own
-partial configs (`check_points` validates them against the space when the study is created).
+Each point takes only values the space can draw, must pass the knob rules, and is dropped when
+it repeats an earlier point or the baseline; the gate judges them like any trial.
+`StudySpec.starting_points`: "auto" (the above; nothing for CPU studies or the random and grid
+samplers), "none", or the user's own partial configs (`check_points`).
 """
 
 from __future__ import annotations

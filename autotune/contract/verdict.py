@@ -1,42 +1,17 @@
 """The decision rule: is a config faster than the baseline and no worse? Pure functions.
 
-A candidate is *certified* when both halves hold at the same sample budget:
-
-* speed: the 95 % interval of its speedup (the ratio of geometric-mean throughputs) lies
-  above 1. Each config keeps its own run-to-run variance of log throughput (a host-bound
-  baseline is noisier than a CUDA-graph pick; one spread pooled over both hides a plain 2x
-  in the baseline's noise), and the interval on the difference of mean logs is Welch's:
-  ``d ± t(1 − α, ν) · √(s_p²/n_p + s_b²/n_b)`` with Welch–Satterthwaite degrees of freedom ν.
-  Runs (probe processes) are the unit of replication; windows inside a run are not.
-* quality: non-inferior with margin Δ = max(abs_tol, k · σ_b), σ_b the baseline's seed
-  spread measured at this budget (at least MIN_BASELINE_RUNS runs): the one-sided upper
-  bound of (mean quality of the candidate − the baseline's), signed so that > 0 is worse,
-  lies below Δ. All the candidate's runs at this budget count; never one run against a
-  threshold. Re-measurement rounds give every config of a round the same probe seed (the
-  same initial weights and data order), so most of a quality's seed-to-seed spread is common
-  to the candidate and the baseline of one round: the test is then on the seed-matched
-  differences (`paired`: a one-sample t on d_i = q_candidate(seed i) − q_baseline(seed i),
-  n − 1 degrees of freedom), which a config that trains the same model the same way (a
-  fused optimizer, a larger micro-batch at the same effective batch) passes in a few rounds
-  where the unmatched means would need tens. Without seed-matched runs, the two sides'
-  variances are pooled (`shared_spread`): quality's seed spread is a property of the model
-  and the budget that configs of one training share.
-
-A candidate is *rejected* when either half is shown the other way (the speedup's interval
-lies below 1, or the quality difference's lower bound exceeds Δ), and *undecided* otherwise:
-the study then measures it again (api/study `verdict_state`).
-
-Error rates. The study may look at its candidates after every round (sequential
-re-measurement) and tests up to top_k candidates, so each test runs at a level spent from
-the study's total: α = (1 − confidence) / 2 for each half (one-sided; with confidence 0.95
-that is the 2.5 % tail of a two-sided 95 % interval), divided evenly among the candidates
-(Bonferroni) and spread over the looks by a quadratic spending function, look j of L
-getting α · (2j − 1) / L² (early looks, with few runs, spend little; the increments sum to
-α). By the union bound the chance that a study certifies a candidate that is not faster, or
-not as good, is at most 1 − confidence whatever the looks' correlation. bench/verdict.py
-measures the real rates on planted truth.
-
-Standard library only: the service, the CLI and the benchmarks share it.
+A candidate is *certified* when both halves hold at the same sample budget: speed, the interval
+of its speedup (the ratio of geometric-mean throughputs; Welch's interval on the difference of
+mean log throughputs, each config keeping its own run-to-run variance) lies above 1; quality,
+non-inferiority with margin Δ = max(abs_tol, k · σ_b): the one-sided upper bound of its mean
+quality minus the baseline's (> 0 is worse) lies below Δ, on seed-matched differences where
+rounds share seeds (`paired`), else with pooled variances (`shared_spread`). It is *rejected*
+when either half is shown the other way, *undecided* otherwise (measured again). Runs (probe
+processes) are the unit of replication, never windows. Each test runs at a level spent from the
+study's 1 − confidence over its candidates (Bonferroni) and its looks (a quadratic spending
+function, `look_alpha`), so the chance of certifying a config that is not faster, or not as
+good, stays at most 1 − confidence. Standard library only: the service, the CLI and the
+benchmarks share it.
 """
 
 from __future__ import annotations

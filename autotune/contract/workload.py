@@ -1,59 +1,16 @@
 """The workload interface: what the probe needs from a training job.
 
-A workload supplies a model whose ``forward(batch, with_aux)`` returns a dict of scalar
-losses with the key ``"total"`` (``with_aux`` turns the workload's expensive auxiliary
-losses on, which the ``inverse_loss_frequency`` knob thins out), training and validation
-datasets of dict items, and a quality metric computed in fp32 on the validation set.
-Presets give the default batch size, accumulation, learning rate and sample budget.
+A workload supplies a model whose ``forward(batch, with_aux)`` returns a dict of scalar losses
+with the key ``"total"`` (``with_aux`` adds the expensive auxiliary loss, ``aux_loss_name``, which
+the ``inverse_loss_frequency`` knob thins out), training and validation datasets of dict items,
+and a quality metric (``quality_metric``, ``quality_direction``) computed in fp32 on the
+validation set; presets give the default batch size, accumulation, learning rate and sample
+budget. The optional hooks (`build_optimizers`, `grad_clip_norm`, `lr_multiplier`) default to
+what a probe trained with before a workload could say otherwise. `PresetWorkload` is the
+shortcut for a table of presets. Writing one: docs/workloads.md and examples/my_workload.
 
-The quality metric is named by ``quality_metric`` (``"val_nrmse"`` for field regression,
-``"val_loss"`` for a language model, ...) and has a ``quality_direction``: ``"minimize"``
-(the default: lower is better) or ``"maximize"`` (an accuracy). The study's quality gate
-compares every trial's metric with the baseline's in that direction (autotune/contract/gate.py).
-``aux_loss_name`` names the expensive optional loss term that ``forward(batch,
-with_aux=True)`` adds and the ``inverse_loss_frequency`` knob thins out (None: the model has
-none, and the knob changes nothing).
-
-Minimal example (see examples/my_workload for an installable one)::
-
-    class MyWorkload(Workload):
-        name = "my-wl"                      # the name studies use
-        quality_metric = "val_loss"
-        presets = ("tiny",)
-
-        def __init__(self, preset: str) -> None:
-            self.preset = preset
-
-        @property
-        def defaults(self) -> TrainingDefaults:
-            return TrainingDefaults(batch_size=16, accum_steps=1, lr=1e-3, samples=2048)
-
-        def build_model(self) -> nn.Module: ...          # forward(batch, with_aux) -> {"total": ...}
-        def datasets(self, seed): ...                     # (train, val) of dict items
-        def evaluate(self, model, val, device) -> float:  # the quality metric, fp32
-
-Optional hooks (defaults: what a probe trained with before a workload could say otherwise):
-
-* ``build_optimizers(model, config)``: the optimizer(s) of the user's step, from the model
-  and the trial's config (``config.lr`` is the resolved learning rate): any
-  ``torch.optim.Optimizer`` with any parameter groups, or a list of them (a Muon + AdamW
-  hybrid: `autotune.engine.optimizers.muon_adamw`). Default: AdamW over every trainable parameter
-  with the preset's lr and weight decay. The knobs act on what it returns, in place
-  (``fused_optimizer`` sets the groups' fused/foreach flags where the optimizer has them);
-  a knob that cannot act on it is recorded as inactive with the reason.
-* ``grad_clip_norm``: clip the gradients' global L2 norm to this before each optimizer step
-  (None: no clipping). Default: the preset's ``TrainingDefaults.grad_clip_norm``.
-* ``lr_multiplier(progress)``: the LR schedule, as the factor each parameter group's base lr
-  is multiplied by at `progress` (samples trained / the probe's sample budget, in [0, 1]).
-  Default: linear warm-up over ``warmup_fraction``, then cosine to ``final_lr_fraction``.
-  Over samples, not steps: every batch size follows the same schedule.
-
-`PresetWorkload` is the shortcut for a workload whose presets are a table of specs (the
-built-in ones use it); a workload may subclass `Workload` directly.
-
-This module does not import torch at run time (only for type checking): the registry in
-`autotune.workloads` imports it, and the service and the worker read the registry without
-torch. A workload's own module imports torch.
+No torch at run time (only for type checking): the registry imports this module, and the
+service and the worker read the registry without torch. A workload's own module imports torch.
 """
 
 from __future__ import annotations

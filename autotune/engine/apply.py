@@ -1,8 +1,8 @@
 """Apply a tuned config to your own training loop: ``autotune.apply``.
 
-A study recommends a config (``autotune best STUDY --format yaml > best.yaml``). `apply`
-puts it on *your* objects, through the same knob functions the probe uses
-(autotune/engine/knobs.py), in the same order, so your loop runs the step that was measured::
+`apply` puts a recommended config (``autotune best STUDY --format yaml > best.yaml``) on *your*
+model, optimizer(s) and DataLoader through the knob functions the probe uses, in the same order
+(autotune/engine/knobs.py), so your loop runs the step that was measured::
 
     import autotune
 
@@ -12,47 +12,10 @@ puts it on *your* objects, through the same knob functions the probe uses
     for batch in prepared.train_loader:
         loss = prepared.step(batch)          # None until accum_steps micro-batches are in
 
-Your objects stay yours: `prepared.optimizer` *is* the optimizer you passed (or your list of
-optimizers: a Muon + AdamW hybrid steps as one), changed in place, never replaced; keep your
-reference, your LR schedule keeps acting on it. What each knob does to your objects:
-
-* precision: TF32 switches (fp32/tf32), autocast dtype (bf16, fp16 + GradScaler), fp8
-  (torchao Float8Linear, CUDA only) — `step` runs the forward under `prepared.autocast()`;
-* checkpoint: sets ``checkpoint`` on every module that has that attribute (your blocks decide
-  what it means, as the workloads' blocks do: see autotune/workloads/ups/model.py `Block`);
-  ``none`` for a model without such blocks;
-* compile: ``prepared.model`` is the torch.compile'd module (``prepared.module`` the plain
-  one, whose state_dict has clean keys);
-* fused_optimizer: the ``fused`` / ``foreach`` flags of your optimizer's parameter groups,
-  set in place (it must not have stepped yet); an optimizer without them (torch's Muon) is
-  named inactive in `prepared.notes`. Without an optimizer, AdamW is built (lr: `lr`);
-* compile_optimizer: `step` runs your optimizers' step through torch.compile; each group's
-  lr becomes a 0-dim device tensor (so is it under step_graph);
-* batch_size, num_workers, prefetch_factor, pin_memory, persistent_workers: your DataLoader is
-  rebuilt on the same dataset, sampler (shuffling), collate_fn and drop_last. Without a
-  DataLoader (your own sampler), build micro-batches of ``prepared.config.batch_size``
-  yourself: the first step checks that you did;
-* accum_steps, inverse_loss_frequency: `step` accumulates gradients over accum_steps
-  micro-batches (each loss scaled by 1/accum_steps) and passes ``with_aux`` to your loss
-  function on one optimizer step in inverse_loss_frequency (your expensive optional loss term
-  runs only then);
-* step_graph (CUDA, one process): after two eager runs of each step kind, `step` replays the
-  whole step (your loss function's forward and backward, clipping, the optimizers) as one
-  CUDA graph. Your loss function must then be capturable (no host synchronisation such as
-  ``.item()``) and every micro-batch the same shape (``drop_last=True``).
-
-Your step's own parts: `grad_clip_norm` clips the gradients' global norm before every
-optimizer step (after fp16's GradScaler unscaled them; on the device, so a step graph
-captures it): `step` steps the optimizer, so clipping you did between ``backward()`` and
-``optimizer.step()`` moves here. The learning rate is yours: the config's lr (the probe
-preset's, in best.yaml) is applied only with ``use_config_lr=True``. Drive it as you did,
-writing ``group["lr"]`` or with a torch LR scheduler (where the knobs keep the lr in a
-device tensor, the value you write is copied into it at the next step), or pass
-`total_samples` (and `lr_multiplier`) to follow a schedule over samples as the probe did.
-
-Knobs that act only across several processes (bucket_cap_mb, parallel, ...) are recorded as
-inactive; `prepared.notes` says what every knob did, and `apply` prints, once, each knob that
-could not act on your objects (``quiet=True`` to skip).
+Your objects are changed in place, never replaced (keep your references: your LR schedule keeps
+acting on them), and the learning rate stays yours unless ``use_config_lr=True``.
+`prepared.notes` says what every knob did; `apply` prints, once, each knob that could not act on
+your objects (``quiet=True`` to skip). What each knob does to your objects: docs/workloads.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """TorchInductor's compile workers, started early and sent away before a probe's timed windows.
 
-When a process's compiled code loads its first Triton kernel (on a GPU), TorchInductor starts
-a pool of compile workers: a sidecar process (``torch/_inductor/compile_worker/__main__.py``)
-that imports torch and then forks one worker per CPU (up to 32). It does so even when every
-kernel comes from the compile cache and the pool never compiles anything (the ``inductor``
-backend of ``torch._dynamo`` warms it up at the first compile; ``AsyncCompile.triton`` asks
-whether it is ready). A long training run hardly sees the pool: TorchInductor quiesces it (the
-workers exit) once it has been idle for a minute. A short probe's timed windows fall in that
-first minute, and on a lent H100 host (docs/measurement.md, the compile pool) the
-sidecar's start-up, one CPU busy importing torch for about 10 s, began at the first warm-up
-step of a cached config and ran through most of its timed windows.
-
-So a compiling probe on a GPU starts the pool itself, at the start of its setup
-(`start_compile_pool`: what TorchInductor does at its first compile, some seconds earlier),
-so that the sidecar's start-up overlaps the setup and warm-up. After the warm-up (the last
-compile a probe expects) it waits until the pool is up (its workers forked), asks it to
-quiesce, as TorchInductor would a minute later, and waits until the workers have exited
-(`quiesce_compile_workers`). Nothing is lost: a later compile (a recompile in a timed window)
-starts the workers again. What was done is recorded with the result
-(``ProbeResult.compile_workers``, a row of ``autotune probe``'s table); workers left running
-add a measurement note.
-
-Linux only (the workers are found through /proc); elsewhere, and where no pool was started
-(no Triton, CPU probes, ``TORCHINDUCTOR_COMPILE_THREADS=1``), nothing is done.
+At a process's first compile TorchInductor starts a pool of compile workers (a sidecar that
+imports torch, then forks a worker per CPU), even when every kernel comes from the cache, and
+quiesces it once it has been idle for a minute: a long run hardly sees the pool, but a short
+probe's timed windows fall in that first minute. So a compiling GPU probe starts the pool at the
+start of its setup (`start_compile_pool`), where its start-up overlaps setup and warm-up, and
+after the warm-up waits for it and quiesces it (`quiesce_compile_workers`); a later compile
+starts it again. What was done goes with the result (``ProbeResult.compile_workers``); workers
+left running add a measurement note. Linux only (the workers are found through /proc).
 """
 
 from __future__ import annotations
@@ -36,6 +21,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# /proc read by hand (a few fields of stat, cmdline and children, Linux only like the quiesce itself): psutil
+# would read the same files and is not a dependency, nor worth one for this.
 _PROC = Path("/proc")
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

@@ -1,44 +1,19 @@
 """Multi-GPU probes: one trial over N local processes, forked by one launcher.
 
-A study with ``gpus_per_trial`` N > 1 runs every probe (baselines, trials, re-measurements)
-on N processes of one host: one per GPU with NCCL, or N CPU processes with gloo (tests). The
-worker starts ``python -m autotune.engine.distributed`` (the *launcher*) in its own process group.
-The launcher imports torch and the probe once, then forks the N *ranks* (`launch_main`), each
-in its own session: a rank starts in a few hundredths of a second instead of importing torch
-for itself (seconds of CPU each; what torchrun's fresh interpreters would cost). It forks
-from its only thread, before any CUDA context exists (checked): each rank creates its own.
-The ranks meet at a TCP store that rank 0 serves on a socket the launcher opened before the
-forks (its port is in every rank's MASTER_PORT), so no port is picked and then raced for.
+A study with ``gpus_per_trial`` N > 1 runs every probe on N processes of one host (one per GPU
+with NCCL, or CPU processes with gloo). The worker starts ``python -m autotune.engine.distributed``
+(the *launcher*), which imports torch and the probe once and forks the N ranks from its only
+thread, before any CUDA context exists: a rank starts in hundredths of a second instead of
+importing torch itself. The ranks meet at a TCP store on a socket the launcher opened before the
+forks (no port is raced for).
 
-The job directory (``$AUTOTUNE_JOB_DIR``, made by the worker with `prepare_job_dir`) carries:
-
-``job.json``        the `ChildJob` (workload, preset, config, probe settings, world_size)
-``stop``            created by the worker to prune: rank 0 sees it at the next window end
-                    and every rank stops there (rank 0's decision is broadcast)
-``rank-R.pid``      each rank's pid, so the worker can kill every rank's process group
-``rank-R.json``     a rank's failure record: ``{rank, time, result}`` (a ProbeResult dict
-                    whose failure names the rank)
-
-Output: rank 0 alone writes the protocol of `autotune.engine.probe_child` on stdout (report lines
-after every window with the global throughput and the mean loss over ranks, then the
-result); every rank points its own fd 1 at stderr. A rank whose probe fails writes its
-record and exits 1 at once: the launcher then kills the other ranks (they may be blocked in
-a collective), says on stderr which rank ended how, and exits 1; the worker completes the
-trial with the earliest record (`collect_failure`: the first failure is the cause, later
-ones are its echo, e.g. a peer's "connection closed").
-
-No orphans: the launcher dies with the worker (`watch_parent`: PR_SET_PDEATHSIG + watchdog);
-each rank watches the launcher the same way ($AUTOTUNE_PARENT_PID is the launcher's pid in
-the ranks' environment) and takes its process group (DataLoader workers) with it; the
-worker's kill of the launcher's group is followed by a kill of every rank's group
-(`kill_ranks`, from the pid files). A prune or a kill therefore leaves no process behind.
-
-The NCCL knobs (``nccl_nsocks_perthread`` …) become environment variables of the ranks
-(`nccl_environment`), set by the launcher before it forks them. Each rank gets
-OMP_NUM_THREADS = the worker's --threads, else cores // N (a single-GPU probe has every
-core; N ranks share them).
-
-This module imports torch only inside the launcher and the ranks: the worker imports it.
+The job directory (``$AUTOTUNE_JOB_DIR``, `prepare_job_dir`) holds ``job.json`` (the `ChildJob`),
+``stop`` (the worker's prune: every rank stops at the next window end), ``rank-R.pid`` and
+``rank-R.json`` (a rank's failure record). Rank 0 alone writes the protocol of
+`autotune.engine.probe_child` on stdout. A failing rank makes the launcher kill the others, and
+the worker reports the earliest failure (`collect_failure`). No orphans: the launcher and the
+ranks die with their parent (`watch_parent`) and the worker kills every rank's process group
+(`kill_ranks`). This module imports torch only inside the launcher and the ranks.
 """
 
 from __future__ import annotations
@@ -293,7 +268,7 @@ def rank_main(listener: socket.socket | None = None) -> int:
         torch.distributed.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank,
                                              world_size=world)
     except Exception as e:
-        from autotune.engine.probe import ProbeResult
+        from autotune.engine.result import ProbeResult
 
         failed = ProbeResult(workload=job.workload, preset=job.preset, config=job.config, device=device,
                              torch_version=torch.__version__, world_size=world,

@@ -1,28 +1,11 @@
 """A DataLoader epoch's start, paid at the rate a long run pays it.
 
-Each epoch begins with a stall: `iter(loader)` refills the workers' prefetch queues and,
-without `persistent_workers`, shuts the old worker processes down and starts new ones. A long
-run pays that stall once every epoch. A short probe's timed windows hold a whole number of
-stalls, though, wherever the epoch boundaries happen to fall: the `ups` full preset's probe
-(19 200 samples, epochs of 11 200) times one boundary in 1.7 epochs' worth of steps, or none.
-On an H100 that made a short probe of a config without persistent workers read 3–5 % faster
-than a ten times longer run of it (bench/README.md, "Probe fidelity").
-
-So the probe measures what every boundary cost (over a typical fetch) and moves it: each
-window gives back the cost it timed and takes the mean cost in proportion to its
-micro-batches, one per `epoch_micro_batches`. The windows then hold the epoch cost at its
-long-run rate, and a boundary no longer makes one window an outlier.
-
-What a boundary costs is the time the GPU idled across it (`Boundary.gpu_gap_s`, from CUDA
-events around the fetch), where that is known, not the host's stall. A GPU-bound loop's host
-runs ahead of its GPU, so when the stall begins the GPU still has work queued (60–100 ms
-measured on an H100) and idles only for the rest of the stall: a window that timed a 299 ms
-stall took 204 ms longer than the windows without one, and charging the host's stall made
-short probes read 2–7 % slower than long runs (bench/results/fidelity_h100_graph_234.json). A
-long run's boundaries find the same queue: its windows agree with each costing the stall less
-about 100 ms. On a CPU the host's stall is the cost (nothing runs ahead of the host there),
-and so it is for a start whose fetch `EpochIterator` did not foresee (no GPU events around it).
-
+Each epoch begins with a stall (refilling the prefetch queues and, without persistent workers,
+restarting them). A long run pays it once an epoch, but a short probe's timed windows hold a
+whole number of stalls wherever the boundaries fall. So the probe measures what each boundary
+cost over a typical fetch (on a GPU the time the GPU idled across it, `Boundary.gpu_gap_s`: work
+queued ahead covers part of the host's stall; on a CPU the host's stall) and moves it: each
+window gives back the cost it timed and takes the mean cost in proportion to its micro-batches.
 Pure functions, no I/O: the probe and the benchmarks share them.
 """
 

@@ -1,62 +1,21 @@
 """Warm probe starts: one process per worker imports torch once, then forks a probe child per trial.
 
-Started cold (``python -m autotune.engine.probe_child``), a probe child spends about 3 CPU-seconds
-before its first step on a CPU host, more on a GPU host: importing torch (1.1-1.4 s) and
-``torch._dynamo`` (1.1-1.3 s; ``torch.optim.Optimizer`` imports it on an optimizer's first
-use, compiled or not); on an H100/H200 host 8-9 s in all (bench/README.md, probe start). The
-worker also asked a fresh interpreter about its device at start
-(`autotune.worker.detect_hardware`: importing torch again). The fork server pays for those
-imports once per worker: ``python -m autotune.engine.fork_server`` imports them (`PRELOAD`: torch
-first, the rest one module at a time while no request waits, so the worker's hardware
-detection need not wait for torch._dynamo), then forks a child per request. A forked child
-runs exactly what ``python -m MODULE ARGS`` (or ``python -c CODE ARGS``) would run, with the
-modules already imported; it starts in a few hundredths of a second.
+A cold probe child spends seconds importing torch and torch._dynamo before its first step. The
+fork server (``python -m autotune.engine.fork_server``) imports them once (`PRELOAD`), then forks
+a child per request that runs exactly what ``python -m MODULE ARGS`` (or ``-c CODE``) would. It
+forks from its only thread and never computes with torch or initialises CUDA first (each child
+creates its own context; `preload` checks), freezes its objects out of the children's
+collections (``gc.freeze``), and runs with the children's environment, never the worker's
+secrets (`SECRET_ENV`).
 
-Fork safety. The server forks from its only thread, and before any fork it never starts a
-thread, computes with torch or initialises CUDA: each child creates its own CUDA context, as
-a cold child does (a process that initialised CUDA cannot pass it on through fork). The
-preload asserts that none of this happened (`preload`). Before each fork the server moves
-every object it holds into the collector's permanent generation (``gc.freeze``): a child's
-collections never traverse torch's hundreds of thousands of objects (0.2 s a full collection,
-and every page of them copied on write). ``torch.cuda.is_available`` asks
-NVML, not the CUDA driver, while the server runs (PYTORCH_NVML_BASED_CUDA_CHECK; the
-children do not inherit it).
-
-Same environment. The server is started with the children's environment
-(`autotune.worker.child_environment`: the same for every trial of a worker), so what torch
-and the preloaded modules read at import (thread counts, the TorchInductor cache directory,
-the workload paths) is what a cold child would have read. Never the worker's secrets
-(`SECRET_ENV`, `without_secrets`): a probe runs workload code, and the worker's token is
-the worker's alone. A request carries no environment;
-a child that needs another one is started cold (the worker's distributed launcher, whose
-ranks see only their group's GPUs).
-
-Protocol, over a Unix SOCK_SEQPACKET pair the worker creates (`ForkServer`):
-
-request   worker → server on the control socket: one JSON object ``{"argv": ["-m",
-          "autotune.engine.probe_child"], "preloaded": true}`` (or ``["-c", CODE, ARG...]``) with
-          four file descriptors attached (SCM_RIGHTS): the child's stdin, stdout, stderr, and
-          one end of a fresh socket pair that carries this child's answers. ``preloaded``:
-          fork once every module is imported (a probe, which needs them all: forked before,
-          it would import the rest itself and the server again after, twice the CPU); false:
-          fork at once with what is (the hardware detection needs torch alone).
-answers   server → worker on that per-child socket: ``{"pid": PID}`` once forked, then
-          ``{"exit": CODE}`` (Popen's returncode: negative for a signal) once it ended.
-ready     server → worker on the control socket, once: ``{"ready": true}`` when every module
-          is imported (`ForkServer.wait_ready`).
-release   the worker closes its end once it has the exit status; only then does the server
-          reap the child (until then it stays a zombie, as a Popen child does until waited
-          for), so a pid the worker signals is never another process's.
-
-The child leads a new session (the worker kills its process group: DataLoader and compile
-workers with it), and its ``AUTOTUNE_PARENT_PID`` is the server's: a probe dies with the
-server (`autotune.engine.probe_child.watch_parent`), the server with the worker (PR_SET_PDEATHSIG,
-and a poll of its parent pid). The worker ends the server as it ends (`ForkServer.close`).
-
-`ForkServer` is the worker's side: `popen` returns a `ForkedChild`, which a
-`autotune.worker.ProbeProcess` uses as it uses a `subprocess.Popen`. When the server
-cannot be started or has died, `popen` raises `ForkServerError` and the worker starts its
-children cold.
+Protocol, over a Unix SOCK_SEQPACKET pair the worker creates (`ForkServer`): a request is one
+JSON object ``{"argv": [...], "preloaded": bool}`` with the child's stdin, stdout, stderr and an
+answer socket attached (SCM_RIGHTS); the server answers ``{"pid": PID}``, then ``{"exit": CODE}``
+on that socket, says ``{"ready": true}`` once on the control socket when every module is
+imported, and reaps a child only after the worker closed its answer socket (a pid the worker
+signals is never another process's). A child leads its own session and dies with the server,
+the server with the worker. When the server cannot start or has died, `popen` raises
+`ForkServerError` and the worker starts its children cold.
 """
 
 from __future__ import annotations

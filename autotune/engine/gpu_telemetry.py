@@ -1,33 +1,13 @@
 """What the GPU itself did during a probe's timed windows, read from NVML (nvidia-ml-py).
 
-A throughput is only as good as the clocks it was measured at. A GPU that the driver holds
-down for power or heat (or that is still boosting up) runs the same kernels slower, and a
-short probe and a long run can meet it in different states. So the probe reads, at the
-start and end of every timed window: the SM clock, temperature and power draw, and the time
-the driver spent holding the clocks down for power or thermal reasons (NVML's violation
-counters, cumulative nanoseconds). Per window it records the clock, temperature, power and
-utilization (the share of the driver's last sample period, up to a second, in which a kernel
-ran: well below 100 % means the GPU waited on the host) at the window's end, and the
-fraction of the window that was throttled; the probe notes windows that were throttled for
-a noticeable part of their time.
-
-Telemetry is best effort: without a CUDA device, without nvidia-ml-py, or where the driver
-does not answer a query, the fields are None and nothing else changes.
-
-Energy (`EnergyMeter`, `summarize_energy`): each GPU's energy over each timed window, from
-NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``: millijoules since the
-driver loaded, Volta and newer; method ``nvml_total_energy``) read at the window's start and
-end, or, where the GPU has no such counter, from its power readings
-(``nvmlDeviceGetPowerUsage``) sampled every POWER_SAMPLE_INTERVAL_S by a thread while the
-window runs and integrated over the window (trapezoids; method ``power_integral``; NVML
-averages the power of Ampere and newer GPUs over a second, so short windows carry that
-smoothing). The reads sit where the window's other NVML reads do: outside the CUDA events,
-the start just before the window's first launch, the end just after its last kernel
-finished (the probe's window end synchronises). A window's energy per sample is the energy
-of every GPU of the trial in it over the window's samples (all ranks'); the probe's figure is
-the energy of all its windows over their samples (`summarize_energy`). Energy is as timed:
-the epoch starts a window holds are not amortized as its throughput's are (a GPU idling
-through a stall draws its idle power, a fraction of its busy power).
+A throughput is only as good as the clocks it was measured at, and a short probe and a long run
+can meet a GPU in different power or thermal states. So at the start and end of every timed
+window the probe reads the SM clock, temperature, power, utilization and the driver's throttle
+counters, records them per window, and notes windows throttled for a noticeable part of their
+time. Energy (`EnergyMeter`, `summarize_energy`): each GPU's joules over each window, from NVML's
+total-energy counter (``nvml_total_energy``) or, without one, integrated power readings
+(``power_integral``), read outside the CUDA events like the other NVML reads. Best effort:
+without a CUDA device, nvidia-ml-py or an answer from the driver, the fields are None.
 """
 
 from __future__ import annotations

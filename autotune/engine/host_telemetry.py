@@ -1,35 +1,13 @@
 """What the host did for the training loop during a probe's timed windows.
 
-A config whose steps are short (CUDA graphs at a small batch) is bound by the host thread
-that runs the training loop, not by the GPU: its throughput follows that thread's CPU speed
-and whatever takes the thread's core from it, and it varies from host to host and from
-process to process more than a GPU-bound config does (bench/README.md, probe fidelity). So
-the probe reads the loop thread's own counters (``getrusage(RUSAGE_THREAD)``, Linux) at the
-start and end of every timed window and records, per window:
-
-``busy_fraction``         the thread's CPU seconds (user + system) over the window's seconds.
-                          Near 1: the thread never waited (host-bound, or spinning in a CUDA
-                          sync); well below 1: it slept (on data, on a blocking sync, or off
-                          its core).
-``minor_faults``          page faults served without I/O. After DataLoader workers are forked
-                          (non-persistent workers: at every epoch), the loop's writes to memory
-                          it shares with them copy pages; a burst of these slows a window.
-``involuntary_switches``  times the kernel took the core from the thread (another process or
-                          thread wanted it): preemption, e.g. by busy DataLoader workers.
-``voluntary_switches``    times the thread went to sleep: waiting on a lock (the GIL, when
-                          another thread of the process holds it), a queue or a blocking sync.
-``host_busy_fraction``    the whole host's CPUs (/proc/stat, Linux): the fraction of their time
-                          spent busy (not idle, waiting on I/O or stolen), whoever ran. A
-                          host-bound loop runs at one thread's speed, which the rest of the
-                          host's load can slow (shared caches, memory bandwidth, clocks): a
-                          single-thread speedometer ran 3–10 % slower around short probes of
-                          such a config (docs/measurement.md).
-``host_steal_fraction``   the fraction of the host's CPU time a hypervisor gave to others.
-
-Best effort, like the GPU's telemetry: where RUSAGE_THREAD does not exist (macOS, Windows)
-nothing is recorded, and without /proc/stat the host's two fractions are None. The host's
-CPU model (`cpu_model`) goes with the result, since host-bound throughputs compare only
-between like CPUs.
+A host-bound config (short steps: CUDA graphs at a small batch) runs at the speed of the loop's
+thread, which varies from host to host and process to process. So per timed window the probe
+records the loop thread's ``busy_fraction`` (CPU seconds over the window's seconds),
+``minor_faults``, ``involuntary_switches`` (preemptions) and ``voluntary_switches``
+(``getrusage(RUSAGE_THREAD)``), and the whole host's ``host_busy_fraction`` and
+``host_steal_fraction`` (/proc/stat); the host's CPU model (`cpu_model`) goes with the result,
+since host-bound throughputs compare only between like CPUs. Best effort: without RUSAGE_THREAD
+(macOS, Windows) nothing is recorded, and without /proc/stat the host's fractions are None.
 """
 
 from __future__ import annotations
@@ -42,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only
+# /proc/stat and /proc/cpuinfo are read by hand: a line of each, where psutil would read the same files and is
+# not a dependency (nor worth one); the thread's own counters come from the standard library (getrusage).
 _PROC_STAT = Path("/proc/stat")
 
 

@@ -1,27 +1,13 @@
 """The user's optimizer step: several optimizers as one, the optimizer knobs, gradient clipping.
 
-A workload (or a caller of `autotune.apply`) hands over its own optimizer, or several at once
-(the research's job trains with a Muon + AdamW hybrid: Muon for the 2-D weight matrices,
-AdamW for biases and norms). `Optimizers` steps, zeroes and checkpoints them as one, and the
-optimizer knobs act on those same objects, in place, never on a replacement:
-
-* ``fused_optimizer`` (`apply_fused_optimizer`): the ``fused`` / ``foreach`` flags of every
-  parameter group of each optimizer that has them (Adam, AdamW, SGD, ...). An optimizer
-  without them (torch's Muon) is recorded as inactive for this knob, by name.
-* ``compile_optimizer`` (`compile_optimizer_step`): ``torch.compile`` over the step of every
-  optimizer, the PyTorch recipe for a host-bound optimizer step: the per-parameter loops
-  (Muon's Newton–Schulz iterations, AdamW's updates) become a few generated kernels. Each
-  learning rate becomes a 0-dim device tensor first (`lr_to_tensor`), so a schedule changes
-  it without recompiling; Adam-family groups are made capturable so that their step counters
-  live on the device too. Inactive with fp16, whose GradScaler decides on the host whether
-  to step.
-* gradient clipping (`clip_gradients`): the workload's max norm over every parameter, on the
-  device (no host sync), after fp16's GradScaler has unscaled the gradients.
-
-`muon_adamw` builds the hybrid from a model (torch >= 2.9 has ``torch.optim.Muon``; older
-torch fails the probe as ``unsupported`` with the version it needs).
-
-This module imports torch: only the probe and `autotune.apply` use it.
+A workload (or a caller of `autotune.apply`) hands over its own optimizer, or several at once (a
+Muon + AdamW hybrid: `muon_adamw`). `Optimizers` steps, zeroes and checkpoints them as one, and
+the knobs act on those same objects, in place: ``fused_optimizer`` sets the groups' ``fused`` /
+``foreach`` flags where the optimizer has them (`apply_fused_optimizer`), ``compile_optimizer``
+compiles every optimizer's step with each lr as a device tensor (`compile_optimizer_step`,
+`lr_to_tensor`), and `clip_gradients` clips on the device, after fp16's GradScaler unscaled the
+gradients. A knob that cannot act is recorded inactive with the reason. Imports torch: only the
+probe and `autotune.apply` use it.
 """
 
 from __future__ import annotations

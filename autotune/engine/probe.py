@@ -2,82 +2,23 @@
 
 Phases of `run_probe`:
 
-setup     build the workload, data, model; apply the knobs (see autotune/engine/knobs.py)
-warm-up   the first optimizer steps (compilation, CUDA-graph recording, cudnn autotuning,
-          allocator growth, DataLoader worker start). Timed and reported apart as
-          ``warmup_s``; never part of the throughput. A compiling probe on a GPU starts
-          TorchInductor's compile pool at the start of its setup, and after the warm-up
-          stops its idle workers (``compile_workers``; autotune/engine/compile_workers.py), as
-          TorchInductor itself stops them after a minute: a long run trains without them.
-timed     the remaining steps split into equal windows (>= 5). Each window is timed with
-          CUDA events on a GPU, or with the host clock on a CPU (where every op is
-          synchronous). Throughput is the timed samples over the timed seconds (the
-          harmonic mean of the windows' samples/s: windows hold equal steps); the spread is
-          (max − min) / throughput over windows. Not the median: a stall that recurs less
-          often than once per window (non-persistent DataLoader workers restarting at each
-          epoch) lands in one window of a short probe, where the median would drop it, but
-          in every window of a long run (bench/README.md, probe fidelity: 3.7 % too fast).
-          Nor as timed, though: the windows of a short probe hold a whole number of such
-          epoch starts wherever they fall, a long run one per epoch. Each epoch start's
-          cost is measured (``epoch_boundaries``): on a GPU the time the GPU idled across its
-          stall (CUDA events; work queued ahead covers the rest, in a long run too), on a CPU
-          the host's stall. The windows count the mean cost (``epoch_cost_s``) once per
-          ``epoch_micro_batches``; ``window_throughputs`` are the amortized windows,
-          ``raw_window_throughputs`` the timed ones (autotune/engine/epoch_cost.py).
-          The pruner sees the timed windows as they come.
-          With ``trace_path`` (``autotune probe --trace``), the last steps of the warm-up
-          (``trace_steps``, at most half of it: the first steps compile and capture) run under
-          torch.profiler and are written as a Chrome trace: where the host's and the GPU's
-          time goes in a step, without touching the timed windows or the sample budget
-          (``traced_steps`` says how many; raise ``--warmup-steps`` for more).
-validate  quality on the fixed held-out set, in fp32, with a fresh eager copy of the model
-          that holds the trained weights (so compile/checkpoint/fp8 wrappers cannot leak
-          into the number).
+setup     build the workload, data and model; apply the knobs (autotune/engine/knobs.py)
+warm-up   the first optimizer steps (compilation, CUDA-graph capture, autotuning, allocator
+          growth, DataLoader start): timed apart as ``warmup_s``, never part of the throughput
+timed     the remaining steps in equal windows (>= 5; autotune/engine/timing.py): throughput is
+          the timed samples over the timed seconds, epoch starts counted at a long run's rate
+          (autotune/engine/result.py); each window also records what the host's loop thread and
+          the GPU did, and the GPUs' energy (host_telemetry.py, gpu_telemetry.py)
+validate  quality on the fixed held-out set, in fp32, on a fresh eager copy of the trained model
 
-Quality at equal cost: every probe of a study trains the same number of samples in the
-same order (seeded), so the quality metric (NRMSE for `ups`, validation loss for `gpt`: the
-workload's `quality_metric`, in `quality`) is comparable across configurations. The sample budget is
-rounded down to a whole number of optimizer steps; ``samples_trained`` records it.
-
-Failures (OOM, NaN/inf loss, timeout, unsupported combination, any other error) end as a
-ProbeResult with ``failure = {kind, message}``: never an unrecorded crash.
-
-Several ranks (a process group is initialised, see autotune/engine/distributed.py): every rank runs
-`run_probe` on its own device with micro-batches of ``batch_size`` (its slice of each global
-micro-batch), so the effective batch is ``batch_size × accum_steps × world``, and the sample
-budget and the LR schedule count the samples of all ranks. Windows are aligned: the ranks
-meet at a barrier before each window starts, and a window's time is the slowest rank's
-(an all-reduce MAX), so throughput = global samples / that time (the sum of the ranks'
-throughputs when they keep pace, which DDP's per-step all-reduce forces). Window losses are
-averaged over ranks, the stop decision (rank 0's `on_report`) is broadcast, the quality
-metric is computed once, on rank 0, after training (DDP keeps the replicas identical; FSDP2's
-shards are gathered into a full state dict first), and peak memory is the maximum over ranks.
-``data_wait_fraction`` and ``warmup_s`` are rank 0's.
-
-Each window records what the training loop's thread did (``window_host``: its busy fraction,
-page faults and preemptions; autotune/engine/host_telemetry.py), the host's CPU model goes with the
-result (``host_cpu``), and on a GPU each window also records what the GPU did (``window_gpu``: SM clock, temperature,
-power, the fraction of the window the driver held the clocks down; autotune/engine/gpu_telemetry.py),
-and a window throttled for ≥ 5 % of its time adds a line to ``measurement_notes``.
-
-Energy (on a GPU): every rank meters its own GPU over each timed window (NVML's total-energy
-counter, else integrated power readings: ``energy_method``; autotune/engine/gpu_telemetry.py
-`EnergyMeter`), and the ranks' joules meet on every rank after the window.
-``energy_j_per_sample`` is the energy of all the trial's GPUs in the timed windows over the
-samples in them (the windows hold equal samples, so it is the mean of
-``window_energy_j_per_sample``); ``gpu_energy_j_per_sample`` splits it by GPU (rank order). A
-window's report carries ``energy_j_per_sample`` of the windows so far (the pruner's). NVML's
-counter advances in steps (every 0.1 s on the H100: bench/README.md, energy), so a single
-window's value is coarse where windows last a few tenths of a second (the fast configs of the
-``ups`` full preset: 0.052–0.078 J/sample over the windows of one run), while the probe's
-figure, over all its windows, is not (that config's two runs: 0.0625 and 0.0624 J/sample);
-timed windows shorter than ENERGY_NOTE_S in all add a measurement note. On a CPU, or where
-the driver answers neither reading, the fields are None / empty.
+Every probe of a study trains the same samples in the same order (seeded), so quality compares
+at equal cost. With several ranks (autotune/engine/distributed.py) the windows are aligned and a
+window's time is the slowest rank's. Any failure ends as a ProbeResult with ``failure = {kind,
+message}``: never an unrecorded crash.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import math
@@ -87,20 +28,17 @@ import resource
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from autotune.contract.config import ConfigError, TrainConfig, parse_config
-from autotune.contract.errors import FAILURE_KINDS  # noqa: F401 (re-exported: autotune.engine.probe.FAILURE_KINDS)
 from autotune.contract.gate import window_rate
 from autotune.contract.registry import Workload, get_workload
 from autotune.engine import step_graph
 from autotune.engine.compile_workers import note as compile_workers_note
 from autotune.engine.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
-from autotune.engine.epoch_cost import Boundary, amortized_seconds, epoch_costs, gpu_idle_summary
 from autotune.engine.gpu_telemetry import (
     ENERGY_METHODS,
     EnergyMeter,
@@ -127,10 +65,11 @@ from autotune.engine.knobs import (
     build_optimizers,
     world_size,
 )
+from autotune.engine.result import ProbeResult, amortize_epoch_starts
+from autotune.engine.timing import TRACE_DATA, TRACE_STEP, Clock, RankSync, plan_steps, start_trace, stop_trace
 
 log = logging.getLogger(__name__)
 
-MIN_WINDOWS = 5
 
 # on_report(step, metrics) -> True to stop the probe now (the caller decided to prune it)
 ReportCallback = Callable[[int, dict[str, float]], bool]
@@ -159,82 +98,6 @@ class ProbeSettings:
     quiesce_compile_workers: bool = True
 
 
-@dataclass
-class ProbeResult:
-    """Everything one probe measured. JSON-serialisable through `to_dict`."""
-
-    workload: str
-    preset: str
-    config: dict[str, Any]
-    device: str
-    torch_version: str
-    throughput_samples_per_s: float | None = None
-    throughput_spread: float | None = None
-    window_throughputs: list[float] = field(default_factory=list)  # with epoch starts amortized (epoch_cost.py)
-    raw_window_throughputs: list[float] = field(default_factory=list)  # as timed, epoch starts where they fell
-    val_nrmse: float | None = None  # set only for a workload whose quality metric is val_nrmse
-    quality_metric: str = "val_nrmse"
-    quality: float | None = None  # the workload's quality metric (whatever its name) on the validation set
-    quality_direction: str = "minimize"  # "minimize" | "maximize"
-    warmup_s: float | None = None
-    setup_s: float | None = None
-    setup_phases: dict[str, float] = field(default_factory=dict)  # host seconds per setup phase
-    process_start_s: float | None = None
-    train_s: float | None = None
-    peak_mem_reserved_bytes: int | None = None
-    peak_mem_allocated_bytes: int | None = None
-    data_wait_fraction: float | None = None
-    window_data_wait_s: list[float] = field(default_factory=list)  # rank 0's host seconds blocked on data, per window
-    # rank 0's GPU per window (autotune.engine.gpu_telemetry): SM clock, temperature, power, throttled fraction
-    window_gpu: list[dict[str, float | None]] = field(default_factory=list)
-    # energy of every GPU of the trial over the timed windows (autotune.engine.gpu_telemetry): joules over the windows'
-    # samples; per window; per GPU (rank order, they sum up); "nvml_total_energy" | "power_integral". None on a CPU
-    energy_j_per_sample: float | None = None
-    window_energy_j_per_sample: list[float] = field(default_factory=list)
-    gpu_energy_j_per_sample: list[float] = field(default_factory=list)
-    energy_method: str | None = None
-    # rank 0's training-loop thread per window (autotune.engine.host_telemetry): busy fraction, page faults, preemptions
-    window_host: list[dict[str, float | int | None]] = field(default_factory=list)
-    epoch_micro_batches: int | None = None  # one DataLoader epoch (a rank's micro-batches)
-    # every epoch start after the first: micro_batch (index), stall_s (host seconds of its fetch),
-    # gpu_gap_s (seconds the GPU idled across it; None on a CPU), excess_s (its cost, the gap
-    # where known else the stall, over a typical fetch), window (the timed window it fell in, or None)
-    epoch_boundaries: list[dict[str, Any]] = field(default_factory=list)
-    epoch_cost_s: float | None = None  # the mean excess: what one epoch start costs
-    traced_steps: int = 0  # warm-up steps in the trace (ProbeSettings.trace_path)
-    # TorchInductor's compile workers stopped before the timed windows: workers, worker_cpu_s,
-    # wait_s, left (autotune.engine.compile_workers); None when there were none or they were kept
-    compile_workers: dict[str, Any] | None = None
-    host_cpu: str | None = None  # the host's CPU model: host-bound throughputs compare only between like CPUs
-    measurement_notes: list[str] = field(default_factory=list)  # what qualifies the throughput (e.g. throttling)
-    loss_curve: list[tuple[int, float]] = field(default_factory=list)
-    samples_trained: int = 0
-    steps: int = 0
-    warmup_steps: int = 0
-    window_steps: int = 0
-    inverse_steps: int = 0
-    world_size: int = 1  # processes (GPUs) the probe ran on; throughput counts the samples of all
-    knobs: dict[str, str] = field(default_factory=dict)
-    stopped_early: bool = False
-    failure: dict[str, str] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["loss_curve"] = [list(p) for p in self.loss_curve]
-        return d
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ProbeResult:
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["loss_curve"] = [tuple(p) for p in values.get("loss_curve", [])]
-        return cls(**values)
-
-    @property
-    def ok(self) -> bool:
-        return self.failure is None and not self.stopped_early
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -243,6 +106,7 @@ def device_name(device: torch.device) -> str:
 
 def seconds_since_process_start() -> float | None:
     """Wall seconds since this process started (Linux /proc), for the fixed-overhead figure."""
+    # /proc by hand, as in autotune.engine.compile_workers: no psutil (not a dependency) for two fields
     try:
         fields = process_stat("self")
         with open("/proc/uptime") as up:
@@ -266,165 +130,7 @@ def classify_exception(exc: BaseException) -> tuple[str, str]:
     return "error", short
 
 
-class Clock:
-    """Window timer: CUDA events on a GPU, the host clock on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def start(self) -> Any:
-        """A point on the device's timeline, now (no sync)."""
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any, wait: bool = True) -> float:
-        """Seconds from point `start` to point `end`; `wait`: sync on `end` first (else it must
-        be done already, e.g. a later point was synced on)."""
-        if not self.cuda:
-            return float(end - start)
-        if wait:
-            end.synchronize()  # sync: the window's kernels must finish before reading the events
-        return float(start.elapsed_time(end)) / 1e3
-
-    def stop(self, started: Any) -> float:
-        """Seconds since `started`. On a GPU this waits for the window's work (a sync point)."""
-        return self.seconds(started, self.start())
-
-
-TRACE_STEP, TRACE_DATA = "autotune.step", "autotune.data"  # the traced steps' named ranges
-
-
-def _start_trace(device: torch.device) -> torch.profiler.profile:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities)
-    profiler.start()
-    return profiler
-
-
-def _stop_trace(profiler: torch.profiler.profile, device: torch.device, path: str) -> None:
-    """Stop `profiler` once the traced steps' GPU work is done, and write its Chrome trace."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sync: the traced steps' kernels belong in the trace
-    profiler.stop()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    profiler.export_chrome_trace(path)
-
-
-def _amortize_epoch_starts(result: ProbeResult, boundaries: list[Boundary], spans: list[tuple[int, int]],
-                           seconds: list[float], window_samples: int, sync: _RankSync, cfg: TrainConfig,
-                           planned_micro_batches: int) -> None:
-    """Count the DataLoader's epoch starts in the windows at the rate a long run pays them
-    (autotune/engine/epoch_cost.py): record each start's stall and GPU gap (`boundaries` resolved:
-    `EpochIterator.resolved_boundaries`), and replace the window throughputs with amortized
-    ones (the raw ones are kept). Several ranks: a window's excess and the mean cost are the
-    largest over the ranks (the slowest rank sets the window's time)."""
-    result.raw_window_throughputs = list(result.window_throughputs)
-    epoch = result.epoch_micro_batches
-    assert epoch is not None
-    restarts = cfg.num_workers > 0 and not cfg.persistent_workers  # an epoch start restarts the workers
-    costs = epoch_costs(spans, result.window_data_wait_s, boundaries)
-    if costs is None:  # every rank alike: the boundaries fall at the same micro-batches
-        if restarts and planned_micro_batches <= epoch:
-            result.measurement_notes.append(
-                f"the probe ran inside one DataLoader epoch ({planned_micro_batches} of {epoch} micro-batches): the "
-                "cost of an epoch start (restarting the non-persistent workers) is not in this throughput")
-        return
-    window_excess = [sync.max(e) for e in costs.window_excess_s]
-    cost = sync.max(costs.cost_s)
-    result.epoch_cost_s = cost
-    result.epoch_boundaries = [{"micro_batch": b.micro_batch, "stall_s": b.stall_s, "gpu_gap_s": b.gpu_gap_s,
-                                "excess_s": e, "window": w}
-                               for b, e, w in zip(boundaries, costs.excess_s, costs.window_of, strict=True)]
-    adjusted = amortized_seconds(seconds, spans, window_excess, cost, epoch)
-    if adjusted is None:
-        return
-    result.window_throughputs = [window_samples / s for s in adjusted]
-    raw, amortized = window_rate(result.raw_window_throughputs)[0], window_rate(result.window_throughputs)[0]
-    if abs(amortized / raw - 1) >= AMORTIZED_NOTE:
-        timed = sum(w is not None for w in costs.window_of)
-        long_run = sum(hi - lo for lo, hi in spans) / epoch
-        start = "; ".join(filter(None, ("restarting the workers" if restarts else "refilling the queue",
-                                        gpu_idle_summary(boundaries))))
-        result.measurement_notes.append(
-            f"an epoch start costs {cost * 1e3:.0f} ms ({start}); the windows timed {timed} where a long run pays "
-            f"{long_run:.2f} (one per {epoch} micro-batches): counted at that rate, {raw:,.0f} → {amortized:,.0f} "
-            "samples/s")
-
-
-def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: int,
-               inverse_loss_frequency: int, warmup_periods: int = 2) -> tuple[int, int, int, int]:
-    """Split the sample budget into (total steps, warm-up steps, windows, steps per window).
-
-    The warm-up holds at least `warmup_periods` inverse-loss periods, so that each step kind
-    is warm before the windows (under step_graph: run eagerly, captured and replayed).
-    Windows hold a whole number of inverse-loss periods where possible, so every window
-    has the same mix of cheap and expensive steps. Leftover steps train untimed at the end.
-    """
-    total = samples // effective_batch
-    warm = max(warmup_steps, warmup_periods * inverse_loss_frequency)
-    timed = total - warm
-    if timed < MIN_WINDOWS:
-        need = (warm + MIN_WINDOWS) * effective_batch
-        raise ConfigError("samples", f"{samples} samples at effective batch {effective_batch} leave {max(timed, 0)} "
-                                     f"timed steps after {warm} warm-up steps; need >= {MIN_WINDOWS}: "
-                                     f"use samples >= {need} or a smaller batch_size × accum_steps")
-    n_windows = min(max(windows, MIN_WINDOWS), timed)
-    per = timed // n_windows
-    if per >= inverse_loss_frequency:
-        per -= per % inverse_loss_frequency
-    return total, warm, n_windows, per
-
-
 ENERGY_NOTE_S = 1.0  # timed windows shorter than this in all: the energy figure is a few counter steps
-AMORTIZED_NOTE = 0.01  # a measurement note says so when amortizing epoch starts moves the throughput this much
-
-
-class _RankSync:
-    """The collectives a probe of several ranks needs at window boundaries (no-ops for one
-    rank). Each returns a host value, so each is a CPU–GPU sync point on a GPU (NCCL reduces
-    device tensors, gloo host ones): they run between windows, never inside one."""
-
-    def __init__(self, device: torch.device, world: int) -> None:
-        self.world = world
-        self.device = device if device.type == "cuda" else torch.device("cpu")
-
-    def _reduce(self, value: float, op: Any) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(tensor, op=op)
-        return float(tensor.item())
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # sync: this rank's previous work is done
-            self._reduce(0.0, torch.distributed.ReduceOp.SUM)
-
-    def max(self, value: float) -> float:
-        return value if self.world == 1 else self._reduce(value, torch.distributed.ReduceOp.MAX)
-
-    def mean(self, value: float) -> float:
-        return value if self.world == 1 else self._reduce(value, torch.distributed.ReduceOp.SUM) / self.world
-
-    def gather(self, value: float | None) -> list[float | None]:
-        """Every rank's `value` (None: it has none), in rank order, on every rank."""
-        if self.world == 1:
-            return [value]
-        tensor = torch.zeros(self.world, dtype=torch.float64, device=self.device)
-        tensor[torch.distributed.get_rank()] = math.nan if value is None else value
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return [None if math.isnan(v) else v for v in tensor.tolist()]
-
-    def from_rank0(self, flag: bool) -> bool:
-        if self.world == 1:
-            return flag
-        tensor = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
-        torch.distributed.broadcast(tensor, src=0)
-        return bool(tensor.item())
 
 
 def full_state_dict(model: torch.nn.Module, config: TrainConfig) -> dict[str, Any]:
@@ -511,7 +217,7 @@ class Training:
     loader: Any  # the DataLoader
     data: EpochIterator
     trainer: Trainer
-    sync: _RankSync
+    sync: RankSync
     val_set: Any
     eff: int  # global samples per optimizer step
     rank: int
@@ -558,7 +264,7 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
                                       f"warm-up {d.warmup_fraction:.0%} of samples, cosine to "
                                       f"{d.final_lr_fraction:g}×"))
     phase("optimizer_data_loader")
-    return Training(plain_model, loader, data, trainer, _RankSync(dev, world), val_set, eff, rank, world)
+    return Training(plain_model, loader, data, trainer, RankSync(dev, world), val_set, eff, rank, world)
 
 
 def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSettings, result: ProbeResult,
@@ -642,7 +348,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         profiler = None
         for i in range(warm):
             if traced and i == warm - traced:
-                profiler = _start_trace(dev)
+                profiler = start_trace(dev)
             if profiler is None:
                 warm_losses.append(trainer.step(next_micro_batches()))
             else:  # named ranges, so a reader of the trace finds each step and its data wait
@@ -653,7 +359,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             result.steps = trainer.step_index
             check_deadline("warm-up")
         if profiler is not None and settings.trace_path:
-            _stop_trace(profiler, dev, settings.trace_path)
+            stop_trace(profiler, dev, settings.trace_path)
             result.traced_steps = traced
         stacked = torch.stack(warm_losses)
         if dev.type == "cuda":
@@ -759,7 +465,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
                 check_finite(torch.stack(tail), total)
             step = total
         result.epoch_micro_batches = len(loader)  # the untimed tail's epoch starts count in the cost too
-        _amortize_epoch_starts(result, data.resolved_boundaries(), spans, seconds, per * eff, sync, cfg,
+        amortize_epoch_starts(result, data.resolved_boundaries(), spans, seconds, per * eff, sync, cfg,
                                total * accum)
         for note in (throttle_note(result.window_gpu), host_bound_note(result.window_gpu)):
             if note:

@@ -1,36 +1,22 @@
 """The probe child process: ``python -m autotune.engine.probe_child`` runs one probe for a worker.
 
-The worker starts one child per trial (its own process group, its own CUDA context), so a
-crash, an OOM kill or a hang ends only the child: by default forked from the worker's fork
-server with torch already imported (`autotune.engine.fork_server`; it runs this module as
-``python -m`` would), else as a fresh interpreter. Protocol:
+One child per trial (its own process group and CUDA context), so a crash, an OOM kill or a hang
+ends only the child; forked from the worker's fork server (`autotune.engine.fork_server`), else
+started cold. Protocol:
 
-stdin   one JSON object (`ChildJob.to_json`): workload, preset, config, device, probe
-        settings (samples, seed, windows, warmup_steps, timeout_s), threads.
-stdout  JSON lines, nothing else:
-          {"type": "report", "step": S, "metrics": {"samples": .., "loss": .., "throughput": .., "window": ..}}
-            after every timed window;
-          {"type": "progress", "phase": P, "samples": .., "total_samples": .., ...} at every phase
-            and window (autotune.engine.probe.ProgressCallback: what the worker shows a person);
-          {"type": "result", "result": ProbeResult.to_dict()}  exactly once, last.
-stderr  everything else (logging, warnings, library chatter). File descriptor 1 is pointed
-        at stderr before torch is imported, so stray prints cannot corrupt the protocol.
+stdin   one JSON object (`ChildJob.to_json`): workload, preset, config, device, probe settings.
+stdout  JSON lines, nothing else: {"type": "report", "step": S, "metrics": {...}} after every
+        timed window; {"type": "progress", "phase": P, ...} at every phase and window
+        (autotune.engine.probe.ProgressCallback); {"type": "result", "result":
+        ProbeResult.to_dict()} exactly once, last. Fd 1 points at stderr before torch is
+        imported, so stray prints cannot corrupt the protocol.
+stderr  everything else.
 
-Exit status 0 whenever the result line was written (the probe's failure, if any, is in it).
-
-This is the single-process probe. A probe over several GPUs (``world_size`` > 1) runs under
-ranks forked by one launcher instead (`autotune.engine.distributed`): the same job and the same stdout
-protocol, written by rank 0, with the job passed in a file.
-SIGTERM asks the probe to stop at the next window boundary: the result then has
-``stopped_early`` set (the worker sends it after the service said prune).
-
-The child never outlives its worker (`watch_parent`): a worker killed with SIGKILL cannot
-stop its child (which runs in its own session), and an orphaned probe would hold a GPU while
-the service hands its trial to another worker. On Linux the kernel sends the child SIGKILL
-when the worker dies (prctl PR_SET_PDEATHSIG); everywhere, a watchdog thread polls the
-parent pid and, once it has changed, kills the child's whole process group (its DataLoader
-and compile workers too). $AUTOTUNE_PARENT_PID, when set, names the parent to watch (else
-the parent at start), so a parent that died before the child started is caught as well.
+Exit status 0 whenever the result line was written. SIGTERM stops the probe at the next window
+boundary (``stopped_early``). The child never outlives its worker (`watch_parent`:
+PR_SET_PDEATHSIG, and a watchdog on the parent pid, $AUTOTUNE_PARENT_PID, that kills the child's
+process group). A probe over several GPUs runs under `autotune.engine.distributed` instead, with
+the same job and stdout protocol.
 """
 
 from __future__ import annotations
@@ -171,7 +157,8 @@ def run_job(job: ChildJob, out: ProtocolWriter, stop: threading.Event) -> dict[s
     if job.threads:
         torch.set_num_threads(job.threads)
     from autotune.contract.config import ConfigError
-    from autotune.engine.probe import ProbeResult, ProbeSettings, classify_exception, device_name, run_probe
+    from autotune.engine.probe import ProbeSettings, classify_exception, device_name, run_probe
+    from autotune.engine.result import ProbeResult
 
     def on_report(step: int, metrics: dict[str, float]) -> bool:
         out.write({"type": "report", "step": step, "metrics": metrics})

@@ -1,47 +1,19 @@
 """The ``step_graph`` knob: the whole optimizer step replayed as one CUDA graph.
 
-At a small batch a compiled transformer's step is bound by the host, not the GPU: the
-training loop's thread spends its time on per-parameter work around the kernels (autograd's
-gradient accumulation, one call per parameter; the optimizer's Python loop over its
-parameters; the launches), while the GPU idles between kernels (bench/README.md, "where the
-host's time goes in a step"). Such a config runs at the speed of one host thread, and that
-speed drifts on a shared host, so its throughput does too. ``compile=reduce-overhead``
-captures the forward and the backward as CUDA graphs but leaves the optimizer and autograd's
-bookkeeping on the host.
+At a small batch a compiled transformer's step is bound by the host's per-parameter work
+(autograd's accumulation, the optimizer's loop, the launches) while the GPU idles, and
+``compile=reduce-overhead`` graphs only the forward and backward. With ``step_graph: true`` the
+probe (and `autotune.apply`) captures everything a step does on the GPU (forward and backward of
+every micro-batch, clipping, every optimizer's update, zeroing the gradients) as one CUDA graph
+per step variant (with and without the inverse losses); a step is then: copy the micro-batches
+into the graph's inputs, set the lr tensor, launch. Each variant first runs ``EAGER_RUNS``
+ordinary steps on a side stream (compilation, optimizer state, allocator), then is captured and
+replayed. Optimizers read their state and lr on the device (a capturable mode, or a compiled
+step); gradients are zeroed in place, never set to None.
 
-With ``step_graph: true`` the probe (and `autotune.apply`) captures everything one optimizer
-step does on the GPU, the forward and backward of every micro-batch, the gradient clipping,
-the update of every optimizer (AdamW, or the workload's own, e.g. Muon + AdamW) and the
-zeroing of the gradients, as one CUDA graph per step variant (with and without the inverse
-losses). A step is then: copy the new micro-batches into the graph's input buffers, set the
-learning rate in its device tensor, launch the graph. What stays on the host per step is a
-handful of calls, whatever the number of parameters.
-
-How, in the order it happens:
-
-* Each optimizer reads its state and learning rate on the device: an optimizer with a
-  capturable mode (Adam, AdamW) is switched to it (step counters on the device), and each
-  group's learning rate becomes a device tensor the schedule writes into
-  (`autotune.engine.optimizers.lr_to_tensor`; ``Trainer`` does this before any step). An optimizer
-  without a capturable mode (torch's Muon, SGD) is captured through its compiled step
-  (``compile_optimizer``), which reads the lr tensor on the device; eager, it would read the
-  lr on the host once, at capture.
-  Gradients are allocated once and zeroed in place, never set to None, so the graph's
-  backward accumulates into the same tensors every replay.
-* Each variant first runs ``EAGER_RUNS`` ordinary steps on a side stream: torch.compile
-  compiles, the optimizer's state is created, the allocator settles (what CUDA graph capture
-  requires). These are real training steps.
-* The next step of that variant is captured (capturing runs nothing), then replayed. From
-  then on the variant is replayed; its loss is copied out of the graph's output each step.
-
-Where it cannot act it is recorded inactive, with the reason (`blocker`): not on a CUDA
-device; with several ranks (the gradient all-reduce is not captured); with
-``compile=reduce-overhead`` or ``max-autotune``, which capture CUDA graphs of their own; with
-fp16, whose GradScaler reads the gradients' inf check on the host every step; with an
-optimizer that has neither a capturable mode nor a compiled step (the reason names
-``compile_optimizer``). A step that cannot be captured all the same (an
-operation that synchronises with the host, a data-dependent shape) fails the probe as
-``unsupported``, naming the knob, rather than training on unmeasured.
+Inactive, with the reason (`blocker`): not on CUDA, several ranks, compile reduce-overhead or
+max-autotune, fp16, an optimizer with neither a capturable mode nor a compiled step. A step that
+cannot be captured all the same fails the probe as ``unsupported``, naming the knob.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A small typed HTTP client of the autotune service (the routes of autotune/contract/protocol.py).
+"""A small typed HTTP client of the autotune service (the routes of docs/service.md).
 
 Every call retries what a restart or a network hiccup looks like (connection errors,
 timeouts, HTTP 5xx) with exponential backoff capped at `max_backoff_s`, for up to
@@ -39,21 +39,17 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from autotune.contract.protocol import (
+from autotune.contract.protocol import StudySpec
+from autotune.contract.results import (
     CompleteRequest,
     HeartbeatReply,
     HeartbeatRequest,
     LeaseRequest,
-    Recommendation,
     ReportReply,
     ReportRequest,
-    StudyInfo,
-    StudyList,
-    StudySpec,
-    TrialInfo,
     TrialLease,
-    TrialList,
 )
+from autotune.contract.views import Recommendation, StudyInfo, StudyList, TrialInfo, TrialList
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +191,8 @@ class Client:
         assert budget is None or isinstance(budget, (int, float))
         started = time.monotonic()
         delay = 0.25
+        # by hand, not tenacity or urllib3's Retry (no dependency; httpx retries only failed connects): the
+        # budget is per call, a cancel event cuts the wait short, and a 4xx is an answer, raised at once
         while True:
             try:
                 response = self._http.request(method, path, json=json_body, params=params)

@@ -1,105 +1,39 @@
 """The worker's spool: probe results the service's database does not hold yet, one JSON file each.
 
 A probe costs minutes of a GPU; its result must not die with a network outage, a service
-restarted on another database (401), a 5xx, or the worker itself. So the worker writes each
-result here *before* it calls complete (write-ahead: atomically, temp file + fsync + rename)
-and removes the file once the service has it. Whatever happens in between, the measurement
-is on disk: a worker started on the same spool delivers it when the service answers again
-(at its start, and before and after every lease; `Worker.deliver_spool`).
+restarted on another database, a 5xx, or the worker itself. So the worker writes each result
+here *before* it calls complete (write-ahead: temp file + fsync + rename) and removes the file
+once the service has it; a worker started on the same spool delivers what it holds when the
+service answers again (`autotune.worker.delivery`).
 
-Layout (default `default_spool_dir`; ``autotune worker --spool-dir DIR`` or
-$AUTOTUNE_SPOOL_DIR sets another): a folder per service identity, so that a worker reads
-only its own service's results (workers of several services may share a spool: one per
-user and host by default)::
+Layout (default `default_spool_dir`; ``--spool-dir DIR`` or $AUTOTUNE_SPOOL_DIR): a folder per
+service identity, so that a worker reads only its own service's results::
 
     DIR/<service id>/trial-<id>-<hash>.json           waiting for that service (hash: service URL and
                                                       id, worker id, study, trial number, lease token)
     DIR/<service id>/rejected/trial-<id>-<hash>.json  the service will not take it; kept, with its reason
-    DIR/<service id>/settled/trial-<id>-<hash>.json   empty: this trial's result was delivered (or
-                                                      refused for good) lately; a lease of it handed
-                                                      out before is not run
+    DIR/<service id>/settled/trial-<id>-<hash>.json   empty: delivered (or refused for good) lately; a
+                                                      lease of it handed out before is not run
     DIR/trial-<id>-<hash>.json, DIR/rejected/, DIR/settled/
-                                                      the same for a lease whose service's id is not
-                                                      known (made before any health answer, or by an
-                                                      older service), and the flat layout of older
-                                                      workers (every entry here, whatever its service)
+                                                      the same for a lease of an unknown service id, and
+                                                      the flat layout of older workers
 
-The folder is named by the service id (`Spool.folder`; an id that is not a plain name gets a
-hashed one). The top is read both ways: entries an older worker wrote there are found and
-delivered as before (they are not moved: an older worker on the same spool still finds them).
-``autotune spool list|deliver|clear`` shows the spool, delivers one service's results without
-a worker, and deletes entries (`inventory`, `belongs_to`, `deliver_entries`).
-
-Each file is a `SpoolEntry`: the service URL, the service id (GET /v1/health's ``service_id``,
-a UUID made with the service's tables; the lease names it), the trial id, study and trial
-number, the lease's token (`TrialLease.lease_token`, random per lease), the worker id that
-held the lease (a delivery completes as that worker: the service accepts a result only from
-the lease holder, and a restarted worker has a new default id), the result, and when it was
-spooled.
-
-Where a result goes: trial ids restart at 1 in every database, so (URL, trial id, worker id)
-does not name a trial: a service restarted on another database (a backup, a new file; with
-the same tokens, or --no-auth) holds another trial under the same id, and a worker that
-leases there may even hold it. So a worker delivers an entry only to the service it was
-leased from, and only into its study (`misplaced`): the service's id must be the entry's
-(checked before every delivery), and for a spooled result the service's listing of the study
-must hold the trial id as that trial number (a restored copy of the same database has the
-same id). Otherwise the entry stays in the spool, said with where it belongs (service id,
-study, trial), and is offered again later. An entry without a service id (spooled by an
-older worker), or a service without one (an older service), is matched by URL and study.
-Last, the lease token: a backup taken before the study holds the same service id, and a study
-of the same name there gives the same trial id and number, even to the same worker. The
-complete carries the entry's token, and the service takes it only for the lease holding that
-token (409 "... another lease of trial N ...": kept, said with where it belongs); the worker
-delivers a kept result instead of running a lease only when the lease's token is the entry's.
-An entry without a token (an older worker's, or a lease of an older service) is matched as
-before, and only to a lease without one.
+Where a result goes: trial ids restart at 1 in every database, so an entry (`SpoolEntry`) goes
+only to the service it was leased from and into its study (`misplaced`): the service's id must
+be the entry's, the study's listing must hold the trial id as that trial number, and the
+complete carries the lease's token, which the service takes only for that lease. An entry or a
+service without an id (older ones) is matched by URL and study; an entry without a token only
+to a lease without one. Otherwise the entry stays, said with where it belongs.
 
 Delivery (`deliver`) is idempotent, because the service keeps the first result it is given:
-
-    200                                 delivered: the file is removed
-    409 "already completed" (this       the service has it already (an earlier delivery whose
-        worker's)                       reply was lost): the file is removed
-    409 another worker's / reaped /     the trial is not this worker's any more (the service's
-        ended lease                     words say why: another worker holds it or completed it;
-                                        a reaped trial is failed as lost and re-run as a new
-                                        trial while its study's max_retries allow): a measurement
-                                        is moved to rejected/ with that reason (never deleted); a
-                                        failure record (it measured nothing) is dropped
-    422                                 the service refuses the result (malformed, another config):
-                                        moved to rejected/, and the trial is completed as failed
-                                        (kind error, naming the refusal): its lease ends and the
-                                        service does not re-run it (the reason says so, or says
-                                        that the failure record could not be sent either)
-    409 "not leased by this service",   the service does not know the trial: most likely one
-        404                             started on another database; kept, offered again later
-    409 "another lease of trial"        the service holds the trial id under another lease (its
-                                        token is not the entry's: another database, a backup or
-                                        a restored copy): kept, said with where it belongs,
-                                        offered again later
-    401/403                             the token is not accepted (a service started on another
-                                        database, e.g. without --db, or a revoked token): kept
-    unreachable, 5xx                    kept; offered again when the service answers
-
-The lease and the spool: the service's reaper fails a lease whose heartbeats stop for its
-grace period (AUTOTUNE_LEASE_GRACE_S, 60 s by default) as lost, and re-runs the trial as a
-new one while its study's max_retries allow. A restarted
-service gives every lease one grace period from its start, and a worker delivers its spool
-within seconds of the service answering, so a service outage or restart costs nothing. A
-worker cut off from a *running* service for longer than the grace (a network partition; a
-worker killed and restarted late) finds its lease reaped: its result goes to rejected/ with
-the service's reason, and the re-run's result is the one the study keeps.
-
-Settled: a lease the service handed out before the delivery of the trial's spooled result
-(a worker whose lease call was answered by a restarted service, which still holds the lease,
-and which then delivers its spool) names a trial that is finished by then: the worker must
-not run it again. `deliver` notes each trial it finished in settled/ (kept SETTLED_KEEP_S),
-which every worker on the spool reads before it runs a lease (`Spool.settled`): also the
-one whose result another worker on the spool delivered.
-
-Concurrency: workers on one host may share a spool. A delivery holds an exclusive flock on
-the entry's file (`Spool.claim`), so two workers do not hand in the same file at once; and
-were they to, the service's idempotence makes the second a no-op.
+200 or 409 "already completed" (this worker's): the file is removed; 409 another worker's,
+reaped or ended lease: a measurement moves to rejected/ with the reason, a failure record is
+dropped; 422: moved to rejected/, and the trial completed as failed (kind error) so that its
+lease ends; 409 "not leased by this service", 404, 409 "another lease of trial", 401/403,
+unreachable, 5xx: kept, offered again later. `deliver` notes each trial it finished in settled/
+(kept SETTLED_KEEP_S), which every worker on the spool reads before it runs a lease
+(`Spool.settled`). A delivery holds an exclusive flock on the entry's file (`Spool.claim`):
+workers on one host may share a spool.
 """
 
 from __future__ import annotations
@@ -120,7 +54,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from autotune.contract.protocol import ANOTHER_LEASE, TrialInfo
+from autotune.contract.results import ANOTHER_LEASE
+from autotune.contract.views import TrialInfo
 from autotune.worker.client import (
     ApiError,
     Client,
@@ -331,7 +266,7 @@ class Spool:
         return list(dict.fromkeys(self.folder(s) for s in services))
 
     def settle(self, entry: SpoolEntry) -> None:
-        """Note that `entry`'s trial is finished for its worker (see Settled in the module
+        """Note that `entry`'s trial is finished for its worker (settled/ in the module
         docstring); notes older than SETTLED_KEEP_S are removed meanwhile. A note that cannot
         be written is logged: it only guards against running a finished trial again."""
         notes = self.folder(entry.service_id) / SETTLED

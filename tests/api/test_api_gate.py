@@ -19,7 +19,7 @@ from service_helpers import StudyFactory, complete, lease, probe_result
 from autotune.api.service import TuningService
 from autotune.api.study.samplers import CONSTRAINT_ATTR
 from autotune.cli.tables import recommendation_table
-from autotune.contract.protocol import Recommendation
+from autotune.contract.views import Recommendation
 
 BASE_NRMSE = [0.10, 0.12, 0.14]  # mean 0.12, std 0.02 → gate 0.12 + max(0.01, 2 × 0.02) = 0.16
 

@@ -81,7 +81,7 @@ def test_the_trials_table_marks_a_repeat() -> None:
     from rich.console import Console
 
     from autotune.cli.tables import trials_table
-    from autotune.contract.protocol import TrialInfo
+    from autotune.contract.views import TrialInfo
 
     trials = [TrialInfo(trial_id=1, number=1, state="COMPLETE", params={"batch_size": 8}),
               TrialInfo(trial_id=2, number=2, state="REPEAT", params={"batch_size": 8}, repeat_of=1)]
@@ -109,7 +109,7 @@ def _trials(client: TestClient, name: str) -> dict[int, dict[str, Any]]:
 
 
 def test_config_key_normalises() -> None:
-    from autotune.api.optuna_bridge import _config_key
+    from autotune.api.repeats import config_key as _config_key
 
     assert _config_key({"batch_size": 8}, {}) == _config_key({"batch_size": 8.0, "num_workers": 0}, {})
     assert _config_key({}, {}) != _config_key({"batch_size": 8}, {})  # the preset's batch size is unknown

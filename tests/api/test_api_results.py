@@ -17,7 +17,7 @@ from service_helpers import StudyFactory, complete, lease
 
 from autotune.cli.tables import recommendation_table
 from autotune.contract.config import KNOBS, normalised, parse_config
-from autotune.contract.protocol import Recommendation
+from autotune.contract.views import Recommendation
 
 # (throughput, val_nrmse) for the baseline and three trials; gate abs_tol 0.01 → nrmse <= 0.11
 BASELINE = (100.0, 0.10)

@@ -26,7 +26,7 @@ from service_helpers import StudyFactory, lease, probe_result
 from autotune.api.service import TuningService
 from autotune.cli.report import write_report
 from autotune.cli.tables import recommendation_table, studies_table, trials_table
-from autotune.contract.protocol import Recommendation, StudyInfo, TrialInfo
+from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
 
 GPU = "NVIDIA H100 80GB HBM3"
 KNOB = {"params": {"batch_size": {"choices": [8, 16]}}, "fixed": {}}  # the baseline runs batch 4

@@ -25,7 +25,8 @@ from service_helpers import lease, make_settings, serve
 
 from autotune.api.limits import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV
 from autotune.api.main import create_app
-from autotune.contract.protocol import LeaseRequest, StudySpec
+from autotune.contract.protocol import StudySpec
+from autotune.contract.results import LeaseRequest
 
 JSON = {"content-type": "application/json"}
 TRIAL_POSTS = [("/v1/trials/1/heartbeat", {"worker_id": "w"}),

@@ -26,8 +26,8 @@ from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, lease, probe_result
 
 from autotune.api.outcome import PRESET_VALUES, config_differences, config_key_problems, preset_values
-from autotune.contract.protocol import MAX_THROUGHPUT, MIN_THROUGHPUT, CompleteRequest, TrialResult
 from autotune.contract.registry import BUILTIN, registered_workloads
+from autotune.contract.results import MAX_THROUGHPUT, MIN_THROUGHPUT, CompleteRequest, TrialResult
 
 JSON = {"content-type": "application/json"}
 UPS_TINY = {"batch_size": 4, "accum_steps": 2, "lr": 3e-3}

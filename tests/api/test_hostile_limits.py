@@ -27,7 +27,8 @@ from pydantic import ValidationError
 from service_helpers import StudyFactory, lease, probe_result, serve
 
 from autotune.api.limits import MAX_JSON_DEPTH, json_depth
-from autotune.contract.protocol import MAX_THROUGHPUT, MIN_THROUGHPUT, StudySpec
+from autotune.contract.protocol import StudySpec
+from autotune.contract.results import MAX_THROUGHPUT, MIN_THROUGHPUT
 
 JSON = {"content-type": "application/json"}
 DEEP = "@@deep@@"  # where _body puts the nested arrays

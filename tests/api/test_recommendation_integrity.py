@@ -21,7 +21,7 @@ from service_helpers import StudyFactory, complete, lease, probe_result
 
 from autotune.api.service import TuningService
 from autotune.cli.tables import recommendation_table
-from autotune.contract.protocol import Recommendation
+from autotune.contract.views import Recommendation
 
 ONE_KNOB = {"params": {"batch_size": {"choices": [4, 8, 16]}}, "fixed": {}}
 

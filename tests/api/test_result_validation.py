@@ -1,4 +1,4 @@
-"""complete validates its result (autotune.contract.protocol.TrialResult, CompleteRequest): a malformed
+"""complete validates its result (autotune.contract.results.TrialResult, CompleteRequest): a malformed
 result, or one for another config than the leased one, is a 422 naming the field; nothing
 changes and the trial stays leased to its worker, whose corrected complete then goes through.
 On SQLite and PostgreSQL. What the current worker sends keeps passing (the last tests)."""
@@ -15,7 +15,7 @@ from service_helpers import complete, lease, make_settings, probe_result
 
 from autotune.api.main import create_app
 from autotune.api.outcome import config_differences
-from autotune.contract.protocol import CompleteRequest, TrialLease, TrialResult
+from autotune.contract.results import CompleteRequest, TrialLease, TrialResult
 
 JSON = {"content-type": "application/json"}
 
@@ -177,12 +177,12 @@ def test_unknown_result_keys_are_accepted_and_ignored(client: TestClient) -> Non
 
 
 def test_what_the_worker_sends_passes_and_goes_on_the_wire_as_built() -> None:
-    """The current worker's results (autotune.worker: the probe's, minimal_result's failures,
+    """The current worker's results (autotune.worker.results: the probe's, minimal_result's failures,
     partial_result's stopped_early) validate, and the client's dump is the dict it was given:
     no field added, none changed."""
-    from autotune.engine.probe import ProbeResult
+    from autotune.engine.result import ProbeResult
     from autotune.worker.hardware import Hardware
-    from autotune.worker.loop import TrialRun, minimal_result, partial_result
+    from autotune.worker.results import TrialRun, minimal_result, partial_result
 
     lease_ = TrialLease(trial_id=1, study="s", number=0, params={}, config={"batch_size": 8}, workload="ups",
                         preset="tiny", probe={"samples": 80})  # type: ignore[arg-type]

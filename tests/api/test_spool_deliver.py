@@ -13,7 +13,7 @@ from service_helpers import free_port, probe_result, serve
 from typer.testing import CliRunner, Result
 
 from autotune.cli.main import app as cli
-from autotune.contract.protocol import LeaseRequest, TrialLease
+from autotune.contract.results import LeaseRequest, TrialLease
 from autotune.worker.client import Client
 from autotune.worker.spool import Spool, SpoolEntry
 

@@ -8,13 +8,9 @@ Presets:
   tiny-muon  tiny, trained as the research's job is: a Muon + AdamW hybrid
   full-muon  full, likewise
 
-The ``-muon`` presets train like the research's job (research/001: "Muon hybrid (Muon +
-AdamW)", weight decay 0.03, Muon momentum 0.95, AdamW betas (0.9, 0.999)): torch's own
-``torch.optim.Muon`` (torch >= 2.9) for the weight matrices of the nn.Linear layers, AdamW
-for biases, norms and the free parameters, one learning rate for both (Muon's update scaled
-to AdamW's RMS), and the gradients' global norm clipped at 1.0. On an older torch their
-probes fail as ``unsupported``, naming the version. ``tiny`` and ``full`` train with AdamW
-alone, as every earlier result did.
+The ``-muon`` presets use ``torch.optim.Muon`` (torch >= 2.9; on an older torch their probes
+fail as ``unsupported``) for the nn.Linear weight matrices and AdamW for the rest, with one
+learning rate and the gradients' global norm clipped at 1.0; ``tiny`` and ``full`` use AdamW alone.
 """
 
 from __future__ import annotations
