@@ -38,6 +38,7 @@ from typing import Any
 
 from studylib import pyplot
 
+from autotune.contract.protocol import ProbeSpec
 from autotune.engine.distributed import JOB_DIR_ENV, collect_failure, launch_argv, prepare_job_dir
 from autotune.engine.probe_child import ChildJob
 from autotune.worker.child import ProbeProcess
@@ -191,7 +192,7 @@ def main() -> int:
     first, second = (int(i) for i in args.gpus.split(","))
     groups = {1: DeviceGroup((f"cuda:{first}",) if cuda else ("cpu",)),
               2: DeviceGroup((f"cuda:{first}", f"cuda:{second}") if cuda else ("cpu", "cpu"))}
-    probe = {"samples": samples, "windows": 8, "warmup_steps": 5, "timeout_s": args.timeout}
+    probe = ProbeSpec(samples=samples, windows=8, warmup_steps=5, timeout_s=args.timeout)
 
     todo = cases(base)
     if args.only:
@@ -231,7 +232,7 @@ def main() -> int:
     summarize(rows)
     elapsed = time.perf_counter() - t_start
     doc = {"benchmark": "ddp", "environment": environment(args.device), "device": args.device,
-           "workload": args.workload, "preset": args.preset, "base_config": base, "probe": probe,
+           "workload": args.workload, "preset": args.preset, "base_config": base, "probe": probe.model_dump(mode="json"),
            "data_s": round(data_s, 1), "elapsed_s": round(elapsed, 1), "rows": rows, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1, default=str))

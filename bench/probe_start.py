@@ -30,6 +30,7 @@ from typing import Any
 
 from studylib import environment, pyplot
 
+from autotune.contract.protocol import ProbeSpec
 from autotune.engine.fork_server import ForkedChild, ForkServer
 from autotune.engine.probe_child import ChildJob
 from autotune.worker.child import ProbeProcess
@@ -120,7 +121,7 @@ def main() -> int:
         parser.error("--repeats must exceed --skip")
     env = child_environment(args.threads)
     job = ChildJob(workload=args.workload, preset=args.preset, config=json.loads(args.config), device=args.device,
-                   probe={"samples": args.samples, "seed": 0}, threads=args.threads)
+                   probe=ProbeSpec(samples=args.samples, seed=0), threads=args.threads)
     began = time.perf_counter()
     server = ForkServer(env).start()
     try:

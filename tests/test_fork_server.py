@@ -123,7 +123,7 @@ def test_the_worker_forks_its_probe_children_and_detects_its_hardware_through_th
     with pytest.raises(ValueError, match="unknown device 'tpu'"):  # a device torch is asked about: a forked child
         detect_hardware("tpu", server)
     job = ChildJob(workload="ups", preset="tiny", config={"batch_size": 4, "accum_steps": 1},
-                   probe={"samples": 40, "windows": 2, "warmup_steps": 5}, threads=1)
+                   probe={"samples": 40, "windows": 5, "warmup_steps": 5}, threads=1)
     # the server's environment: child_environment(1) when it started (a worker's never changes; a test's
     # spool folder does)
     child = ProbeProcess([sys.executable, "-m", CHILD_MODULE], job, server.env, server=server)
@@ -219,7 +219,7 @@ def test_a_forked_probe_trains_on_the_gpu(server: ForkServer, compile_mode: str,
     assert child.returncode == 0 and out.strip() == "2.0", err
     assert detect_hardware("cuda:0", server).device == "cuda:0"
     job = ChildJob(workload="ups", preset="tiny", config={"batch_size": 8, "compile": compile_mode},
-                   device="cuda:0", probe={"samples": 400, "windows": 3, "warmup_steps": 5}, threads=1)
+                   device="cuda:0", probe={"samples": 400, "windows": 5, "warmup_steps": 5}, threads=1)
     probe = ProbeProcess([sys.executable, "-m", CHILD_MODULE], job, server.env, server=server)
     assert isinstance(probe.proc, ForkedChild)
     events: list[tuple[str, Any]] = []

@@ -16,8 +16,11 @@ from rich.table import Table
 
 from autotune.cli.common import err, usage_error
 from autotune.contract.config import KNOBS, ConfigError, load_config_arg, parse_config
+from autotune.contract.protocol import ProbeSpec
 from autotune.engine.compile_workers import summary as compile_workers_summary
 from autotune.engine.stdout_guard import stdout_to_stderr
+
+PROBE_DEFAULTS = ProbeSpec()  # a study's probe defaults are `autotune probe`'s
 
 
 def _format_bytes(n: int | None) -> str:
@@ -119,9 +122,10 @@ def probe(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     config: Annotated[str, typer.Option(help="Knob values: inline JSON or a path to a YAML/JSON file.")] = "{}",
     samples: Annotated[int | None, typer.Option(help="Training samples (default: the preset's).", min=1)] = None,
-    seed: Annotated[int, typer.Option(help="Seed for weights and sample order.")] = 0,
-    windows: Annotated[int, typer.Option(help="Timed windows (>= 5).", min=5)] = 8,
-    warmup_steps: Annotated[int, typer.Option(help="Warm-up optimizer steps, excluded from timing.", min=1)] = 5,
+    seed: Annotated[int, typer.Option(help="Seed for weights and sample order.")] = PROBE_DEFAULTS.seed,
+    windows: Annotated[int, typer.Option(help="Timed windows (>= 5).", min=5)] = PROBE_DEFAULTS.windows,
+    warmup_steps: Annotated[int, typer.Option(help="Warm-up optimizer steps, excluded from timing.",
+                                              min=1)] = PROBE_DEFAULTS.warmup_steps,
     timeout: Annotated[float | None, typer.Option(help="Soft time limit in seconds.", min=0.1)] = None,
     trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (torch.profiler; chrome://tracing or "
                                                "Perfetto) of the warm-up's last steps, at most half of them: where "

@@ -35,6 +35,7 @@ import torch
 
 from autotune.contract.config import ConfigError, TrainConfig, parse_config
 from autotune.contract.gate import window_rate
+from autotune.contract.protocol import ProbeSpec
 from autotune.contract.registry import Workload, get_workload
 from autotune.engine import step_graph
 from autotune.engine.compile_workers import note as compile_workers_note
@@ -80,15 +81,19 @@ ReportCallback = Callable[[int, dict[str, float]], bool]
 ProgressCallback = Callable[[str, dict[str, Any]], None]
 
 
+_SPEC = ProbeSpec()  # a study's probe defaults: ProbeSettings takes them, written once (contract.protocol)
+
+
 @dataclass
 class ProbeSettings:
-    """How to measure (the same for every trial of a study)."""
+    """How to measure (the same for every trial of a study): a study's ProbeSpec (its defaults
+    are these), plus what only a local probe sets (trace, compile backend, ...)."""
 
     samples: int | None = None  # training samples; None → the preset's default
-    seed: int = 0
-    warmup_steps: int = 5  # at least; also >= 2 × inverse_loss_frequency so both step kinds warm up (step_graph: 4 ×)
-    windows: int = 8  # timed windows (>= 5)
-    timeout_s: float | None = None  # soft limit checked between steps
+    seed: int = _SPEC.seed
+    warmup_steps: int = _SPEC.warmup_steps  # at least; also >= 2 × inverse_loss_frequency (step_graph: 4 ×)
+    windows: int = _SPEC.windows  # timed windows (>= 5)
+    timeout_s: float | None = None  # soft limit checked between steps (a study's: its ProbeSpec.timeout_s)
     compile_backend: str = "inductor"
     trace_path: str | None = None  # a Chrome trace (torch.profiler) of the warm-up's last steps
     trace_steps: int = 5  # at most; never more than half the warm-up (its first steps compile)
@@ -96,6 +101,12 @@ class ProbeSettings:
     # (autotune.engine.compile_workers); False leaves the pool to TorchInductor: started at the first
     # compile, beside the timed windows as a process's first minute has it
     quiesce_compile_workers: bool = True
+
+    @classmethod
+    def from_spec(cls, spec: ProbeSpec) -> ProbeSettings:
+        """A study's probe: its ProbeSpec as the child receives it."""
+        return cls(samples=spec.samples, seed=spec.seed, warmup_steps=spec.warmup_steps, windows=spec.windows,
+                   timeout_s=spec.timeout_s)
 
 
 def device_name(device: torch.device) -> str:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import IO, Any
 
+from autotune.contract.protocol import ProbeSpec
 from autotune.engine.stdout_guard import divert_stdout
 
 log = logging.getLogger("autotune.engine.probe_child")
@@ -52,12 +53,16 @@ class ChildJob:
     preset: str
     config: dict[str, Any]
     device: str = "cpu"
-    probe: dict[str, Any] = field(default_factory=dict)  # ProbeSpec fields
+    probe: ProbeSpec = field(default_factory=ProbeSpec)  # how to measure: the study's, its defaults written there
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     world_size: int = 1  # processes of the probe: > 1 runs as N ranks (autotune.engine.distributed)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.probe, ProbeSpec):  # its fields as a mapping (the JSON on stdin, a script)
+            self.probe = ProbeSpec.model_validate(self.probe)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({**asdict(self), "probe": self.probe.model_dump(mode="json")})
 
     @classmethod
     def from_json(cls, text: str) -> ChildJob:
@@ -167,11 +172,8 @@ def run_job(job: ChildJob, out: ProtocolWriter, stop: threading.Event) -> dict[s
     def on_progress(phase: str, info: dict[str, Any]) -> None:
         out.write({"type": "progress", "phase": phase, **info})
 
-    spec = job.probe
     try:
-        settings = ProbeSettings(samples=spec.get("samples"), seed=int(spec.get("seed", 0)),
-                                 warmup_steps=int(spec.get("warmup_steps", 5)), windows=int(spec.get("windows", 8)),
-                                 timeout_s=spec.get("timeout_s"))
+        settings = ProbeSettings.from_spec(job.probe)
         result = run_probe(job.workload, job.config, preset=job.preset, device=job.device, settings=settings,
                            on_report=on_report, on_progress=on_progress)
         return result.to_dict()

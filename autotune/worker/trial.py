@@ -87,7 +87,7 @@ class TrialRunner:
         threads = share.probe_threads(world, omp_threads_cap()) if share is not None else self.options.threads
         job = ChildJob(workload=lease.workload, preset=lease.preset, config=dict(lease.config),
                        device=self.hardware.device if world == 1 else ("cuda" if self.group.is_cuda else "cpu"),
-                       probe=lease.probe.model_dump(mode="json"), threads=threads, world_size=world)
+                       probe=lease.probe, threads=threads, world_size=world)
         if self.interrupted() is None and run.dropped is None and run.stop_reason is None:
             tail = self._probe(run, job, share, threads, live)
         else:  # interrupted between lease and start (or while it waited for its cores), or stopped by the service then
