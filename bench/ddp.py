@@ -232,7 +232,8 @@ def main() -> int:
     summarize(rows)
     elapsed = time.perf_counter() - t_start
     doc = {"benchmark": "ddp", "environment": environment(args.device), "device": args.device,
-           "workload": args.workload, "preset": args.preset, "base_config": base, "probe": probe.model_dump(mode="json"),
+           "workload": args.workload, "preset": args.preset, "base_config": base,
+           "probe": probe.model_dump(mode="json"),
            "data_s": round(data_s, 1), "elapsed_s": round(elapsed, 1), "rows": rows, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1, default=str))
