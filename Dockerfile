@@ -6,7 +6,7 @@
 #   (the password in PGPASSWORD, or a ~/.pgpass / secret file: never in the URL, which `ps` and logs show)
 #   docker run --rm -e AUTOTUNE_DB_URL=... autotune token create --role admin
 # Without AUTOTUNE_DB_URL it serves a SQLite file in the /var/lib/autotune volume.
-# No torch here: the service never imports it (tests/test_docker.py checks that). GPU
+# No torch here: the service never imports it (tests/deploy/test_docker.py checks that). GPU
 # workers have their own image, docker/worker.Dockerfile; docs/deploy.md has the compose setup.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

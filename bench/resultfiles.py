@@ -19,7 +19,7 @@ committed is split by the rules below (`RULES`, by file name):
 
 A file no rule names is committed as written. A summary rewritten whole by its benchmark (no
 "_layout" entry) is read as it is, its old raw file ignored until it is split again.
-tests/test_bench_results.py holds bench/results/ to `LIMIT_BYTES` and checks that every
+tests/bench/test_bench_results.py holds bench/results/ to `LIMIT_BYTES` and checks that every
 results file the READMEs cite exists.
 """
 

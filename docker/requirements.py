@@ -3,7 +3,7 @@
     python docker/requirements.py --extra dashboard --exclude torch > requirements.txt
 
 The service image installs these and then the project itself with ``--no-deps``: the
-service never imports torch (tests/test_docker.py checks that), so its image leaves out the
+service never imports torch (tests/deploy/test_docker.py checks that), so its image leaves out the
 largest dependency. ``--exclude NAME`` drops a requirement by its distribution name;
 ``--extra NAME`` adds an optional-dependency group. Unknown extras or excluded names that are
 not requirements are errors, so a rename in pyproject.toml breaks the image build loudly.

@@ -1,9 +1,10 @@
-"""Shared fixtures for the probe-engine tests.
+"""Fixtures shared by every test (tests/api/conftest.py adds the service's own).
 
 * Generated PDE data goes to one session-scoped temporary directory (``AUTOTUNE_DATA_DIR``),
   so it is generated once per session, never in the home directory, and subprocesses
   started by tests inherit the same cache.
 * Tests marked ``gpu`` are skipped when CUDA is not available.
+* ``processes``: the subprocesses a test starts (tests/live_service.py), all stopped after it.
 * The process-global torch switches that knobs set (TF32, matmul precision,
   cudnn.benchmark) are restored after every test, so no test leaks into another.
 * Torch runs one intra-op thread in every test process and every process a test starts
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import CPU, resolved
+from live_service import Processes
 from torch.utils.data import Dataset
 
 from autotune.contract.registry import Workload, get_workload
@@ -51,6 +53,17 @@ def worker_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     path = tmp_path_factory.mktemp("spool")
     monkeypatch.setenv("AUTOTUNE_SPOOL_DIR", str(path))
     return path
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    """The test's subprocesses (services, workers), each in its own session with a log in
+    tmp_path; every one still running is stopped after the test, whatever its outcome."""
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

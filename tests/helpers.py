@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,3 +72,15 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         assert p.grad is not None, f"{name} has no gradient"
         out[name] = p.grad.detach().clone()
     return out
+
+
+def section(text: str, heading: str) -> str:
+    """The body of the Markdown section `## heading...` of `text`, up to the next `## `."""
+    match = re.search(rf"^## {re.escape(heading)}.*?$(.*?)(?=^## |\Z)", text, flags=re.MULTILINE | re.DOTALL)
+    assert match, f"the text lost its section {heading!r}"
+    return match.group(1)
+
+
+def bash_blocks(text: str) -> list[str]:
+    """The bodies of the ```bash fences of a Markdown text, in order."""
+    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)

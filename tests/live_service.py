@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -143,6 +144,12 @@ LEASED = re.compile(r"▶ trial (\d+) of (\S+) \(id (\d+)\)")  # the worker's li
 def leased_trial_ids(proc: subprocess.Popen[bytes]) -> list[int]:
     """The trial ids a worker process leased, in order, from its log."""
     return [int(m.group(3)) for m in LEASED.finditer(log_text(proc))]
+
+
+def reports_stored(db: Path) -> int:
+    """How many window reports the service on SQLite file `db` has stored (read beside it)."""
+    with sqlite3.connect(db, timeout=5) as conn:
+        return int(conn.execute("SELECT count(*) FROM autotune_reports").fetchone()[0])
 
 
 # The LiveService of each URL, so that start_worker(processes, service.url) finds its worker token.

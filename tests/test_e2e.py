@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +36,6 @@ from autotune.engine.compile_workers import children, cmdline
 
 pytestmark = pytest.mark.slow
 LONG_PROBE = 4000  # samples: ~1000-2000 steps, long enough to act on a probe mid-run
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    yield procs
-    procs.stop_all()
 
 
 @pytest.fixture

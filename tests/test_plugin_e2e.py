@@ -22,7 +22,6 @@ spares a study that third probe.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,13 +112,6 @@ def write_package(site: Path, entry_point: bool) -> Path:
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-workloads\nVersion: 1.0\n")
         (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntoywl = {MODULE}:LossWorkload\n")
     return site
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    yield procs
-    procs.stop_all()
 
 
 # the first search trial: a candidate (a config other than the baseline's, SMALL_BASELINE)

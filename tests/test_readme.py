@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import bash_blocks, section
 from live_service import free_port
 
 from autotune.contract.config import KNOBS
@@ -32,18 +33,6 @@ from autotune.contract.protocol import StudySpec
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-
-
-def section(text: str, heading: str) -> str:
-    """The body of the Markdown section `## heading...` of `text`, up to the next `## `."""
-    match = re.search(rf"^## {re.escape(heading)}.*?$(.*?)(?=^## |\Z)", text, flags=re.MULTILINE | re.DOTALL)
-    assert match, f"the README lost its section {heading!r}"
-    return match.group(1)
-
-
-def bash_blocks(text: str) -> list[str]:
-    """The bodies of the ```bash fences of a Markdown text, in order."""
-    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
 
 
 def walkthrough_script(port: int) -> str:
@@ -65,7 +54,7 @@ def test_the_gpu_quick_start_is_first_and_its_spec_validates_on_a_gpu() -> None:
     data = yaml.safe_load(block.group(1))
     assert "hardware" not in data
     spec = StudySpec.model_validate({**data, "hardware": "NVIDIA H100 80GB HBM3"})
-    assert spec.space == "h100" and spec.workload == "gpt"
+    assert spec.space == "h100" and spec.workload == "ups" and spec.preset == "full"
 
 
 def test_the_readme_study_spec_validates() -> None:

@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,6 @@ FAST_REAPER = {"AUTOTUNE_LEASE_GRACE_S": str(GRACE_S), "AUTOTUNE_REAPER_INTERVAL
 SILENT_GRACE_S = 1.0
 SILENT_REAPER = {"AUTOTUNE_LEASE_GRACE_S": str(SILENT_GRACE_S), "AUTOTUNE_REAPER_INTERVAL_S": "0.1"}
 NO_PRUNING = {"enabled": False}  # every trial runs to the end: the outcomes are known in advance
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    yield procs
-    procs.stop_all()
 
 
 @pytest.fixture

@@ -26,15 +26,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import bash_blocks
 from live_service import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = ROOT / "docs" / "tutorial.md"
-
-
-def bash_blocks(text: str) -> list[str]:
-    """The bodies of the ```bash fences of a Markdown text, in order."""
-    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
 
 
 def tutorial_script(site: Path, port: int) -> str:

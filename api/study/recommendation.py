@@ -152,9 +152,7 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
                       "config, or widen the search")
         elif any(r.status == "undecided" for r in rows):
             outcome = "undecided"
-            reason = (f"no config was certified within the re-measure budget ({rm.rounds_done} rounds of at most "
-                      f"{rm.round_limit}): the fastest was neither shown faster and no worse nor shown otherwise; keep "
-                      "the baseline config, or raise remeasure.max_rounds or measure on a quieter host")
+            reason = undecided_reason(rows, rm.rounds_done, rm.round_limit, qname, sign)
         else:
             outcome = "no_win"
             whys = "; ".join(f"trial {r.trial_number}: {r.reason}" for r in rows if r.role == "candidate")
@@ -284,3 +282,27 @@ def _verdict_sentence(outcome: str, reason: str, j: Judgement | None) -> str:
     if outcome == "certified":
         return "certified: " + reason
     return reason
+
+
+def undecided_reason(rows: list[ConfigVerdict], rounds: int, limit: int, quality: str, sign: float) -> str:
+    """Why nothing was certified when the fastest undecided config was neither shown a win nor
+    a loss, naming the half that stayed open and what would close it: more rounds (either
+    half), a quieter host (speed), or a wider gate.abs_tol when a quality difference of that
+    size is acceptable to the user (quality)."""
+    undecided = [r for r in rows if r.role == "candidate" and r.status == "undecided"]
+    top = max(undecided, key=lambda r: (sign * (r.throughput_samples_per_s or 0.0), -r.trial_number))
+    speed_open = top.speedup_ci_low is None or (top.speedup_ci_low <= 1.0 if sign > 0 else
+                                                (top.speedup_ci_high or 1.0) >= 1.0)
+    quality_open = top.quality_diff_ci_high is None or top.quality_margin is None \
+        or top.quality_diff_ci_high >= top.quality_margin
+    fixes = ["raise remeasure.max_rounds"]
+    if speed_open:
+        fixes.append("measure on a quieter host")
+    if quality_open and not speed_open:
+        fixes.append(f"widen gate.abs_tol if a {quality} difference of {top.quality_diff:+.3g} is acceptable to you"
+                     if top.quality_diff is not None else "widen gate.abs_tol")
+    half = ("neither its speed nor its quality was decided" if speed_open and quality_open else
+            "its speed was not shown beyond the noise" if speed_open else f"its {quality} was not shown no worse")
+    return (f"no config was certified within the re-measure budget ({rounds} round{'s' if rounds != 1 else ''} of at "
+            f"most {limit}): for the fastest undecided, trial {top.trial_number}, {half} ({top.reason}); keep the "
+            "baseline config, or " + ", or ".join(fixes))

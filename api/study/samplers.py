@@ -35,7 +35,7 @@ def tpe_gamma(n_trials: int) -> int:
     With Optuna's default (10 %) the good set of a young study is two or three trials, the
     sampler's density over them is mostly its flat prior, and a constrained multi-objective
     study keeps landing in the infeasible region at the same rate to the end: on the synthetic
-    problem in tests/test_gate_pruning.py, 81 infeasible trials in the second halves of eight
+    problem in tests/api/test_gate_pruning.py, 81 infeasible trials in the second halves of eight
     60-trial studies against 86 in the first halves. With 25 %: 21 against 57, and fewer in
     the second half for every seed, while finding the feasible optimum as early.
     """

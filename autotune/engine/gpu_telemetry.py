@@ -26,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# what autotune asks NVML (nvidia-ml-py's names; tests/test_gpu_telemetry.py checks they exist)
+# what autotune asks NVML (nvidia-ml-py's names; tests/engine/test_gpu_telemetry.py checks they exist)
 NVML_CALLS = ("nvmlInit", "nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature",
               "nvmlDeviceGetPowerUsage", "nvmlDeviceGetViolationStatus", "nvmlDeviceGetUtilizationRates",
               "nvmlDeviceGetTotalEnergyConsumption")

@@ -1,7 +1,8 @@
 """Fixtures for the service tests: a fresh app per test on a real database file.
 
 * ``client``: a TestClient (lifespan running) on a SQLite file in tmp_path.
-* ``db_url``: parametrised over SQLite and PostgreSQL, for the tests that must hold on both.
+* ``db_url``: parametrised over SQLite and PostgreSQL, for the tests that must hold on both;
+  ``backend_app`` and ``backend_client`` are the service on it.
   PostgreSQL gets a fresh database per test on the server named by AUTOTUNE_TEST_PG_URL
   (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres); without a reachable
   server those cases are skipped with a message saying how to enable them, except under
@@ -138,6 +139,20 @@ def db_url(request: pytest.FixtureRequest) -> str:
     """A database of each backend the service supports, at the schema head."""
     url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
     return url
+
+
+@pytest.fixture
+def backend_app(db_url: str) -> FastAPI:
+    """The service on each backend (a SQLite file, a fresh PostgreSQL database: ``db_url``)."""
+    return create_app(make_settings(db_url))
+
+
+@pytest.fixture
+def backend_client(backend_app: FastAPI) -> Iterator[TestClient]:
+    """A client of ``backend_app`` (lifespan running): what a backend cannot store must be a 4xx
+    there too (PostgreSQL: 32-bit integer ids, no NUL in text)."""
+    with TestClient(backend_app) as c:
+        yield c
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,7 +10,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from live_service import free_port
 
+from autotune.api.service import TuningService
 from autotune.api.settings import Settings
 
 StudyFactory = Callable[..., dict[str, Any]]  # the make_study fixture: make_study(name, **spec) -> StudyInfo
@@ -23,11 +24,10 @@ def make_settings(db_url: str, **overrides: Any) -> Settings:
     return Settings(db_url=db_url, **{"reaper_interval_s": 3600.0, "auth": False, **overrides})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def tuning_service(app: FastAPI) -> TuningService:
+    """The app's TuningService (what the routes call), for a test to reach past the HTTP API."""
+    service: TuningService = app.state.service
+    return service
 
 
 @contextmanager
@@ -65,6 +65,11 @@ def probe_result(config: dict[str, Any] | None = None, throughput: float | None 
         "samples_trained": 80, "steps": 10, "warmup_steps": 5, "window_steps": 1, "inverse_steps": 10,
         "knobs": {"precision": "fp32 (TF32 off)"}, "stopped_early": stopped_early, "failure": failure,
     }
+
+
+def trials_of(client: TestClient, study: str = "s") -> dict[int, dict[str, Any]]:
+    """GET /v1/studies/{study}/trials: the study's trials by their number."""
+    return {t["number"]: t for t in client.get(f"/v1/studies/{study}/trials").json()["data"]}
 
 
 def lease(client: TestClient, worker_id: str, hardware: str = "cpu", study: str | None = None) -> dict[str, Any] | None:

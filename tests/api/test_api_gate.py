@@ -14,19 +14,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from rich.console import Console
-from service_helpers import StudyFactory, complete, lease, probe_result
+from service_helpers import StudyFactory, complete, lease, probe_result, tuning_service
 
-from autotune.api.service import TuningService
 from autotune.api.study.samplers import CONSTRAINT_ATTR
 from autotune.cli.tables import recommendation_table
 from autotune.contract.views import Recommendation
 
 BASE_NRMSE = [0.10, 0.12, 0.14]  # mean 0.12, std 0.02 → gate 0.12 + max(0.01, 2 × 0.02) = 0.16
-
-
-def _service(app: FastAPI) -> TuningService:
-    service: TuningService = app.state.service
-    return service
 
 
 def _run_baselines(client: TestClient, nrmses: list[float], throughputs: list[float] | None = None) -> None:
@@ -65,7 +59,7 @@ def test_gate_from_three_baseline_seeds(app: FastAPI, client: TestClient, make_s
     assert best["baseline_seeds"] == 3 and best["remeasured"] is False
     assert best["configs"] == []  # nothing judged: no rule inputs
     # the sampler learns the gate as a constraint (≤ 0 feasible)
-    trials = {t.number: t for t in _service(app).bridge.trials("s")}
+    trials = {t.number: t for t in tuning_service(app).bridge.trials("s")}
     assert trials[ok["number"]].user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.155 - gate)
     assert trials[bad["number"]].user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.17 - gate)
 
@@ -83,7 +77,7 @@ def test_a_failed_probe_is_optuna_fail_and_its_config_is_not_run_again(app: Fast
                       failure={"kind": "oom", "message": "CUDA OOM"})
     assert failed["state"] == "FAIL" and failed["feasible"] is False and failed["values"] is None
     assert failed["failure"] == {"kind": "oom", "message": "CUDA OOM"}
-    stored = _service(app).bridge.storage.get_trial(failed["trial_id"])
+    stored = tuning_service(app).bridge.storage.get_trial(failed["trial_id"])
     assert stored.state.name == "FAIL" and stored.values is None and stored.constraints == {}
     assert CONSTRAINT_ATTR not in stored.user_attrs
     assert stored.user_attrs["failure_kind"] == "oom" and stored.user_attrs["failure_message"] == "CUDA OOM"
@@ -107,7 +101,7 @@ def test_over_memory_is_infeasible(app: FastAPI, client: TestClient, make_study:
     _run_baselines(client, [0.1])
     got = _run(client, "w1", throughput=500.0, nrmse=0.1)
     assert got["feasible"] is False
-    trial = _service(app).bridge.storage.get_trial(got["trial_id"])
+    trial = tuning_service(app).bridge.storage.get_trial(got["trial_id"])
     assert trial.user_attrs[CONSTRAINT_ATTR] == pytest.approx(0.5)  # 1 GiB − 0.5
     r = client.get("/v1/studies/s/best")
     assert r.status_code == 404

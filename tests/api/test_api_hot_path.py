@@ -6,15 +6,9 @@ from __future__ import annotations
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from service_helpers import StudyFactory, complete, lease
+from service_helpers import StudyFactory, complete, lease, tuning_service
 
 from autotune.api import crud
-from autotune.api.service import TuningService
-
-
-def _service(app: FastAPI) -> TuningService:
-    service: TuningService = app.state.service
-    return service
 
 
 def test_replies_match_what_the_study_stores(client: TestClient, make_study: StudyFactory) -> None:
@@ -48,7 +42,7 @@ def test_complete_writes_the_measurement_as_one_attr(app: FastAPI, client: TestC
     make_study("s")
     got = lease(client, "w1")
     assert got is not None
-    bridge = _service(app).bridge
+    bridge = tuning_service(app).bridge
     keys: list[str] = []
     original = bridge.storage.set_trial_user_attr
     monkeypatch.setattr(bridge.storage, "set_trial_user_attr",
@@ -93,7 +87,7 @@ def test_the_sampler_reads_what_the_storage_holds(app: FastAPI, client: TestClie
     import optuna
 
     make_study("s", sampler="tpe", n_trials=20)
-    service = _service(app)
+    service = tuning_service(app)
     base = lease(client, "w")
     assert base is not None
     complete(client, base, "w", throughput=80.0)
@@ -128,7 +122,7 @@ def test_heartbeat_and_report_keep_a_lease_alive_without_the_study_lock(app: Fas
     make_study("s")
     got = lease(client, "w1")
     assert got is not None
-    lock = _service(app)._study_lock("s")
+    lock = tuning_service(app)._study_lock("s")
     assert lock.acquire(timeout=1)
     try:  # another thread would hold the lock while it asks or tells: beats and reports go on
         beat = client.post(f"/v1/trials/{got['trial_id']}/heartbeat", json={"worker_id": "w1"}).json()

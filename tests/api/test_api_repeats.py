@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from service_helpers import StudyFactory, complete, lease, make_settings, probe_result
+from service_helpers import StudyFactory, complete, lease, make_settings, probe_result, trials_of
 
 from autotune.api.db import utcnow
 from autotune.api.main import create_app
@@ -104,10 +104,6 @@ def _search_configs(leased: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [got["config"] for got in leased if got["role"] == "search"]
 
 
-def _trials(client: TestClient, name: str) -> dict[int, dict[str, Any]]:
-    return {t["number"]: t for t in client.get(f"/v1/studies/{name}/trials").json()["data"]}
-
-
 def test_config_key_normalises() -> None:
     from autotune.api.repeats import config_key as _config_key
 
@@ -124,7 +120,7 @@ def test_a_draw_of_the_baselines_config_is_not_leased(client: TestClient, make_s
     leased = _run_study(client, "base")
     assert _search_configs(leased) == [{"batch_size": 4}]  # 8 is the baseline's: measured by the baseline seed
     assert _state(client, "base") == "finished"
-    trials = _trials(client, "base")
+    trials = trials_of(client, "base")
     told = [t for t in trials.values() if t["role"] == "search" and t["config"]["batch_size"] == 8]
     assert told, "the sampler drew the baseline's config"
     for t in told:
@@ -166,7 +162,7 @@ def test_a_draw_of_a_running_trials_config_is_not_leased(backend: TestClient) ->
     assert first is not None and second is not None
     assert first["config"] != second["config"]  # the second worker never gets the first one's config
     assert lease(client, "w3", study="run") is None  # both configs in flight: every draw is a repeat
-    trials = _trials(client, "run")
+    trials = trials_of(client, "run")
     told = [t for t in trials.values() if t["repeat_of"] is not None]
     assert told, "TPE over two configurations drew a running one again"
     # told at once, never leased: REPEAT (Optuna PRUNED, no values), the twin still running
@@ -185,7 +181,7 @@ def test_a_draw_of_a_running_trials_config_is_not_leased(backend: TestClient) ->
     leased = _run_study(client, "run")  # what budget is left: every draw repeats a measured config
     assert _search_configs(leased) == []
     assert _state(client, "run") == "finished"
-    trials = _trials(client, "run")
+    trials = trials_of(client, "run")
     assert sorted(t["config"]["batch_size"] for t in trials.values() if t["state"] == "COMPLETE"
                   and t["role"] == "search") == [4, 8]
 
@@ -207,7 +203,7 @@ def test_a_tiny_space_finishes_without_a_duplicate_lease(client: TestClient, mak
     assert _state(client, "tiny") == "finished"
     configs = [c["batch_size"] for c in _search_configs(leased)]
     assert sorted(configs) == [4, 8]  # each configuration ran once
-    trials = _trials(client, "tiny")
+    trials = trials_of(client, "tiny")
     assert len(trials) == 25
     assert sorted(t["state"] for t in trials.values()) == ["COMPLETE"] * 3 + ["REPEAT"] * 22
     assert all((t["repeat_of"] is not None) == (t["state"] == "REPEAT") for t in trials.values())

@@ -16,31 +16,21 @@ import optuna
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from service_helpers import StudyFactory, complete, lease, make_settings
+from service_helpers import StudyFactory, complete, lease, make_settings, trials_of, tuning_service
 from sqlalchemy import update
 
 from autotune.api.db import LeaseRow, utcnow
 from autotune.api.main import create_app
-from autotune.api.service import TuningService
-
-
-def _service(app: FastAPI) -> TuningService:
-    service: TuningService = app.state.service
-    return service
 
 
 def _reap(app: FastAPI) -> list[int]:
     """Reap as if every lease had been silent for longer than the grace period."""
-    service = _service(app)
+    service = tuning_service(app)
     return service.reap_stale(utcnow() + timedelta(seconds=service.settings.lease_grace_s + 5))
 
 
-def _trials(client: TestClient, study: str = "s") -> dict[int, dict[str, Any]]:
-    return {t["number"]: t for t in client.get(f"/v1/studies/{study}/trials").json()["data"]}
-
-
 def _optuna_state(app: FastAPI, trial_id: int) -> str:
-    trial = _service(app).bridge.get_trial(trial_id)
+    trial = tuning_service(app).bridge.get_trial(trial_id)
     assert trial is not None
     return trial.state
 
@@ -49,12 +39,6 @@ def test_max_retries_is_validated(client: TestClient) -> None:
     r = client.post("/v1/studies", json={"name": "s", "max_retries": 11})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "max_retries"]
     assert client.post("/v1/studies", json={"name": "s"}).json()["spec"]["max_retries"] == 2
-
-
-@pytest.fixture
-def backend_app(db_url: str) -> FastAPI:
-    """The service on each backend (SQLite file, fresh PostgreSQL database)."""
-    return create_app(make_settings(db_url))
 
 
 def test_a_lost_search_trial_is_retried_first_without_using_the_budget(backend_app: FastAPI) -> None:
@@ -85,7 +69,7 @@ def _lost_search_trial_is_retried(app: FastAPI, client: TestClient) -> None:
     complete(client, retry, "w3", throughput=321.0)
     complete(client, fresh, "w4")
 
-    trials = _trials(client)
+    trials = trials_of(client)
     assert len(trials) == 5
     assert trials[lost["number"]]["state"] == "FAIL" and trials[lost["number"]]["failure"]["kind"] == "lost"
     assert "will be re-run" in trials[lost["number"]]["failure"]["message"]
@@ -111,7 +95,7 @@ def test_retries_keep_their_order_and_come_before_baseline_seeds(app: FastAPI, c
     seeds = [g["probe"]["seed"] for g in got]  # type: ignore[index]
     assert seeds == [first["probe"]["seed"], second["probe"]["seed"], first["probe"]["seed"] + 2]
     assert [g["role"] for g in got] == ["baseline"] * 3  # type: ignore[index]
-    assert [_trials(client)[g["number"]]["retry_of"] for g in got] == [  # type: ignore[index]
+    assert [trials_of(client)[g["number"]]["retry_of"] for g in got] == [  # type: ignore[index]
         first["number"], second["number"], None]
 
 
@@ -146,7 +130,7 @@ def test_retries_exhausted_leave_the_trial_failed_for_good(app: FastAPI, client:
     assert retry is not None
     assert _reap(app) == [retry["trial_id"]]
     assert lease(client, "w3") is None  # attempts used up: nothing more to run
-    trials = _trials(client)
+    trials = trials_of(client)
     assert [t["state"] for t in trials.values()] == ["FAIL", "FAIL"]
     final = trials[retry["number"]]["failure"]["message"]
     assert final.startswith(f"lost 2 times (trials #{first['number']}, #{retry['number']}; max_retries 1)")
@@ -163,7 +147,7 @@ def test_without_retries_a_lost_trial_is_lost_once(app: FastAPI, client: TestCli
     assert first is not None
     _reap(app)
     assert lease(client, "w2") is None
-    assert _trials(client)[0]["failure"]["message"].startswith("lost once (trials #0; max_retries 0)")
+    assert trials_of(client)[0]["failure"]["message"].startswith("lost once (trials #0; max_retries 0)")
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "grid"])
@@ -190,7 +174,7 @@ def test_a_repeated_complete_tells_optuna_once(app: FastAPI, client: TestClient,
     make_study("s", n_trials=2)
     base = lease(client, "w0")
     assert base is not None
-    service = _service(app)
+    service = tuning_service(app)
     first = complete(client, base, "w0", nrmse=0.1)
     told = service.bridge.get_trial(base["trial_id"])
     summary = service._summaries.get("s")
@@ -207,7 +191,7 @@ def test_a_complete_after_a_crash_between_tell_and_lease_update_is_a_repair(app:
     make_study("s", n_trials=2)
     base = lease(client, "w0")
     assert base is not None
-    service = _service(app)
+    service = tuning_service(app)
     ctx = service._ctx(service._record("s"))
     service.bridge.finish(ctx, base["trial_id"], "COMPLETE", [100.0, 0.1],
                           {"failure_kind": None, "throughput_samples_per_s": 100.0, "quality": 0.1})
@@ -229,7 +213,7 @@ def test_a_restarted_service_retries_what_the_old_one_lost(tmp_path: Path) -> No
     new = create_app(make_settings(url))
     with TestClient(new) as client:
         retry = lease(client, "w2")  # nothing lived only in the old process's memory
-        assert retry is not None and _trials(client)[retry["number"]]["retry_of"] == lost["number"]
+        assert retry is not None and trials_of(client)[retry["number"]]["retry_of"] == lost["number"]
 
 
 class _Crash(Exception):
@@ -253,7 +237,7 @@ def test_a_crash_right_after_a_trial_is_created_leaves_a_study_that_finishes(
             assert base is not None and base["role"] == "baseline"
             complete(client, base, "w0")
         # a baseline seed is made from a template (storage.create_new_trial), a search trial by study.ask
-        owner: Any = _service(old).bridge.storage if victim == "baseline" else optuna.Study
+        owner: Any = tuning_service(old).bridge.storage if victim == "baseline" else optuna.Study
         method = "create_new_trial" if victim == "baseline" else "ask"
         create = getattr(owner, method)
 
@@ -265,23 +249,23 @@ def test_a_crash_right_after_a_trial_is_created_leaves_a_study_that_finishes(
         with pytest.raises(_Crash):
             lease(client, "w1")
         monkeypatch.undo()  # the restarted service runs as it should
-        (orphan,) = [t for t in _trials(client).values() if t["state"] == "RUNNING"]
+        (orphan,) = [t for t in trials_of(client).values() if t["state"] == "RUNNING"]
 
     new = create_app(make_settings(db_url))
     with TestClient(new) as client:
         assert orphan["role"] == victim  # what the trial says it is, read back by the restarted service
         assert _reap(new) == [orphan["trial_id"]]
-        failed = _trials(client)[orphan["number"]]
+        failed = trials_of(client)[orphan["number"]]
         assert failed["state"] == "FAIL" and "never leased" in failed["failure"]["message"]
         retry = lease(client, "w2")
         assert retry is not None and retry["role"] == victim
-        assert _trials(client)[retry["number"]]["retry_of"] == orphan["number"]
+        assert trials_of(client)[retry["number"]]["retry_of"] == orphan["number"]
         complete(client, retry, "w2")
         while (got := lease(client, "w3")) is not None:
             complete(client, got, "w3")
         study = client.get("/v1/studies/s").json()
         assert study["state"] == "finished", study
-        roles = [t["role"] for t in _trials(client).values() if t["state"] == "COMPLETE"]
+        roles = [t["role"] for t in trials_of(client).values() if t["state"] == "COMPLETE"]
         assert sorted(roles) == ["baseline", "search"], roles
 
 
@@ -294,7 +278,7 @@ def test_after_a_restart_every_lease_gets_one_grace_period(tmp_path: Path) -> No
         held = lease(client, "w1")
         assert held is not None
     new = create_app(make_settings(url))
-    service = _service(new)
+    service = tuning_service(new)
     grace = timedelta(seconds=service.settings.lease_grace_s)
     with service.db.transaction() as session:  # the last heartbeat came long before the restart
         session.execute(update(LeaseRow).values(heartbeat_at=utcnow() - 10 * grace))
@@ -327,15 +311,15 @@ def test_a_lost_remeasurement_is_retried_and_the_study_waits_for_it(app: FastAPI
     retry = lease(client, "w3")
     assert retry is not None and (retry["role"], retry["config"], retry["probe"]) == \
         (lost["role"], lost["config"], lost["probe"])
-    trials = _trials(client)
+    trials = trials_of(client)
     assert (trials[retry["number"]]["remeasure_of"], trials[retry["number"]]["remeasure_round"]) == \
         (search["number"], 0)  # the retry re-runs round 0 ...
     complete(client, retry, "w3", nrmse=0.1, throughput=190.0)
     assert client.get("/v1/studies/s").json()["state"] == "running"  # ... and round 1 is still to come
     for worker in ("w4", "w6"):  # round 1: the baseline, then the pick (the reverse order)
         second = lease(client, worker)
-        assert second is not None and _trials(client)[second["number"]]["remeasure_round"] == 1
-        is_pick = _trials(client)[second["number"]]["remeasure_of"] == search["number"]
+        assert second is not None and trials_of(client)[second["number"]]["remeasure_round"] == 1
+        is_pick = trials_of(client)[second["number"]]["remeasure_of"] == search["number"]
         complete(client, second, worker, nrmse=0.1, throughput=190.0 if is_pick else 95.0)
     study = client.get("/v1/studies/s").json()
     assert study["state"] == "finished" and study["best"]["remeasured"] is True
@@ -360,7 +344,7 @@ def test_a_worker_is_offered_only_the_workloads_it_runs(client: TestClient) -> N
     detail = r.json()["detail"][0]
     assert detail["loc"] == ["body", "workloads"]
     assert "runs workload 'ups'" in detail["msg"] and "--allow-workload ups" in detail["msg"]
-    assert _trials(client) == {}  # nothing was created for a worker that cannot run it
+    assert trials_of(client) == {}  # nothing was created for a worker that cannot run it
     r = client.post("/v1/trials/lease", json={**body, "workloads": ["other", "ups"]})
     assert r.status_code == 200 and r.json()["workload"] == "ups"
 
@@ -380,7 +364,7 @@ def test_a_refused_or_interrupted_trial_is_not_taught_to_the_sampler_and_is_reru
     assert again is not None and again["role"] == "baseline" and again["config"] == first["config"]
     assert again["probe"] == first["probe"]  # the same seed: the same measurement, re-run
     complete(client, again, "good-worker")
-    trials = _trials(client)
+    trials = trials_of(client)
     assert trials[first["number"]]["retried_as"] == again["number"]
     info = client.get("/v1/studies/s").json()
     assert info["counts"].get("COMPLETE") == 1 and info["failures"] == {} and info["retried"] == 1
@@ -405,11 +389,11 @@ def test_a_retry_and_a_grid_draw_are_made_in_one_commit(db_url: str, monkeypatch
             assert _reap(client.app) == [lost["trial_id"]]  # type: ignore[arg-type]
             retry = lease(client, "w2", study=name)
             assert retry is not None and retry["config"] == lost["config"] and retry["params"] == lost["params"]
-            assert _trials(client, name)[retry["number"]]["retry_of"] == lost["number"]
+            assert trials_of(client, name)[retry["number"]]["retry_of"] == lost["number"]
             complete(client, retry, "w2")
             while (got := lease(client, "w3", study=name)) is not None:
                 complete(client, got, "w3")
-            states = [t["state"] for t in _trials(client, name).values()]
+            states = [t["state"] for t in trials_of(client, name).values()]
             assert states.count("REPEAT") == 0 and "WAITING" not in states, states
 
 
@@ -434,15 +418,15 @@ def test_a_crash_between_enqueue_and_ask_of_a_starting_point_spends_nothing(
         with pytest.raises(_Crash):
             lease(client, "w1")
         monkeypatch.undo()
-        assert [t["state"] for t in _trials(client).values()] == ["COMPLETE", "WAITING"]
+        assert [t["state"] for t in trials_of(client).values()] == ["COMPLETE", "WAITING"]
     with TestClient(create_app(make_settings(db_url))) as client:
         point = lease(client, "w1")
         assert point is not None and point["config"]["batch_size"] == 32
-        assert _trials(client)[point["number"]]["starting_point"] == 0 and point["number"] == 1  # the WAITING one
+        assert trials_of(client)[point["number"]]["starting_point"] == 0 and point["number"] == 1  # the WAITING one
         complete(client, point, "w1")
         while (got := lease(client, "w2")) is not None:
             complete(client, got, "w2")
-        trials = _trials(client)
+        trials = trials_of(client)
         assert [t["state"] for t in trials.values()].count("WAITING") == 0
         assert sum(t["state"] in ("COMPLETE", "REPEAT") for t in trials.values()) == 3
         assert [t["starting_point"] for t in trials.values()].count(0) == 1

@@ -9,17 +9,11 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from service_helpers import StudyFactory, complete, lease, probe_result
+from service_helpers import StudyFactory, complete, lease, probe_result, tuning_service
 
 from autotune.api import crud
 from autotune.api.db import utcnow
-from autotune.api.service import TuningService
 from autotune.contract.config import parse_config
-
-
-def _service(app: FastAPI) -> TuningService:
-    service: TuningService = app.state.service
-    return service
 
 
 def _beat(client: TestClient, trial_id: int, worker_id: str) -> dict[str, Any]:
@@ -111,7 +105,7 @@ def test_user_attrs_land_in_optuna(app: FastAPI, client: TestClient, make_study:
     got = lease(client, "w1")
     assert got is not None
     complete(client, got, "w1", notes=["the driver held the GPU's clocks down"])
-    trial = _service(app).bridge.get_trial(got["trial_id"])
+    trial = tuning_service(app).bridge.get_trial(got["trial_id"])
     assert trial is not None
     attrs = trial.user_attrs
     for key in ("config", "device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
@@ -228,7 +222,7 @@ def test_reaper_fails_stale_leases(app: FastAPI, client: TestClient, make_study:
     got = lease(client, "w1")
     fresh = lease(client, "w2")
     assert got is not None and fresh is not None
-    service = _service(app)
+    service = tuning_service(app)
     grace = service.settings.lease_grace_s
     assert service.reap_stale(utcnow()) == []  # nothing is stale yet
     later = utcnow() + timedelta(seconds=grace + 5)  # neither worker heartbeats until then
@@ -253,7 +247,7 @@ def test_heartbeats_keep_a_lease_alive(app: FastAPI, client: TestClient, make_st
     make_study("s")
     got = lease(client, "w1")
     assert got is not None
-    service = _service(app)
+    service = tuning_service(app)
     grace = service.settings.lease_grace_s
     # a heartbeat "now" keeps the lease fresh at any moment less than the grace period later
     _beat(client, got["trial_id"], "w1")
@@ -263,7 +257,7 @@ def test_heartbeats_keep_a_lease_alive(app: FastAPI, client: TestClient, make_st
 def test_reaper_fails_trials_that_were_never_leased(app: FastAPI, client: TestClient,
                                                     make_study: StudyFactory) -> None:
     make_study("s")
-    service = _service(app)
+    service = tuning_service(app)
     # simulate a crash between Optuna's ask and the lease row
     from autotune.api.optuna_bridge import StudyContext
     from autotune.contract.protocol import StudySpec

@@ -21,20 +21,14 @@ from fastapi.testclient import TestClient
 from optuna.study import StudyDirection
 from optuna_dashboard._pareto_front import get_pareto_front_trials
 from rich.console import Console
-from service_helpers import StudyFactory, lease, probe_result
+from service_helpers import StudyFactory, lease, probe_result, trials_of, tuning_service
 
-from autotune.api.service import TuningService
 from autotune.cli.report import write_report
 from autotune.cli.tables import recommendation_table, studies_table, trials_table
 from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
 
 GPU = "NVIDIA H100 80GB HBM3"
 KNOB = {"params": {"batch_size": {"choices": [8, 16]}}, "fixed": {}}  # the baseline runs batch 4
-
-
-def _service(app: FastAPI) -> TuningService:
-    service: TuningService = app.state.service
-    return service
 
 
 def _result(got: dict[str, Any], throughput: float, quality: float, energy: float | None) -> dict[str, Any]:
@@ -60,10 +54,6 @@ def _lease(client: TestClient, worker: str) -> dict[str, Any]:
     got = lease(client, worker, hardware=GPU)
     assert got is not None
     return got
-
-
-def _trials(client: TestClient) -> dict[int, dict[str, Any]]:
-    return {t["number"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
 
 
 NOISE = (1.0, 1.01, 0.99, 1.004, 0.996, 1.007, 0.993)  # each run its own throughput and energy
@@ -126,13 +116,13 @@ def test_three_objectives_reach_optuna_the_front_and_the_recommendation(
                                      remeasure={"top_k": 2, "windows": 5})
     sent = _remeasure_all(client, {numbers[8]: (290.0, 0.105, 0.52), numbers[16]: (245.0, 0.104, 0.31),
                                    numbers[4]: (101.0, 0.10, 1.02)}, noisy=True)
-    study = _service(app).bridge.storage  # Optuna's RDBStorage, as the dashboard reads it
+    study = tuning_service(app).bridge.storage  # Optuna's RDBStorage, as the dashboard reads it
     study_id = study.get_study_id_from_name("s")
     assert study.get_study_directions(study_id) == [StudyDirection.MAXIMIZE, StudyDirection.MINIMIZE,
                                                     StudyDirection.MINIMIZE]
     names = study.get_study_system_attrs(study_id).get("study:metric_names")
     assert names == ["throughput_samples_per_s", "val_nrmse", "energy_j_per_sample"]
-    trials = _trials(client)
+    trials = trials_of(client)
     assert trials[numbers[16]]["energy_j_per_sample"] == pytest.approx(0.3)
     assert trials[numbers[16]]["values"] == [250.0, pytest.approx(0.104), pytest.approx(0.3)]
     # the slower, thriftier config is on the front of three objectives (with two it would be dominated), each

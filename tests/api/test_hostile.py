@@ -189,14 +189,6 @@ def test_a_bad_query_value_is_422_naming_it(client: TestClient) -> None:
     assert "json" in _loc_error(client.get("/v1/studies/s/best", params={"format": "xml"}), ["query", "format"])
 
 
-@pytest.fixture
-def backend_client(db_url: str) -> Iterator[TestClient]:
-    """A client of an app on each database backend: what a backend cannot store must be a 4xx
-    there too (PostgreSQL: 32-bit integer ids, no NUL in text)."""
-    with TestClient(create_app(make_settings(db_url))) as c:
-        yield c
-
-
 def test_huge_trial_ids_are_4xx(backend_client: TestClient) -> None:
     for trial_id in (2**31, 2**63 - 1, 2**63, 10**30, -(10**30)):
         for path, body in TRIAL_POSTS:

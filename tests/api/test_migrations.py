@@ -251,7 +251,7 @@ def test_an_unreachable_database_is_a_clear_cli_error() -> None:
 def test_the_migrations_are_packaged_inside_autotune() -> None:
     """The repository keeps migrations/ and api/ at the top level; the package holds them as
     autotune.migrations and autotune.api (links), so the wheel installs no top-level package of
-    theirs (tests/test_wheel.py installs one)."""
+    theirs (tests/deploy/test_wheel.py installs one)."""
     from setuptools import find_packages
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+

@@ -7,32 +7,18 @@ trial's holder (a stopped study). On SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from service_helpers import complete, lease, make_settings, probe_result
+from service_helpers import complete, lease, probe_result
 
 from autotune.api.db import utcnow
-from autotune.api.main import create_app
 from autotune.api.service import TuningService
 
 VERBS = {"heartbeat": "heartbeat", "report": "report on", "complete": "complete"}
 STOP = "stop running it and lease a new trial"
-
-
-@pytest.fixture
-def backend_app(db_url: str) -> FastAPI:
-    return create_app(make_settings(db_url))
-
-
-@pytest.fixture
-def backend_client(backend_app: FastAPI) -> Iterator[TestClient]:
-    with TestClient(backend_app) as c:
-        yield c
 
 
 def _calls(client: TestClient, trial_id: int, worker_id: str, config: dict[str, Any] | None = None) -> dict[str, Any]:

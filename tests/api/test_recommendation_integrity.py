@@ -17,18 +17,12 @@ from fastapi.testclient import TestClient
 from optuna.study import StudyDirection
 from optuna_dashboard._pareto_front import get_pareto_front_trials
 from rich.console import Console
-from service_helpers import StudyFactory, complete, lease, probe_result
+from service_helpers import StudyFactory, complete, lease, probe_result, tuning_service
 
-from autotune.api.service import TuningService
 from autotune.cli.tables import recommendation_table
 from autotune.contract.views import Recommendation
 
 ONE_KNOB = {"params": {"batch_size": {"choices": [4, 8, 16]}}, "fixed": {}}
-
-
-def _service(app: FastAPI) -> TuningService:
-    service: TuningService = app.state.service
-    return service
 
 
 def _finish(client: TestClient, got: dict[str, Any], worker: str, throughput: float, quality: float,
@@ -95,7 +89,7 @@ def test_a_search_trial_that_draws_the_baseline_config_is_a_repeat_of_the_baseli
     assert best["uncertified"]["trial_number"] != repeat["number"]  # the fastest *candidate*: 150, not 300
     assert best["uncertified"]["config"]["batch_size"] in (8, 16)
     assert repeat["number"] not in [t["number"] for t in client.get("/v1/studies/s/pareto").json()["data"]]
-    stored = {t.number: t for t in _service(app).bridge.trials("s")}
+    stored = {t.number: t for t in tuning_service(app).bridge.trials("s")}
     if repeat["number"] in ran:  # a worker ran it: Optuna holds its own measurement
         assert stored[repeat["number"]].values == [300.0, 0.1]
     else:  # told, not run: no values
@@ -258,7 +252,7 @@ def test_optuna_holds_what_was_measured_and_the_verdict(app: FastAPI, client: Te
     _remeasure_all(client, {numbers[8]: (200.0, 0.105), numbers[16]: (240.0, 0.104), 0: (100.0, 0.10)})
     best = client.get("/v1/studies/s/best?format=json").json()
     assert best["certified"] is True and best["trial_number"] == numbers[16]
-    study = optuna.load_study(study_name="s", storage=_service(app).bridge.storage.url)  # stock Optuna
+    study = optuna.load_study(study_name="s", storage=tuning_service(app).bridge.storage.url)  # stock Optuna
     stored = study.get_trials(deepcopy=False)
     listed = {t["number"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
     for t in stored:
@@ -286,3 +280,32 @@ def test_optuna_holds_what_was_measured_and_the_verdict(app: FastAPI, client: Te
     for t in remeasures:
         target = next(x for x in stored if x.number == t.user_attrs["remeasure_of"])
         assert t.params == target.params == {"batch_size": target.user_attrs["config"]["batch_size"]}
+
+
+def test_an_undecided_verdict_names_the_half_left_open_and_its_fix(client: TestClient,
+                                                                   make_study: StudyFactory) -> None:
+    """Seen on an H100 (bench/results/gpu_quickstart_wheel_h100.json): a config 28× faster whose
+    quality was worse by a little more than the margin, not shown either way within the rounds.
+    The verdict says that its speed was decided and its quality was not, and names the fixes that
+    fit (more rounds, or a wider gate.abs_tol if that difference is acceptable), not a quieter host."""
+    make_study("s", baseline_seeds=3, n_trials=5, seed=0,
+               remeasure={"top_k": 1, "rounds": 2, "windows": 5}, gate={"abs_tol": 0.01, "k": 0.0})
+    for i, quality in enumerate((0.100, 0.105, 0.095)):
+        got = lease(client, f"b{i}")
+        assert got is not None
+        _finish(client, got, f"b{i}", 100.0 * NOISE[i], quality)
+    search = []
+    for speed in (300.0, 250.0):
+        got = lease(client, "w")
+        assert got is not None and got["role"] == "search"
+        search.append(_finish(client, got, "w", speed, 0.1)["number"])
+    # the fastest is 3x faster every time; its quality is 0.012 worse, give or take 0.006
+    _remeasure_all(client, {search[0]: (300.0, 0.112), 0: (100.0, 0.1)}, quality_noise=(0.006, -0.006, 0.0, 0.004))
+    best = client.get("/v1/studies/s/best").json()
+    assert best["outcome"] == "undecided" and best["certified"] is False, best["verdict"]
+    row = best["uncertified"]
+    assert row["speedup_ci_low"] > 2.0  # the speed is decided
+    assert row["quality_diff_ci_high"] > row["quality_margin"]  # the quality is not
+    verdict = best["verdict"]
+    assert f"trial {search[0]}, its val_nrmse was not shown no worse" in verdict, verdict
+    assert "remeasure.max_rounds" in verdict and "widen gate.abs_tol" in verdict and "quieter host" not in verdict

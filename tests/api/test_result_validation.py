@@ -6,14 +6,12 @@ On SQLite and PostgreSQL. What the current worker sends keeps passing (the last 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from service_helpers import complete, lease, make_settings, probe_result
+from service_helpers import complete, lease, probe_result
 
-from autotune.api.main import create_app
 from autotune.api.outcome import config_differences
 from autotune.contract.results import CompleteRequest, TrialLease, TrialResult
 
@@ -42,13 +40,6 @@ MALFORMED: list[tuple[str, dict[str, Any], list[Any]]] = [
     ("no quality, no failure", {"val_nrmse": None}, ["quality"]),
     ("a config that is not a mapping", {"config": ["bf16"]}, ["config"]),
 ]
-
-
-@pytest.fixture
-def backend_client(db_url: str) -> Iterator[TestClient]:
-    """A client of an app on each database backend (tests/api/conftest.py db_url)."""
-    with TestClient(create_app(make_settings(db_url))) as c:
-        yield c
 
 
 def _study(client: TestClient, **spec: Any) -> None:

@@ -11,21 +11,15 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from service_helpers import lease, make_settings, probe_result
+from service_helpers import lease, make_settings, probe_result, tuning_service
 
 from autotune.api.main import create_app
-from autotune.api.service import TuningService
 
 
 @pytest.fixture
 def two(pg_url: str) -> Iterator[tuple[TestClient, TestClient]]:
     with TestClient(create_app(make_settings(pg_url))) as a, TestClient(create_app(make_settings(pg_url))) as b:
         yield a, b
-
-
-def _service(client: TestClient) -> TuningService:
-    service: TuningService = client.app.state.service  # type: ignore[attr-defined]
-    return service
 
 
 def test_two_service_processes_agree_on_everything(two: tuple[TestClient, TestClient]) -> None:
@@ -59,7 +53,8 @@ def test_two_service_processes_agree_on_everything(two: tuple[TestClient, TestCl
         assert a.get(path).json() == b.get(path).json(), path
     assert a.get("/v1/studies/s").json()["state"] == "finished"
     # what pruning compares with: the same in both, whichever process saw which complete
-    summaries = [_service(c)._summary(_service(c)._ctx(_service(c)._record("s"))) for c in (a, b)]
+    services = [tuning_service(c.app) for c in (a, b)]  # type: ignore[arg-type]
+    summaries = [svc._summary(svc._ctx(svc._record("s"))) for svc in services]
     assert summaries[0].learned == summaries[1].learned and summaries[0].learned
     assert summaries[0].best_feasible_throughput == summaries[1].best_feasible_throughput is not None
     assert len(summaries[0].baseline_curves) == len(summaries[1].baseline_curves) == 2

@@ -24,7 +24,7 @@ import pytest
 import torch
 from live_service import is_alive, wait_until
 from rich.console import Console
-from test_worker import HARDWARE, FakeClient
+from worker_fakes import HARDWARE, FakeClient
 
 import autotune.worker.trial as trial_module
 from autotune.contract.config import DISTRIBUTED_KNOBS, TrainConfig
@@ -354,7 +354,8 @@ def test_an_fsdp2_probe_of_two_ranks_trains_like_one_process_with_twice_the_batc
 def test_a_rank_that_raises_fails_the_trial_with_its_record(job_root: Path, tiny_datasets: Any,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "rankfail=test_distributed:rank_one_fails")
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    here = Path(__file__).resolve().parent  # this module, and tests/ for the helpers it imports
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
     registered_workloads.cache_clear()
     client = FakeClient()
     started = time.monotonic()

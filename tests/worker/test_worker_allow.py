@@ -223,13 +223,6 @@ def test_refusal_names_the_workload_and_the_fix(installed_plugin: Path) -> None:
 # --- live: a real service and real workers ----------------------------------------------------------
 
 
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    yield procs
-    procs.stop_all()
-
-
 def _pythonpath(*dirs: Path) -> str:
     return os.pathsep.join([*map(str, dirs), *filter(None, [os.environ.get("PYTHONPATH")])])
 

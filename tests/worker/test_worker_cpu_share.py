@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import pytest
 from rich.console import Console
-from test_worker import HARDWARE, FakeClient, fake_child, make_lease
+from worker_fakes import HARDWARE, FakeClient, fake_child, make_lease
 
 from autotune.worker.cpu_share import (
     CPU_SHARE_ENV,

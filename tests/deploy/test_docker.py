@@ -1,5 +1,5 @@
 """The container recipes: Dockerfile (service), docker/worker.Dockerfile, and the compose file
-(deploy/compose.yaml, the only one; tests/test_deploy.py checks it against the Compose schema).
+(deploy/compose.yaml, the only one; tests/deploy/test_deploy.py checks it against the Compose schema).
 
 There is no Docker engine here, so nothing is built or run in a container. What can be
 checked without one is checked for real, from the files themselves, so a test breaks when a
@@ -26,7 +26,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -39,7 +38,7 @@ import yaml
 from live_service import HTTP, LiveService, Processes, free_port, log_text, wait_until
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVICE_DOCKERFILE = ROOT / "Dockerfile"
 WORKER_DOCKERFILE = ROOT / "docker" / "worker.Dockerfile"
 COMPOSE_FILE = ROOT / "deploy" / "compose.yaml"
@@ -268,7 +267,7 @@ def test_every_copy_source_is_in_the_build_context(dockerfile: Path) -> None:
 
 
 def test_the_build_context_leaves_out_local_state() -> None:
-    for path in (".venv/bin/python", ".git/HEAD", "autotune.db", "tests/test_docker.py", "bench/README.md",
+    for path in (".venv/bin/python", ".git/HEAD", "autotune.db", "tests/deploy/test_docker.py", "bench/README.md",
                  "demo-work/x", "api/__pycache__/main.cpython-311.pyc", "autotune.egg-info/PKG-INFO", "docker/.env",
                  "deploy/.env", "deploy/secrets/postgres_password", "deploy/secrets/worker_token"):
         assert not in_build_context(path), path
@@ -420,15 +419,6 @@ def emulate_service_image(root: Path) -> ServiceImage:
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> ServiceImage:
     return emulate_service_image(tmp_path_factory.mktemp("service-image"))
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.stop_all()
 
 
 def with_port(argv: list[str], port: int) -> list[str]:
@@ -692,7 +682,7 @@ def test_compose_publishes_the_service_on_loopback_behind_a_tls_proxy() -> None:
 
 def test_compose_worker_is_an_opt_in_gpu_service() -> None:
     """One service definition for every GPU (`--scale worker=N`; deploy/gpu-worker.sh gives
-    each replica its own GPU, tests/test_deploy.py runs it); the token from a secret file."""
+    each replica its own GPU, tests/deploy/test_deploy.py runs it); the token from a secret file."""
     worker = load_compose()["services"]["worker"]
     assert worker["profiles"] == ["gpu"]
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]

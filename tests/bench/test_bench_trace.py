@@ -1,6 +1,6 @@
 """bench/trace_summary.py on a trace shaped like a CUDA probe's: torch.profiler writes each named
 range twice there (host and GPU stream), and the GPU runs the last step's kernels after the
-host has moved on. (A CPU probe's real trace is read in tests/test_cli.py.)"""
+host has moved on. (A CPU probe's real trace is read in tests/cli/test_cli.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import trace_summary
 
 

@@ -15,15 +15,14 @@ import io
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from live_service import LiveService, Processes, probe_children, small_spec, start_worker, wait_until
 from rich.console import Console
-from test_worker import HARDWARE, FakeClient, fake_child, make_lease
 from typer.testing import CliRunner
+from worker_fakes import HARDWARE, FakeClient, fake_child, make_lease
 
 from autotune.api.auth import TokenStore
 from autotune.cli.common import resolve_token
@@ -97,13 +96,6 @@ def test_a_forked_probe_runs_without_the_token(token_env: str) -> None:
 
 
 # --- the real worker: its probe child, read through /proc --------------------------------------------------
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    yield procs
-    procs.stop_all()
 
 
 def mode(path: Path) -> int:

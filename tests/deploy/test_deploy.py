@@ -57,6 +57,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
+from helpers import section
 from live_service import (
     HTTP,
     LiveService,
@@ -73,7 +74,7 @@ from autotune.worker.delivery import FINAL_COMPLETE_RETRY_S
 from autotune.worker.gpus import plan_groups
 from autotune.worker.trial import KILL_GRACE_S
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "compose.yaml"
 COMPOSE_SCHEMA = DEPLOY / "schemas" / "compose-spec.json"
@@ -359,12 +360,6 @@ def test_a_command_that_is_not_real_is_caught(argv: list[str]) -> None:
 
 # scheme://user:password@ (the password may be a ${VARIABLE}, even one with spaces in its message)
 URL_WITH_PASSWORD = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s/@:'\"`]+:(?:\$\{[^}]*\}|[^\s/@'\"`])+@", re.I)
-
-
-def section(text: str, heading: str) -> str:
-    match = re.search(rf"^## {re.escape(heading)}.*?$(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
-    assert match, heading
-    return match.group(1)
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -930,15 +925,6 @@ class Shim:
         """The recorded calls (of process `pid` only, if given)."""
         pattern = f"{self.record.name}.{pid if pid is not None else '*'}"
         return [json.loads(p.read_text()) for p in sorted(self.record.parent.glob(pattern))]
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.stop_all()
 
 
 class HasTrials(Protocol):

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from live_service import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = {
     "name": "from-the-wheel", "sampler": "grid", "seed": 0, "n_trials": 2, "baseline_seeds": 1,
     "space": {"params": {"batch_size": {"choices": [4, 8]}}, "fixed": {"accum_steps": 1}},

@@ -138,7 +138,7 @@ def test_the_token_can_come_from_a_file_off_the_command_line(live: tuple[LiveSer
     path = write_spec(tmp_path, small_spec("from-file"))
     token_file = tmp_path / "admin.token"
     token_file.write_text(service.admin_token + "\n")
-    token_file.chmod(0o600)  # a token file others may read is refused (tests/test_worker_secrets.py)
+    token_file.chmod(0o600)  # a token file others may read is refused (tests/worker/test_worker_secrets.py)
     result = CliRunner().invoke(app, ["submit", path, "--api", service.url, "--token-file", str(token_file)],
                                 env={"COLUMNS": "200", "AUTOTUNE_TOKEN": service.worker_token})  # the file wins
     assert result.exit_code == 0, result.output

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import sqlite3
 import subprocess
 import threading
 from pathlib import Path
@@ -28,12 +27,13 @@ from live_service import (
     free_port,
     log_text,
     probe_children,
+    reports_stored,
     small_spec,
     start_worker,
     wait_until,
 )
 from rich.console import Console
-from test_worker import HARDWARE, fake_child, make_lease
+from worker_fakes import HARDWARE, fake_child, make_lease
 
 from autotune.contract.results import HeartbeatReply, ReportReply, TrialLease
 from autotune.contract.views import TrialInfo, TrialList
@@ -345,18 +345,6 @@ def test_the_worker_command_exits_non_zero_when_no_service_answers(tmp_path: Pat
 
 
 # --- the real service, killed mid-probe ---------------------------------------------------------------
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Any:
-    procs = Processes(tmp_path)
-    yield procs
-    procs.stop_all()
-
-
-def reports_stored(db: Path) -> int:
-    with sqlite3.connect(db, timeout=5) as conn:
-        return int(conn.execute("SELECT count(*) FROM autotune_reports").fetchone()[0])
 
 
 def stored_windows(db: Path, study: str) -> list[float]:

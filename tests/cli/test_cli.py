@@ -194,7 +194,7 @@ def test_probe_trace_records_the_last_warm_up_steps_and_bench_reads_it(
     assert sum(e.get("name") == "autotune.step" for e in events) == 4
     assert sum(e.get("name") == "autotune.data" for e in events) == 4
     summary = tmp_path / "summary.json"
-    subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "trace_summary.py"), str(trace),
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / "trace_summary.py"), str(trace),
                     "--out", str(summary)], check=True, capture_output=True)
     (row,) = json.loads(summary.read_text())
     assert row["steps"] == 4 and row["step_host_ms"] > 0 and row["gpu_busy_fraction"] is None  # a CPU: no kernels

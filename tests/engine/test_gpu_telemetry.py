@@ -1,6 +1,6 @@
 """autotune.engine.gpu_telemetry: per-window GPU state from NVML readings, and the throttling note.
 
-The readings themselves need a GPU (tests/test_probe.py, marked gpu); here the arithmetic that
+The readings themselves need a GPU (tests/engine/test_probe.py, marked gpu); here the arithmetic that
 turns two readings into a window's figures, and what the probe and the worker make of them.
 """
 
