@@ -20,7 +20,7 @@ SPEC: dict[str, Any] = {
     "name": "tiny-tune", "sampler": "grid", "seed": 0, "n_trials": 3, "baseline_seeds": 1,
     "space": {"params": {"batch_size": {"choices": [4, 8]}}, "fixed": {"accum_steps": 1}},
     "baseline": {"batch_size": 4, "accum_steps": 1},
-    "probe": {"samples": 160, "windows": 5, "warmup_steps": 5}, "remeasure": {"top_k": 1, "max_rounds": 3},
+    "probe": {"samples": 160, "windows": 5, "warmup_steps": 5}, "remeasure": {"top_k": 1, "max_rounds": 2},
 }
 CLI = [sys.executable, "-m", "autotune.cli", "tune"]
 

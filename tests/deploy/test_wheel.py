@@ -22,7 +22,7 @@ TINY = {
     "name": "from-the-wheel", "sampler": "grid", "seed": 0, "n_trials": 2, "baseline_seeds": 1,
     "space": {"params": {"batch_size": {"choices": [4, 8]}}, "fixed": {"accum_steps": 1}},
     "baseline": {"batch_size": 4, "accum_steps": 1},
-    "probe": {"samples": 160, "windows": 5, "warmup_steps": 5}, "remeasure": {"top_k": 1, "max_rounds": 2},
+    "probe": {"samples": 160, "windows": 5, "warmup_steps": 5}, "remeasure": {"top_k": 0},  # the tune, not its verdict
 }
 
 
@@ -75,7 +75,7 @@ def test_the_wheel_holds_one_package_that_imports_from_itself(installed: Path, t
     assert set(spaces.split()) == {p.stem for p in (ROOT / "search_spaces").glob("*.yaml")}
 
 
-@pytest.mark.slow  # ~40 s on 2 cores: a real study of three probes
+@pytest.mark.slow  # ~25 s on 2 cores: a real study of two probes
 def test_the_installed_wheel_serves_tunes_and_finds_the_demo_space(installed: Path, tmp_path: Path) -> None:
     # serve: migrates its database from the migrations inside the package and answers
     port = free_port()
