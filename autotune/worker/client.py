@@ -18,7 +18,7 @@ retry state is per call.
 
 For a running service from Python (what `autotune submit/status/best/stop` do)::
 
-    from autotune.worker.client import Client
+    from autotune import Client
     with Client("http://127.0.0.1:8000", token=ADMIN_TOKEN) as service:
         service.submit("study.yaml")           # a StudySpec, its dict, or a YAML/JSON file
         info = service.status("my-study")      # StudyInfo: state, counts, the verdict so far

@@ -1,4 +1,4 @@
-"""The documented Python client of a running service (autotune.worker.client.Client): submit (a spec,
+"""The documented Python client of a running service (`from autotune import Client`): submit (a spec,
 its dict or a YAML file), status, best, stop, over real HTTP."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import yaml
 from fastapi import FastAPI
 from service_helpers import serve
 
-from autotune.worker.client import Client, Invalid, NotFound
+from autotune import Client
+from autotune.worker.client import Invalid, NotFound
 
 
 def test_submit_status_best_stop(app: FastAPI, tmp_path: Path) -> None:
@@ -27,3 +28,14 @@ def test_submit_status_best_stop(app: FastAPI, tmp_path: Path) -> None:
         with pytest.raises(Invalid) as bad:
             service.submit({**spec, "name": "py3", "n_trials": "many"})
         assert "n_trials" in bad.value.message  # named before anything was sent
+
+
+def test_the_package_names_the_client_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, autotune\nfrom autotune import Client, ApiError\n"
+            "assert Client.__module__ == 'autotune.worker.client' and issubclass(ApiError, Exception)\n"
+            "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
