@@ -201,6 +201,10 @@ class Worker:
                     if self.stop_event.is_set():
                         break  # interrupted while the service was away
                     now = time.monotonic()
+                    if unreachable_since is None:  # once an outage: what the worker does until it is over
+                        self.console.print(f"the service at {escape(self.client.base_url)} does not answer "
+                                           f"({escape(e.cause)}): asking again until it does; results wait in the "
+                                           "spool")
                     unreachable_since = unreachable_since or asked
                     idle_since = idle_since or asked
                     if self.options.idle_exit_s is not None and now - idle_since >= self.options.idle_exit_s:

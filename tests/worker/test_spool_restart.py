@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,6 @@ from live_service import (
 )
 
 from autotune.api.backup import backup_sqlite
-from autotune.worker import delivery as delivery_module
-from autotune.worker import loop as worker_module
 from autotune.worker.spool import Spool
 
 
@@ -42,14 +39,20 @@ def kill(service: LiveService) -> None:
     service.proc.wait()
 
 
+def away(worker: subprocess.Popen[bytes]) -> int:
+    """How many outages the worker has seen (its lease calls failing: a line each)."""
+    return " ".join(log_text(worker).split()).count(" does not answer (")
+
+
 def back_on_the_original_database(service: LiveService, a_db: Path, spool: Path, kept: Any,
                                   worker: subprocess.Popen[bytes]) -> None:
     """Restart the service on the kept result's own database (a backup has the same id: the
     worker offers its spool again once it has seen the service away, its lease calls failing):
     the kept measurement goes into trial 0 of rel, and the worker ran each trial once."""
+    outages = away(worker)
     kill(service)
     service.db_url = f"sqlite:///{a_db}"
-    time.sleep(worker_module.IDLE_BACKOFF_CAP_S + worker_module.LEASE_RETRY_S + 2)
+    wait_until(lambda: away(worker) > outages, 60, "the worker to see the service away")
     service.start()
     wait_until(lambda: service.trials("rel")[0]["state"] == "COMPLETE", 120, "rel's trial 0 to get its result")
     (ours,) = service.trials("rel")
@@ -166,7 +169,7 @@ def test_after_a_restart_the_delivered_trial_is_not_run_again(processes: Process
     kill(service)
     wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
     # the lease loop's delivery round, then a whole lease call fail: the worker sees the service away
-    time.sleep(delivery_module.SPOOL_RETRY_S + worker_module.LEASE_RETRY_S + 2)
+    wait_until(lambda: away(worker) > 0, 60, "the worker to see the service away")
     service.start()
     assert worker.wait(timeout=180) == 0, log_text(worker)[-3000:]
     log = log_text(worker)
