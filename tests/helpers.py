@@ -84,3 +84,23 @@ def section(text: str, heading: str) -> str:
 def bash_blocks(text: str) -> list[str]:
     """The bodies of the ```bash fences of a Markdown text, in order."""
     return re.findall(r"^```bash\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+
+
+COMPOSE_VARIABLE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\})")
+
+
+def compose_substitute(text: str, env: dict[str, str]) -> str:
+    """Compose's variable interpolation in one string: ${VAR}, ${VAR:-default}, ${VAR:?error};
+    `$$` is a literal `$`."""
+
+    def replace(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.group("name", "op", "arg")
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise ValueError(f"required variable {name} is missing: {arg}")
+        return arg if op == ":-" else ""
+
+    return COMPOSE_VARIABLE.sub(replace, text)

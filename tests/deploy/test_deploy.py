@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
-from helpers import section
+from helpers import compose_substitute, section
 from live_service import (
     HTTP,
     LiveService,
@@ -94,30 +94,13 @@ LONG_PROBE = 4000  # samples: a probe that is still running when the test acts o
 
 # --- Compose ------------------------------------------------------------------------------------------
 
-_VARIABLE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\})")
-
-
 def interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's interpolation on a parsed file (values only, as Compose does it): ${VAR},
-    ${VAR:-default}, ${VAR:?error}; `$$` is a literal `$`."""
+    """Compose's interpolation on a parsed file (values only, as Compose does it)."""
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
         return [interpolate(v, env) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def replace(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name, op, arg = match.group("name", "op", "arg")
-        if env.get(name):
-            return env[name]
-        if op == ":?":
-            raise ValueError(f"required variable {name} is missing: {arg}")
-        return arg if op == ":-" else ""
-
-    return _VARIABLE.sub(replace, value)
+    return compose_substitute(value, env) if isinstance(value, str) else value
 
 
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:

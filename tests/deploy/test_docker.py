@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
+from helpers import compose_substitute
 from live_service import HTTP, LiveService, Processes, free_port, log_text, wait_until
 from packaging.requirements import Requirement
 
@@ -188,27 +189,8 @@ def tracked_files(path: str) -> list[str]:
 
 # --- compose ---------------------------------------------------------------------------------------
 
-_VARIABLE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\})")
-
-
-def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's variable interpolation: ${VAR}, ${VAR:-default}, ${VAR:?error}, $$."""
-
-    def replace(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name, op, arg = match.group("name", "op", "arg")
-        if env.get(name):
-            return env[name]
-        if op == ":?":
-            raise ValueError(f"required variable {name} is missing: {arg}")
-        return arg if op == ":-" else ""
-
-    return _VARIABLE.sub(replace, text)
-
-
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(interpolate(COMPOSE_FILE.read_text(), env or {}))
+    data: dict[str, Any] = yaml.safe_load(compose_substitute(COMPOSE_FILE.read_text(), env or {}))
     return data
 
 

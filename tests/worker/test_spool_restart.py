@@ -64,6 +64,26 @@ def back_on_the_original_database(service: LiveService, a_db: Path, spool: Path,
     assert worker.poll() is None
 
 
+def kept_mid_probe(processes: Processes, tmp_path: Path, a_db: Path, b_db: Path,
+                   env: dict[str, str] | None = None) -> tuple[LiveService, Path, subprocess.Popen[bytes], Any]:
+    """A service on a.db with b.db its backup taken before any study; study 'rel' (600 samples),
+    its trial 0 (id 1) leased to worker 'w', and the service killed mid-probe: the worker keeps
+    the measurement in its spool. (service, spool folder, worker, the kept entry)."""
+    service = LiveService(processes, a_db, env=env).start()
+    backup_sqlite(service.db_url, b_db)
+    service.submit(small_spec("rel", samples=600, n_trials=1, probe={"windows": 8}, pruning={"enabled": False}))
+    spool = tmp_path / "spool"
+    worker = start_worker(processes, service.url, "--spool-dir", str(spool), "--worker-id", "w",
+                          env={"COLUMNS": "400"})
+    wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
+    wait_until(lambda: reports_stored(a_db) >= 1, 60, "the first timed window's report")
+    kill(service)  # mid-probe: the result cannot go in
+    wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
+    (kept,) = Spool(spool).pending()
+    assert (kept.study, kept.number, kept.trial_id) == ("rel", 0, 1) and kept.measured and kept.service_id
+    return service, spool, worker, kept
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("auth", [True, False], ids=["tokens", "no-auth"])
 def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(processes: Processes, tmp_path: Path,
@@ -75,20 +95,8 @@ def test_a_service_restarted_on_a_backup_never_gets_another_studys_result(proces
     and keeps rel's measurement in its spool, naming where it belongs; once the service is back
     on a.db, the measurement goes into 'rel'."""
     a_db, b_db = tmp_path / "a.db", tmp_path / "b.db"
-    env = None if auth else {"AUTOTUNE_AUTH": "false"}
-    service = LiveService(processes, a_db, env=env).start()
-    backup_sqlite(service.db_url, b_db)
-    spec = {"n_trials": 1, "probe": {"windows": 8}, "pruning": {"enabled": False}}
-    service.submit(small_spec("rel", samples=600, **spec))
-    spool = tmp_path / "spool"
-    worker = start_worker(processes, service.url, "--spool-dir", str(spool), "--worker-id", "w",
-                          env={"COLUMNS": "400"})
-    wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
-    wait_until(lambda: reports_stored(a_db) >= 1, 60, "the first timed window's report")
-    kill(service)  # mid-probe: the result cannot go in
-    wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
-    (kept,) = Spool(spool).pending()
-    assert (kept.study, kept.number, kept.trial_id) == ("rel", 0, 1) and kept.measured and kept.service_id
+    service, spool, worker, kept = kept_mid_probe(processes, tmp_path, a_db, b_db,
+                                                  None if auth else {"AUTOTUNE_AUTH": "false"})
 
     service.db_url = f"sqlite:///{b_db}"  # the backup: same tokens, no study
     service.start()
@@ -119,19 +127,8 @@ def test_a_backup_with_a_study_of_the_same_name_never_gets_the_originals_result(
     spec), A's measurement stays kept naming where it belongs, and goes into A's trial once
     the service is back on a.db."""
     a_db, b_db = tmp_path / "a.db", tmp_path / "b.db"
-    service = LiveService(processes, a_db).start()
-    backup_sqlite(service.db_url, b_db)
-    service.submit(small_spec("rel", samples=600, n_trials=1, probe={"windows": 8}, pruning={"enabled": False}))
-    spool = tmp_path / "spool"
-    worker = start_worker(processes, service.url, "--spool-dir", str(spool), "--worker-id", "w",
-                          env={"COLUMNS": "400"})
-    wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
-    wait_until(lambda: reports_stored(a_db) >= 1, 60, "the first timed window's report")
-    kill(service)  # mid-probe: the result cannot go in
-    wait_until(lambda: "kept in" in log_text(worker), 120, "the worker to keep the result in its spool")
-    (kept,) = Spool(spool).pending()
-    assert (kept.study, kept.number, kept.trial_id) == ("rel", 0, 1) and kept.measured
-    assert kept.service_id and kept.lease_token
+    service, spool, worker, kept = kept_mid_probe(processes, tmp_path, a_db, b_db)
+    assert kept.lease_token
 
     service.db_url = f"sqlite:///{b_db}"  # the backup: same tokens, same service id, no study
     service.start()
