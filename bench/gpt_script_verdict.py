@@ -1,7 +1,7 @@
 """Benchmark: does the verdict's certified speedup hold in an outside script's own loop?
 
 The workload is examples/gpt_script (docs/tutorial.md, part 2): a nanoGPT-style training
-script written without autotune, tuned through its 72-line glue (`gpt-script`, registered by
+script written without autotune, tuned through its 78-line glue (`gpt-script`, registered by
 the package's entry point). One run, on one host:
 
 1. **The study.** `autotune serve` on a SQLite file (loopback, no tokens), a study of
@@ -34,7 +34,7 @@ runs, the comparison) and a markdown summary is printed; `plot` draws the PNG.
         --png $OUT/gpt_script_verdict_h100.png
     python bench/gpt_script_verdict.py loop --from results/gpt_script_verdict_h100.json --out ...   # loop only
     python bench/gpt_script_verdict.py plot --json F.json --png F.png
-    python bench/gpt_script_verdict.py run --device cpu --samples 256 --n-trials 4 ...   # CPU smoke test
+    python bench/gpt_script_verdict.py run --device cpu --samples 256 --windows 5 --n-trials 5 ...   # CPU smoke test
 
 It installs nothing: `gpt-script` must be registered (``pip install ./examples/gpt_script``);
 if it is not, the run names it by import path (AUTOTUNE_WORKLOADS for the service,
@@ -255,13 +255,17 @@ def probe_data_wait(db: Path) -> dict[str, dict[str, float]]:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         rows = con.execute("SELECT t.number, a.key, a.value_json FROM trials t JOIN trial_user_attributes a "
-                           "ON a.trial_id = t.trial_id WHERE a.key IN ('data_wait_fraction', "
+                           "ON a.trial_id = t.trial_id WHERE a.key IN ('measurement', 'data_wait_fraction', "
                            "'throughput_samples_per_s', 'config')").fetchall()
     finally:
         con.close()
     attrs: dict[int, dict[str, Any]] = {}
     for number, key, value in rows:
-        attrs.setdefault(number, {})[key] = json.loads(value)
+        if key == "measurement":  # today's layout: the probe's measurement in one user attribute
+            attrs.setdefault(number, {}).update({k: v for k, v in (json.loads(value) or {}).items()
+                                                 if k in ("data_wait_fraction", "throughput_samples_per_s")})
+        else:  # older studies: one attribute each
+            attrs.setdefault(number, {})[key] = json.loads(value)
     out: dict[str, dict[str, float]] = {}
     for number, a in attrs.items():
         frac, thr, cfg = a.get("data_wait_fraction"), a.get("throughput_samples_per_s"), a.get("config") or {}
@@ -599,7 +603,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines += ["", "Where an iteration's host time goes in the script's loop (ms, median over the runs; the copies "
                   "block until the GPU's queued work is done):", "",
               "| config | samples / iteration | get_batch: sampling | get_batch: 2 copies (+ GPU wait) "
-              "| autotune.apply step | rest | total | probe: data wait (DataLoader fetch + copies) | probe: step |",
+              "| autotune.apply step | rest | total | probe: data wait (sample_batch) | probe: step |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in [n for n in cmp_ if n != "agree_within"]:
         e = cmp_[name]

@@ -5,9 +5,9 @@ with the key ``"total"`` (``with_aux`` adds the expensive auxiliary loss, ``aux_
 the ``inverse_loss_frequency`` knob thins out), training and validation datasets of dict items,
 and a quality metric (``quality_metric``, ``quality_direction``) computed in fp32 on the
 validation set; presets give the default batch size, accumulation, learning rate and sample
-budget. The optional hooks (`build_optimizers`, `grad_clip_norm`, `lr_multiplier`) default to
-what a probe trained with before a workload could say otherwise. `PresetWorkload` is the
-shortcut for a table of presets. Writing one: docs/workloads.md and examples/my_workload.
+budget. The optional hooks (`build_optimizers`, `grad_clip_norm`, `lr_multiplier`,
+`sample_batch`) default to what a probe trained with before a workload could say otherwise.
+`PresetWorkload` is the shortcut for a table of presets. Writing one: docs/workloads.md and examples/my_workload.
 
 No torch at run time (only for type checking): the registry imports this module, and the
 service and the worker read the registry without torch. A workload's own module imports torch.
@@ -90,6 +90,17 @@ class Workload(ABC):
 
         d = self.defaults
         return lr_factor(progress, d.warmup_fraction, d.final_lr_fraction)
+
+    def sample_batch(self, batch_size: int, generator: torch.Generator, device: torch.device) -> dict[str, Any]:
+        """Optional: the job's own data path. Override it when the job makes its training
+        batches itself (nanoGPT's ``get_batch``: random windows of a token tensor, copied to
+        the GPU): return one micro-batch of `batch_size` samples as a dict of tensors on
+        `device`, drawing its randomness from `generator` (a CPU generator seeded by the
+        probe's seed). The probe then trains on these batches, calling this in its loop as the
+        job does, and records the DataLoader knobs as inactive; the training dataset of
+        `datasets` is not read (its validation set still is). Not overridden: the probe feeds
+        the training dataset through a DataLoader built from the DataLoader knobs."""
+        raise NotImplementedError(f"{type(self).__name__} has no sample_batch: the probe uses a DataLoader")
 
 
 class PresetWorkload(Workload):

@@ -67,6 +67,13 @@ from autotune.engine.knobs import (
     world_size,
 )
 from autotune.engine.result import ProbeResult, amortize_epoch_starts
+from autotune.engine.sampled_data import (
+    SampledBatches,
+    describe,
+    has_own_data_path,
+    note_inactive_loader_knobs,
+    sampling_generator,
+)
 from autotune.engine.timing import TRACE_DATA, TRACE_STEP, Clock, RankSync, plan_steps, start_trace, stop_trace
 
 log = logging.getLogger(__name__)
@@ -225,8 +232,8 @@ class Training:
     """What a probe trains, built by `build_training`."""
 
     plain_model: torch.nn.Module  # the unwrapped module: its state_dict has clean keys
-    loader: Any  # the DataLoader
-    data: EpochIterator
+    loader: Any  # the DataLoader (None: the workload samples its own batches)
+    data: EpochIterator | SampledBatches
     trainer: Trainer
     sync: RankSync
     val_set: Any
@@ -260,8 +267,16 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
     model = apply_compile(parallel, cfg.compile, notes, backend=settings.compile_backend)
     phase("compile_wrap")  # torch.compile is lazy: this is import and wrapper cost, not compilation
     optimizer = build_optimizers(wl, plain_model, cfg, notes)  # the workload's own step: its optimizer(s)
-    loader = build_loader(train_set, cfg, dev, settings.seed, notes, rank, world)
-    data = EpochIterator(loader, dev)
+    loader: Any = None
+    data: EpochIterator | SampledBatches
+    if has_own_data_path(wl):  # the job's own data path (Workload.sample_batch), not a DataLoader
+        assert cfg.batch_size is not None
+        data = SampledBatches(wl, cfg.batch_size, sampling_generator(settings.seed, rank), dev)
+        note_inactive_loader_knobs(cfg, notes, wl)
+        notes["data"] = describe(wl)
+    else:
+        loader = build_loader(train_set, cfg, dev, settings.seed, notes, rank, world)
+        data = EpochIterator(loader, dev)
     d = wl.defaults
     eff = cfg.effective_batch * world  # global samples per optimizer step
     own_schedule = type(wl).lr_multiplier is not Workload.lr_multiplier
@@ -475,9 +490,12 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
             if tail:
                 check_finite(torch.stack(tail), total)
             step = total
-        result.epoch_micro_batches = len(loader)  # the untimed tail's epoch starts count in the cost too
-        amortize_epoch_starts(result, data.resolved_boundaries(), spans, seconds, per * eff, sync, cfg,
-                               total * accum)
+        if loader is not None:  # a DataLoader's epoch starts, counted at a long run's rate
+            result.epoch_micro_batches = len(loader)  # the untimed tail's epoch starts count in the cost too
+            amortize_epoch_starts(result, data.resolved_boundaries(), spans, seconds, per * eff, sync, cfg,
+                                   total * accum)
+        else:  # no epochs: the windows as timed
+            result.raw_window_throughputs = list(result.window_throughputs)
         for note in (throttle_note(result.window_gpu), host_bound_note(result.window_gpu)):
             if note:
                 result.measurement_notes.append(note)

@@ -1,8 +1,9 @@
 """The glue: train.py's job as an autotune workload, built from the script's own functions.
 
 Registered as ``gpt-script`` by the package's entry point (pyproject.toml). Each hook is one
-of the script's parts: build_model, the data, estimate_loss (quality), configure_optimizers
-(the two AdamW groups), grad_clip (clipping) and get_lr (the schedule, over the probe's samples).
+of the script's parts: build_model, get_batch (the script's own data path: random windows
+copied to the device, no DataLoader), estimate_loss (quality), configure_optimizers (the two
+AdamW groups), grad_clip (clipping) and get_lr (the schedule, over the probe's samples).
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ class ScriptWorkload(Workload):
         return Probed()
 
     def datasets(self, seed: int) -> tuple[Dataset, Dataset]:
-        return Windows(script.train_data), Windows(script.val_data)  # the probe orders them by its seed
+        return Windows(script.train_data), Windows(script.val_data)  # training batches: sample_batch
+
+    def sample_batch(self, batch_size: int, generator: torch.Generator,
+                     device: torch.device) -> dict[str, torch.Tensor]:  # the script's own data path
+        x, y = script.get_batch("train", batch_size, device=str(device), generator=generator)
+        return {"x": x, "y": y}
 
     def evaluate(self, model: nn.Module, val: Dataset, device: torch.device) -> float:
         return script.estimate_loss(model.gpt, "val", device=str(device))  # type: ignore[arg-type]
