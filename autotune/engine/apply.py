@@ -16,6 +16,15 @@ Your objects are changed in place, never replaced (keep your references: your LR
 acting on them), and the learning rate stays yours unless ``use_config_lr=True``.
 `prepared.notes` says what every knob did; `apply` prints, once, each knob that could not act on
 your objects (``quiet=True`` to skip). What each knob does to your objects: docs/workloads.md.
+
+On a job of several ranks (torchrun, ``torch.distributed.init_process_group`` before `apply`)
+the distributed knobs act too (`distribute`): a plain model is wrapped in DistributedDataParallel
+with the config's ``bucket_cap_mb``, ``gradient_as_bucket_view`` and ``static_graph`` (sharded
+with FSDP2 for ``parallel: fsdp2`` where `apply` builds the optimizer), a DDP of yours is kept and
+adjusted where DDP allows, and `prepared.step` accumulates under ``no_sync()`` on all but the last
+micro-batch (``no_sync_accumulation``). `prepared.model` is then the DDP over your module and
+`prepared.parallel` the wrapper; the NCCL knobs are environment variables of your launch. One
+process: every distributed knob is inactive. docs/apply-ddp.md.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -32,9 +42,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from autotune.contract.config import DISTRIBUTED_KNOBS, KNOBS, ConfigError, TrainConfig, load_config_arg, parse_config
+from autotune.contract.config import (
+    DISTRIBUTED_KNOBS,
+    KNOBS,
+    NCCL_ENV_KNOBS,
+    ConfigError,
+    TrainConfig,
+    load_config_arg,
+    parse_config,
+)
 from autotune.contract.errors import ProbeError
 from autotune.engine.knobs import (
     Notes,
@@ -43,11 +62,13 @@ from autotune.engine.knobs import (
     apply_backend_flags,
     apply_checkpointing,
     apply_compile,
+    apply_ddp,
     apply_fp8,
     batch_length,
     build_optimizer,
     loader_options,
     record_inactive_distributed,
+    world_size,
 )
 from autotune.engine.optimizers import OptimizerLike, Optimizers, apply_fused_optimizer, as_optimizers, set_lr
 
@@ -122,6 +143,7 @@ class Prepared:
     optimizer: OptimizerLike  # yours (or the AdamW built for you), changed in place
     trainer: Trainer
     train_loader: DataLoader | None = None
+    parallel: nn.Module | None = None  # the DDP (or FSDP) module over the ranks; None in one process
     notes: Notes = field(default_factory=dict)
     check_batch_size: bool = False  # no loader was rebuilt: the first step checks the caller's micro-batches
     _pending: list[Any] = field(default_factory=list)
@@ -198,13 +220,191 @@ def _check_loss_fn(model: nn.Module, loss_fn: LossFn | None) -> LossFn:
 
 def _print_inactive(notes: Notes, config: TrainConfig) -> None:
     """Each knob that could not act on the caller's objects, once, on stderr (the multi-process
-    knobs only where the config sets them off their defaults: apply runs one process)."""
+    knobs only where the config sets them off their defaults: in one process they are all
+    inactive, and a DDP job that keeps DDP's defaults loses nothing)."""
     lines = [f"  {knob}: {text}" for knob, text in notes.items()
              if ("inactive" in text or "not applied" in text)
              and (knob not in DISTRIBUTED_KNOBS or getattr(config, knob) != KNOBS[knob].default)]
     if lines:
         print("autotune.apply: knobs that could not act here (prepared.notes has every knob):", *lines,
               sep="\n", file=sys.stderr)
+
+
+# -- data parallelism over the caller's process group (knob step 5) ----------------------------
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class Parallel:
+    """The model as `apply` distributed it over the caller's process group."""
+
+    model: nn.Module  # what to compile and call: the DDP or sharded module (the model as given in one process)
+    module: nn.Module  # the plain module, inside any DDP wrapper: save its state_dict
+    wrapper: nn.Module | None  # the DDP / FSDP module whose no_sync the Trainer uses; None: one process
+    world: int
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "unset" if value is None else str(value)
+
+
+def _sharded_by_caller(model: nn.Module) -> str | None:
+    """'FSDP2' / 'FSDP' where the caller sharded the model already, else None."""
+    from torch.distributed import fsdp
+
+    fsdp2_module = getattr(fsdp, "FSDPModule", None)  # torch >= 2.6 exports it here
+    if fsdp2_module is not None and isinstance(model, fsdp2_module):
+        return "FSDP2"
+    return "FSDP" if isinstance(model, fsdp.FullyShardedDataParallel) else None
+
+
+def _record_nccl_environment(config: TrainConfig, backend: str, notes: Notes) -> None:
+    """The NCCL knobs are environment variables that NCCL reads when it makes the process
+    group's communicators, which the caller's init_process_group (or its first collective)
+    did before apply: apply can only say whether the launch set them."""
+    for name, variable in NCCL_ENV_KNOBS.items():
+        value = getattr(config, name)
+        present = os.environ.get(variable)
+        if "nccl" not in backend:
+            notes[name] = f"{_shown(value)} (inactive: the process group's backend is {backend}, not NCCL)"
+        elif value is None:
+            notes[name] = (f"{variable} unset in the config" + (f"; {present} from your environment" if present
+                                                                else " (NCCL's default)"))
+        elif present == str(value):
+            notes[name] = f"{variable}={value} (set by your launch)"
+        else:
+            notes[name] = (f"{variable}={value} not applied: NCCL reads it when the process group is made, before "
+                           f"apply; launch with it in the environment (`{variable}={value} torchrun ...`)"
+                           + (f"; your environment has {present}" if present is not None else ""))
+
+
+def _record_no_sync(config: TrainConfig, notes: Notes) -> None:
+    accum = config.accum_steps or 1
+    notes["no_sync_accumulation"] = (
+        "true: all-reduce on the last micro-batch of each step only (no_sync() on the others)"
+        if config.no_sync_accumulation else "false: all-reduce after every micro-batch"
+    ) + ("" if accum > 1 else " (accum_steps 1: no effect)")
+
+
+def _check_static_graph_with_no_sync(static_graph: bool, config: TrainConfig) -> None:
+    """DDP's static graph breaks under no_sync() (pytorch/pytorch#143580): refused, as the probe's
+    `apply_ddp` refuses it."""
+    if static_graph and config.no_sync_accumulation and (config.accum_steps or 1) > 1:
+        raise ApplyError("static_graph", "a static_graph DDP breaks under no_sync(), which no_sync_accumulation uses "
+                                         "when accum_steps > 1 (pytorch/pytorch#143580): set no_sync_accumulation: "
+                                         "false, or static_graph: false (on a DDP of yours: build it without "
+                                         "static_graph, or pass ddp.module for apply to wrap)")
+
+
+def _adjust_callers_ddp(ddp: DistributedDataParallel, config: TrainConfig, notes: Notes) -> None:
+    """The config's DDP knobs on the caller's own DDP, kept (never re-wrapped: DDP exposes no way
+    to copy what it was built with, comm hooks, mixed precision and delayed all-reduces
+    included, and the replaced wrapper would keep its gradient buckets alive).
+    ``bucket_cap_mb`` and ``gradient_as_bucket_view`` are constructor arguments: recorded as
+    kept, or not applied with the fix. ``static_graph`` is set in place before the first
+    forward (DDP's ``_set_static_graph``); after it, or to turn it off, it is not applied."""
+    fix = "pass the plain module (your_ddp.module) for apply to wrap it with the config's DDP knobs"
+    wanted_cap = int(config.bucket_cap_mb * MIB)
+    if ddp.bucket_bytes_cap == wanted_cap:
+        notes["bucket_cap_mb"] = f"{config.bucket_cap_mb:g} (your DDP's buckets already)"
+    else:
+        notes["bucket_cap_mb"] = (f"{config.bucket_cap_mb:g} not applied: your DDP was built with "
+                                  f"{ddp.bucket_bytes_cap / MIB:g} MiB buckets, a constructor argument; {fix}")
+    if ddp.gradient_as_bucket_view == config.gradient_as_bucket_view:
+        notes["gradient_as_bucket_view"] = f"{_shown(config.gradient_as_bucket_view)} (your DDP's already)"
+    else:
+        notes["gradient_as_bucket_view"] = (f"{_shown(config.gradient_as_bucket_view)} not applied: your DDP was "
+                                            f"built with {_shown(ddp.gradient_as_bucket_view)}, a constructor "
+                                            f"argument; {fix}")
+    if ddp.static_graph == config.static_graph:
+        notes["static_graph"] = f"{_shown(config.static_graph)} (your DDP's already)"
+    elif config.static_graph and not getattr(ddp, "_lazy_init_ran", True):
+        _check_static_graph_with_no_sync(True, config)
+        ddp._set_static_graph()
+        notes["static_graph"] = "true: set on your DDP before its first forward"
+    elif config.static_graph:
+        notes["static_graph"] = f"true not applied: your DDP has run a forward already (set it before); {fix}"
+    else:
+        notes["static_graph"] = f"false not applied: DDP cannot turn a static graph off; {fix}"
+    _check_static_graph_with_no_sync(ddp.static_graph, config)
+
+
+def _record_ddp_built(ddp: DistributedDataParallel, config: TrainConfig, notes: Notes) -> None:
+    """What each DDP knob did on the DDP apply built (read back from it)."""
+    notes["bucket_cap_mb"] = f"{config.bucket_cap_mb:g}: DDP's gradient buckets of {ddp.bucket_bytes_cap / MIB:g} MiB"
+    notes["gradient_as_bucket_view"] = (
+        "true: each parameter's .grad is a view into DDP's bucket (no copy)" if ddp.gradient_as_bucket_view
+        else "false: gradients are copied into DDP's buckets")
+    notes["static_graph"] = ("true: DDP static_graph (the used parameters never change)" if ddp.static_graph
+                             else "false")
+
+
+def _note_unsharded_sampler(loader: DataLoader, notes: Notes) -> None:
+    """With several ranks, a map-style dataset read through torch's default samplers is read
+    whole by every rank: noted (apply keeps your sampler)."""
+    sampler = loader.sampler
+    if isinstance(sampler, (SequentialSampler, RandomSampler)) and not isinstance(loader.dataset, IterableDataset):
+        notes["sampler"] = (f"{type(sampler).__name__} kept, so every rank reads every sample (rank sharding not "
+                            "applied: give your DataLoader sampler=DistributedSampler(dataset) and call its "
+                            "set_epoch each epoch)")
+
+
+def distribute(model: nn.Module, config: TrainConfig, device: torch.device, notes: Notes,
+               builds_optimizer: bool) -> Parallel:
+    """Knob step 5: the config's data parallelism on the caller's model, over the default
+    process group the caller made (torchrun + ``init_process_group``). One process (no
+    group, or a group of one): the model as it is, every distributed knob inactive.
+    Several ranks, by what the caller passed:
+
+    * a plain model: the probe's `apply_ddp` wraps it: DDP with ``bucket_cap_mb``,
+      ``gradient_as_bucket_view`` and ``static_graph``; ``parallel: fsdp2`` shards it with
+      ``fully_shard`` where apply builds the optimizer (`builds_optimizer`), else DDP instead
+      (your optimizer holds the unsharded parameters that fully_shard replaces: not applied);
+    * a DistributedDataParallel: kept, the knobs adjusted in place where DDP allows
+      (`_adjust_callers_ddp`);
+    * a model the caller sharded (FSDP2 ``fully_shard``, FSDP): kept, the DDP knobs inactive.
+
+    ``no_sync_accumulation`` acts in the Trainer (the wrapper's ``no_sync()`` on all but the
+    last micro-batch); the NCCL knobs are only recorded (`_record_nccl_environment`)."""
+    world = world_size()
+    if world == 1:
+        record_inactive_distributed(config, notes, "one process: no torch.distributed process group of several ranks")
+        return Parallel(model, model, None, 1)
+    backend = str(torch.distributed.get_backend())
+    ranks = f"{world} ranks ({backend})"
+    if isinstance(model, DistributedDataParallel):
+        _adjust_callers_ddp(model, config, notes)
+        notes["parallel"] = f"ddp: your DistributedDataParallel, {ranks}" + (
+            "" if config.parallel == "ddp" else f" ({config.parallel} not applied: your model is a DDP already)")
+        parallel = Parallel(model, model.module, model, world)
+    elif (sharding := _sharded_by_caller(model)) is not None:
+        why = f"inactive: your model is sharded with {sharding}, not DDP"
+        for name in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"):
+            notes[name] = f"{_shown(getattr(config, name))} ({why})"
+        notes["parallel"] = f"{sharding}: yours, kept, {ranks}" + (
+            "" if config.parallel == "fsdp2" else f" ({config.parallel} not applied: your model is sharded already)")
+        parallel = Parallel(model, model, model, world)
+    else:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # DDP's device_ids: this rank's GPU
+        fsdp2 = config.parallel == "fsdp2" and builds_optimizer
+        chosen = config if fsdp2 or config.parallel != "fsdp2" else dataclasses.replace(config, parallel="ddp")
+        with _as_apply_error("parallel" if fsdp2 else "static_graph"):
+            wrapped = apply_ddp(model, chosen, notes, device)
+        if chosen is not config:
+            notes["parallel"] = ("fsdp2 not applied: fully_shard replaces the parameters your optimizer holds (pass "
+                                 "optimizer=None for apply to build AdamW after sharding); " + notes["parallel"])
+        parallel = Parallel(wrapped, model, wrapped, world)
+        if isinstance(wrapped, DistributedDataParallel):
+            _record_ddp_built(wrapped, config, notes)
+    _record_no_sync(config, notes)
+    _record_nccl_environment(config, backend, notes)
+    return parallel
 
 
 def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module, *,
@@ -225,6 +425,19 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
     (`lr_multiplier(progress)`, default warm-up then cosine to `final_lr_fraction`), as the
     probe did; None leaves the lr to you. Raises ConfigError / ApplyError naming the knob and
     the fix; prints once each knob that could not act (unless `quiet`).
+
+    Several ranks (a default process group of world size > 1, made by you before `apply`):
+    `model` plain is wrapped in DistributedDataParallel with the config's ``bucket_cap_mb``,
+    ``gradient_as_bucket_view`` and ``static_graph`` (``parallel: fsdp2``: sharded with
+    fully_shard where `optimizer` is None, else DDP instead, noted); `model` a DDP of yours is
+    kept, ``static_graph`` set on it before its first forward, its constructor-only knobs noted
+    as not applied with the fix (pass ``your_ddp.module``); `model` sharded by you (FSDP2 / FSDP)
+    is kept. `step` then skips the gradient all-reduce on all but the last micro-batch with
+    ``no_sync_accumulation``; the config's batch_size is each rank's micro-batch and
+    `total_samples` counts the samples of all ranks. ``prepared.model`` is the DDP (compiled
+    where asked), ``prepared.module`` your plain module (save its state_dict),
+    ``prepared.parallel`` the wrapper. The NCCL knobs are environment variables NCCL reads
+    before `apply` runs: only noted (set by your launch, or not applied). docs/apply-ddp.md.
     """
     cfg = load_config(config)
     config_lr = cfg.lr  # the probe preset's, in a best.yaml
@@ -255,10 +468,13 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
         notes["checkpoint"] = "none"
     model.to(dev)  # 3
     with _as_apply_error("precision"):  # 4
-        model = apply_fp8(model, cfg, dev, notes)
-    plain = model
-    compiled = apply_compile(model, cfg.compile, notes)  # 5
-    record_inactive_distributed(cfg, notes, "one process (autotune.apply does not wrap DDP)")  # 6
+        if isinstance(model, DistributedDataParallel):
+            apply_fp8(model.module, cfg, dev, notes)  # the Linear layers inside your DDP, swapped in place
+        else:
+            model = apply_fp8(model, cfg, dev, notes)
+    parallel = distribute(model, cfg, dev, notes, builds_optimizer=opts is None)  # 5
+    plain = parallel.module
+    compiled = apply_compile(parallel.model, cfg.compile, notes)  # 6
     with _as_apply_error("fused_optimizer"):  # 7
         held: OptimizerLike
         if opts is None:
@@ -280,6 +496,8 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
     loader = None
     if train_loader is not None:  # 8
         loader = rebuild_loader(train_loader, cfg, dev, notes)
+        if parallel.world > 1:
+            _note_unsharded_sampler(loader, notes)
     else:
         for knob in ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers"):
             if getattr(cfg, knob) != KNOBS[knob].default:
@@ -289,10 +507,12 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
     schedule = (Schedule(total_samples, warmup_fraction, final_lr_fraction, multiplier=lr_multiplier)
                 if total_samples else None)
     with _as_apply_error("optimizer"):  # 9
-        trainer = Trainer(compiled, opts, cfg, dev, notes, schedule=schedule, clip_norm=grad_clip_norm)
+        trainer = Trainer(compiled, opts, cfg, dev, notes, schedule=schedule, parallel=parallel.wrapper,
+                          world=parallel.world, clip_norm=grad_clip_norm)
     trainer.loss_fn = step_loss
     prepared = Prepared(config=cfg, device=dev, model=compiled, module=plain, optimizer=held, trainer=trainer,
-                        train_loader=loader, notes=notes, check_batch_size=train_loader is None)
+                        train_loader=loader, parallel=parallel.wrapper, notes=notes,
+                        check_batch_size=train_loader is None)
     if not quiet:
         _print_inactive(notes, cfg)
     return prepared

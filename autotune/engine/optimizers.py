@@ -3,7 +3,9 @@
 A workload (or a caller of `autotune.apply`) hands over its own optimizer, or several at once (a
 Muon + AdamW hybrid: `muon_adamw`). `Optimizers` steps, zeroes and checkpoints them as one, and
 the knobs act on those same objects, in place: ``fused_optimizer`` sets the groups' ``fused`` /
-``foreach`` flags where the optimizer has them (`apply_fused_optimizer`), ``compile_optimizer``
+``foreach`` flags where the optimizer has them, and with them what the optimizer's constructor
+sets for that choice, GradScaler's AMP contract included (`apply_fused_optimizer`,
+`FusedContract`), ``compile_optimizer``
 compiles every optimizer's step with each lr as a device tensor (`compile_optimizer_step`,
 `lr_to_tensor`), and `clip_gradients` clips on the device, after fp16's GradScaler unscaled the
 gradients. A knob that cannot act is recorded inactive with the reason. Imports torch: only the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -164,25 +167,99 @@ def _takes(opt: torch.optim.Optimizer, name: str) -> bool:
     return name in inspect.signature(type(opt).__init__).parameters
 
 
-def _check_fused(opt: torch.optim.Optimizer, device: torch.device) -> str | None:
-    """Why `opt`'s class cannot run fused on `device` (None: it can): built once, on a
-    throwaway parameter, with the same hyper-parameters."""
+def _built_like(opt: torch.optim.Optimizer, device: torch.device, fused: bool) -> torch.optim.Optimizer:
+    """An optimizer of `opt`'s class over one throwaway parameter on `device`, with the same
+    hyper-parameters, built ``fused`` (else ``foreach``): what its constructor makes of that
+    choice. Raises what the constructor raises."""
     accepted = inspect.signature(type(opt).__init__).parameters
-    defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k not in ("fused", "foreach", "lr")}
-    probe_param = torch.zeros(1, device=device, requires_grad=True)
-    try:
-        cls: Any = type(opt)
-        cls([probe_param], lr=0.1, **defaults, fused=True)
-    except (RuntimeError, ValueError, TypeError) as e:
-        return str(e).splitlines()[0][:200]
-    return None
+    kwargs = {k: v for k, v in opt.defaults.items() if k in accepted and k not in ("fused", "foreach", "lr")}
+    if "fused" in accepted:
+        kwargs["fused"] = fused
+    if "foreach" in accepted:
+        kwargs["foreach"] = not fused
+    cls: Any = type(opt)
+    built: torch.optim.Optimizer = cls([torch.zeros(1, device=device, requires_grad=True)], lr=0.1, **kwargs)
+    return built
+
+
+@dataclass(frozen=True)
+class ConstructorChoice:
+    """What an optimizer's constructor sets outside its parameter groups for one choice of
+    fused / foreach: `flags`, the plain attributes on the optimizer itself, and `step`, the
+    dtype of a fresh state's step counter and whether it lives on the parameter's device (else
+    on the host); None where the constructor makes no state."""
+
+    flags: dict[str, Any]
+    step: tuple[torch.dtype, bool] | None
+
+    @classmethod
+    def of(cls, built: torch.optim.Optimizer) -> ConstructorChoice:
+        flags = {k: v for k, v in vars(built).items() if isinstance(v, (bool, int, float, str, type(None)))}
+        param = built.param_groups[0]["params"][0]
+        step = built.state[param].get("step") if param in built.state else None
+        return cls(flags, (step.dtype, step.device == param.device) if isinstance(step, torch.Tensor) else None)
+
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class FusedContract:
+    """What `opt`'s class sets beside the ``fused`` / ``foreach`` group flags, for each choice,
+    so that a knob that flips the flags in place can flip the rest with them. torch's
+    constructors with fused=True (torch/optim/adam.py, adamw.py, sgd.py, adagrad.py) set
+    ``_step_supports_amp_scaling`` (GradScaler then hands the step its scale and inf flag instead
+    of unscaling the gradients itself; a foreach step handed them fails "Expected grad_scale and
+    found_inf to be None"), SGD and Adagrad ``_need_device_dtype_check_for_fused`` (the first
+    fused step checks the parameters), and Adagrad makes its step counters at construction:
+    float32 on the parameter's device for fused, on the host for foreach. Read off throwaway
+    optimizers of the same class (`of`), so another class's own flags follow too."""
+
+    fused: ConstructorChoice | None  # None: the class cannot be built fused on this device
+    foreach: ConstructorChoice
+
+    def keep(self, opt: torch.optim.Optimizer) -> None:
+        """Set `opt`'s own flags, and its fresh step counters, as its constructor would have for
+        its groups' flags: fused where every group is fused, else foreach (GradScaler scales an
+        optimizer as one: with a foreach group it must unscale the gradients itself)."""
+        fused = self.fused is not None and all(group.get("fused") for group in opt.param_groups)
+        chosen, other = (self.fused, self.foreach) if fused else (self.foreach, self.fused or self.foreach)
+        assert chosen is not None
+        for name in chosen.flags.keys() | other.flags.keys():
+            if chosen.flags.get(name, _ABSENT) == other.flags.get(name, _ABSENT):
+                continue  # not the choice's: whatever the optimizer holds stays
+            if name in chosen.flags:
+                setattr(opt, name, chosen.flags[name])
+            else:
+                opt.__dict__.pop(name, None)
+        if chosen.step is None:
+            return
+        dtype, on_param_device = chosen.step
+        for group in opt.param_groups:
+            for p in group["params"]:
+                step = opt.state[p].get("step") if p in opt.state else None
+                if isinstance(step, torch.Tensor) and not step.requires_grad and float(step) == 0.0:
+                    opt.state[p]["step"] = torch.zeros((), dtype=dtype, device=p.device if on_param_device else "cpu")
+
+
+def _has_stepped(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` holds state from a step (or a loaded checkpoint): any state beyond the
+    zero step counters some constructors make (Adagrad: with its accumulators at their start)."""
+    for state in opt.state.values():
+        step = state.get("step")
+        if step is None or float(step) != 0.0:
+            return True
+    return False
 
 
 def apply_fused_optimizer(optimizers: Optimizers, config: TrainConfig, device: torch.device, notes: Notes) -> None:
     """Set ``fused`` (``fused_optimizer=true``: one kernel for the whole update) or ``foreach``
     (false: multi-tensor kernels) on every parameter group of each optimizer that has the
-    flags, in place. The optimizers must not have stepped. An optimizer without the flags is
-    recorded as inactive for this knob, with its name."""
+    flags, in place, and with them what the optimizer's constructor sets for that choice (its
+    `FusedContract`: e.g. GradScaler's ``_step_supports_amp_scaling``, on for fused, off for
+    foreach); a later ``load_state_dict`` whose groups bring other flags keeps the contract
+    too. The optimizers must not have stepped. An optimizer without the flags is recorded as
+    inactive for this knob, with its name."""
     fused = config.fused_optimizer
     parts = []
     for opt in optimizers:
@@ -191,29 +268,71 @@ def apply_fused_optimizer(optimizers: Optimizers, config: TrainConfig, device: t
         if not (has_fused or has_foreach):
             parts.append(f"{name}: inactive ({name} has no fused or foreach implementation)")
             continue
-        if opt.state:
+        if _has_stepped(opt):
             raise ProbeError("unsupported", f"fused_optimizer: {name} has stepped already; set the knob before "
                                             "the first step")
         fused_here = fused and has_fused
-        if fused_here:
-            why = _check_fused(opt, device)
-            if why is not None:
-                raise ProbeError("unsupported", f"fused_optimizer=true: {name} cannot run fused on {device.type} "
-                                                f"({why}); set fused_optimizer: false")
+        contract = _fused_contract(opt, device, fused_here)
         for group in [*opt.param_groups, opt.defaults]:  # defaults: for groups added later
             if has_fused:
                 group["fused"] = fused_here
             if has_foreach:
                 group["foreach"] = not fused_here
-        if fused_here:
-            # what the constructor sets for a fused optimizer: GradScaler then hands it the
-            # scale and the inf flag instead of unscaling the gradients itself
-            opt._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+        contract.keep(opt)
+        _keep_after_loading(opt, contract)
         if fused and not has_fused:
             parts.append(f"{name} foreach (inactive: {name} has no fused implementation)")
         else:
             parts.append(f"{name} {'fused' if fused_here else 'foreach'}")
     notes["fused_optimizer"] = "; ".join(parts)
+
+
+def _fused_contract(opt: torch.optim.Optimizer, device: torch.device, fused: bool) -> FusedContract:
+    """`opt`'s `FusedContract` on `device`; with `fused`, refused (naming the knob) where its
+    class cannot run fused there."""
+    name = type(opt).__name__
+    fused_choice = None
+    if _takes(opt, "fused"):
+        try:
+            fused_built = _built_like(opt, device, fused=True)
+            fused_choice = ConstructorChoice.of(fused_built)  # before the step below changes its flags
+            _step_once(fused_built)
+        except (RuntimeError, ValueError, TypeError) as e:
+            if fused:
+                why = str(e).splitlines()[0][:200]
+                raise ProbeError("unsupported", f"fused_optimizer=true: {name} cannot run fused on {device.type} "
+                                                f"({why}); set fused_optimizer: false") from None
+    try:
+        foreach_choice = ConstructorChoice.of(_built_like(opt, device, fused=False))
+    except (RuntimeError, ValueError, TypeError) as e:
+        why = str(e).splitlines()[0][:200]
+        raise ProbeError("unsupported", f"fused_optimizer=false: {name} cannot run foreach on {device.type} "
+                                        f"({why}); set fused_optimizer: true") from None
+    return FusedContract(fused_choice, foreach_choice)
+
+
+def _step_once(built: torch.optim.Optimizer) -> None:
+    """One step of a throwaway optimizer, on zero gradients: some classes check whether their
+    fused kernel runs on the device only at the first step (torch's fused Adagrad: CPU only)."""
+    for group in built.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    built.step()
+
+
+_CONTRACT_HOOK = "_autotune_fused_contract_hook"  # the handle of the hook below, on the optimizer
+
+
+def _keep_after_loading(opt: torch.optim.Optimizer, contract: FusedContract) -> None:
+    """Keep `contract` after ``opt.load_state_dict``, which takes the checkpoint's group flags
+    (a checkpoint saved foreach, loaded into the fused optimizer of a ``fused_optimizer=true``
+    config, would otherwise keep GradScaler's scale going to a foreach step). One hook per
+    optimizer: applying again replaces it."""
+    old = getattr(opt, _CONTRACT_HOOK, None)
+    if old is not None:
+        old.remove()
+    handle = opt.register_load_state_dict_post_hook(contract.keep)
+    setattr(opt, _CONTRACT_HOOK, handle)
 
 
 # -- learning rates as device tensors -------------------------------------------------------
