@@ -25,7 +25,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 	@$(BIN)/python -c "import torch" 2>/dev/null \
 		|| $(UV_INSTALL) $(FIND_LINKS) "$(TORCH_SPEC)" \
 		|| $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(UV_INSTALL) -e ".[dev,dashboard]" || $(BIN)/python -m pip install -q -e ".[dev,dashboard]"
+	$(UV_INSTALL) -e ".[dev,dashboard,hf]" || $(BIN)/python -m pip install -q -e ".[dev,dashboard,hf]"
 	@touch $@
 
 # The project's own bytecode (an editable install has none; compileall skips what is up to date).

@@ -211,6 +211,22 @@ def test_the_contract_imports_no_torch_at_import_time() -> None:
                 assert name == "autotune" or wing(name) == "contract", f"{path.relative_to(ROOT)} imports {name}"
 
 
+# optional libraries (extras): imported inside the functions that use them, never when a module is
+# imported, so that autotune, its contract, the worker and the engine import without them
+LAZY_LIBRARIES = {"transformers", "accelerate", "torchao"}
+
+
+def test_optional_libraries_are_imported_only_where_they_are_used() -> None:
+    """transformers (the `hf` extra: autotune/workloads/hf.py) and torchao (`gpu`) only inside
+    functions or under TYPE_CHECKING, in every module of the product."""
+    eager = []
+    for module, path in product_modules().items():
+        for name, node in imported_names(path, module, top_level_only=True):
+            if third_party(name) in LAZY_LIBRARIES:
+                eager.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')} imports {name} when imported")
+    assert eager == []
+
+
 def test_the_command_line_reaches_the_service_through_one_seam() -> None:
     """Outside the service, only `autotune.cli.seam.service()` imports it."""
     reaching = set()
@@ -226,11 +242,12 @@ def test_the_command_line_reaches_the_service_through_one_seam() -> None:
 
 @pytest.mark.parametrize(("modules", "absent"), [
     (["autotune.contract." + p.stem for p in (ROOT / "autotune" / "contract").glob("*.py") if p.stem != "__init__"],
-     {"torch", "fastapi", "optuna", "sqlalchemy", "httpx"}),
+     {"torch", "fastapi", "optuna", "sqlalchemy", "httpx", "transformers"}),
     (["autotune.worker.loop", "autotune.worker.spool", "autotune.worker.client"],
-     {"torch", "fastapi", "optuna", "sqlalchemy", "starlette"}),
+     {"torch", "fastapi", "optuna", "sqlalchemy", "starlette", "transformers"}),
     (["autotune.api.main"], {"torch"}),
-], ids=["contract", "worker", "service"])
+    (["autotune"], {"torch", "transformers", "fastapi", "optuna", "sqlalchemy"}),  # `import autotune`: all lazy
+], ids=["contract", "worker", "service", "package"])
 def test_a_fresh_process_loads_only_its_wing(modules: list[str], absent: set[str]) -> None:
     """Imported in a fresh process, a wing does not bring in what its process never runs."""
     code = (f"import sys\nimport {', '.join(modules)}\n"

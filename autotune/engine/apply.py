@@ -55,6 +55,7 @@ from autotune.contract.config import (
     parse_config,
 )
 from autotune.contract.errors import ProbeError
+from autotune.engine.hf_checkpointing import hf_models
 from autotune.engine.knobs import (
     Notes,
     Schedule,
@@ -457,13 +458,17 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
     step_loss = _check_loss_fn(model, loss_fn)
     notes: Notes = {}
     apply_backend_flags(cfg, dev, notes)  # 1
-    if cfg.checkpoint != "none":  # 2
+    # 2: a Hugging Face model's own switch is set both ways (none turns off what the model had on)
+    if cfg.checkpoint != "none" or hf_models(model):
         try:
             apply_checkpointing(model, cfg.checkpoint, notes)
         except ProbeError as e:
-            raise ApplyError("checkpoint", f"{e.message.removeprefix('checkpoint: ')}. A block obeys the knob when "
-                                           "it has a `checkpoint` attribute that its forward reads (see "
-                                           "autotune/workloads/ups/model.py Block and docs/tutorial.md)") from None
+            message = e.message.removeprefix("checkpoint: ")
+            if "no checkpointable blocks" in message:
+                message += (". A block obeys the knob when it has a `checkpoint` attribute that its forward reads "
+                            "(autotune/workloads/ups/model.py Block, docs/tutorial.md); a Hugging Face model "
+                            "through its gradient_checkpointing_enable (docs/huggingface.md)")
+            raise ApplyError("checkpoint", message) from None
     else:
         notes["checkpoint"] = "none"
     model.to(dev)  # 3

@@ -43,6 +43,7 @@ from autotune.contract.config import TrainConfig
 from autotune.contract.errors import ProbeError
 from autotune.engine import step_graph
 from autotune.engine.epoch_cost import Boundary
+from autotune.engine.hf_checkpointing import checkpoint_hf_models, hf_models
 from autotune.engine.optimizers import (
     OptimizerLike,
     adamw,
@@ -83,16 +84,38 @@ def apply_backend_flags(config: TrainConfig, device: torch.device, notes: Notes)
 
 def apply_checkpointing(model: nn.Module, mode: str, notes: Notes) -> int:
     """Set the checkpoint granularity on every module that has a `checkpoint` attribute
-    (the workload's transformer blocks). Returns how many blocks were set."""
+    (the workload's transformer blocks), and on every Hugging Face model inside `model`
+    through its own switch: ``gradient_checkpointing_enable`` (non-reentrant; ``selective``
+    with the matmul-saving policy; ``attn`` / ``mlp`` refused: HF checkpoints whole layers) or
+    ``gradient_checkpointing_disable`` (``none``). Returns how many blocks (and HF decoder
+    layers) were set."""
     blocks = [m for m in model.modules() if hasattr(m, "checkpoint") and not isinstance(m, nn.ModuleList)]
-    if mode != "none" and not blocks:
-        raise ProbeError("unsupported", "checkpoint: this workload's model has no checkpointable blocks; use none")
+    hf = hf_models(model)
+    if mode != "none" and not blocks and not hf:
+        raise ProbeError("unsupported", "checkpoint: this workload's model has no checkpointable blocks (no module "
+                                        "with a `checkpoint` attribute, no Hugging Face model with "
+                                        "gradient_checkpointing_enable); use none")
     if mode == "selective" and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
         raise ProbeError("unsupported", f"checkpoint=selective needs torch >= 2.4 (installed {torch.__version__})")
+    done = checkpoint_hf_models(hf, mode) if hf else []
     for block in blocks:
         setattr(block, "checkpoint", mode)  # noqa: B010 (a plain attribute read in Block.forward)
-    notes["checkpoint"] = f"{mode} on {len(blocks)} blocks"
-    return len(blocks)
+    if not hf:
+        notes["checkpoint"] = f"{mode} on {len(blocks)} blocks"
+        return len(blocks)
+    parts = [f"{mode} on {f'{n} decoder layers' if n is not None else 'the decoder layers'} of {name}"
+             for name, n in done]
+    if mode == "none":
+        parts = [f"none: gradient checkpointing off on {name}" for name, _ in done]
+    elif mode == "block":
+        parts = [p + " (gradient_checkpointing_enable, use_reentrant=False)" for p in parts]
+    else:
+        parts = [p + " (gradient_checkpointing_enable, use_reentrant=False; matmul and attention outputs kept)"
+                 for p in parts]
+    if blocks:
+        parts.append(f"{mode} on {len(blocks)} blocks")
+    notes["checkpoint"] = "; ".join(parts)
+    return sum(n or 0 for _, n in done) + len(blocks)
 
 
 # -- 4. fp8 -------------------------------------------------------------------------------
