@@ -197,6 +197,12 @@ def tune(
         except TuneError as e:
             raise usage_error(str(e)) from None
 
+    from autotune.contract.registry import export_workload_paths, workload_paths
+
+    try:  # NAME=module:attr workloads known before the spec that names one is validated
+        export_workload_paths(workload_paths(allow_workload or []))
+    except ValueError as e:
+        raise usage_error(str(e)) from None
     spec, _ = _load_spec(spec_file, name, host_hardware=host_hardware)
     code, _ = run_tune(spec, workdir, workers=workers, out=out, allow_workloads=allow_workload or (), port=port)
     raise typer.Exit(code=code)

@@ -115,3 +115,29 @@ def test_a_spec_without_hardware_is_checked_against_this_hosts_gpu(tmp_path: Pat
         _load_spec(tmp_path / "study.yaml", None, check_cpu=False)
     spec, implicit = _load_spec(tmp_path / "study.yaml", None, host_hardware=lambda: "NVIDIA H100 80GB HBM3")
     assert implicit and spec.hardware == "NVIDIA H100 80GB HBM3" and spec.space == "h100"
+
+
+def test_a_spec_naming_a_workload_given_by_allow_workload_is_accepted(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`autotune tune SPEC --allow-workload NAME=module:attr`: NAME is known before the spec is
+    checked (it was refused as an unknown workload). The tuning itself is not under test here."""
+    from typer.testing import CliRunner
+
+    import autotune.cli.local as local
+    from autotune.cli.main import app
+
+    seen = []
+    monkeypatch.setattr(local, "run_tune", lambda spec, *a, **k: (seen.append(spec), (0, None))[1])
+    from autotune.contract.registry import registered_workloads
+
+    monkeypatch.setenv("AUTOTUNE_WORKLOADS", "")  # restored after the test, as the registry's cache
+    registered_workloads.cache_clear()
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({**SPEC, "workload": "my-wl", "hardware": "cpu"}))
+    refused = CliRunner().invoke(app, ["tune", str(tmp_path / "spec.yaml")])
+    assert refused.exit_code == 2 and "unknown workload 'my-wl'" in refused.output
+    given = CliRunner().invoke(app, ["tune", str(tmp_path / "spec.yaml"), "--allow-workload",
+                                     "my-wl=my_pkg.workload:MyWorkload"])
+    assert given.exit_code == 0, given.output
+    assert [s.workload for s in seen] == ["my-wl"]
+    monkeypatch.undo()
+    registered_workloads.cache_clear()  # the registry as the environment has it again
