@@ -26,8 +26,10 @@ from autotune.api.study import (
 from autotune.contract.config import knobs_of
 from autotune.contract.protocol import StudySpec
 from autotune.contract.results import LeaseRequest
-from autotune.contract.starting import MAX_POINTS
+from autotune.contract.starting import MAX_POINTS, warm_points
 from autotune.contract.starting import resolve as resolve_starting_points
+
+WARM_START_ATTR = "autotune_warm_start"  # study user attr: the warm start's points, fixed once resolved
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def retry_plan(lost: TrialRecord, configs: int) -> Plan:
     """Re-run `lost`: same role, probe (seed included) and config; a search trial's params
     are enqueued again, so the sampler sees the same point."""
     attrs: dict[str, Any] = {"retry_of": lost.number, "attempt": attempt_of(lost) + 1}
-    for key in ("probe", "baseline_seed", "remeasure_of", "remeasure_round", "starting_point"):
+    for key in ("probe", "baseline_seed", "remeasure_of", "remeasure_round", "starting_point", "warm_start_from"):
         if key in lost.user_attrs:
             attrs[key] = lost.user_attrs[key]
     trial_role = role(lost)
@@ -95,7 +97,8 @@ class Planner:
         self._gates = gates  # the service's gate cache: a study is in it once its gate is settled
         self._gate = gate  # settles it when it can (`TuningService._gate`)
         self._remeasures_created: set[str] = set()  # studies whose re-measure trials all exist
-        self._starting: dict[str, list[dict[str, Any]]] = {}  # per study: its starting points (contract.starting)
+        # per study: its starting points (contract.starting), each with the study it warm-starts from
+        self._starting: dict[str, list[tuple[dict[str, Any], str | None]]] = {}
         self._retry_books: dict[str, RetryBook] = {}  # per study, see RetryBook
 
     def pending_retries(self, ctx: StudyContext) -> tuple[list[TrialRecord], int]:
@@ -145,7 +148,11 @@ class Planner:
             index = configs - spec.baseline_seeds
             points = self.starting_points(ctx) if index < MAX_POINTS else []
             if index < len(points):
-                return Plan("search", None, {"starting_point": index}, configs, params=points[index])
+                point, origin = points[index]
+                attrs: dict[str, Any] = {"starting_point": index}
+                if origin is not None:
+                    attrs["warm_start_from"] = origin
+                return Plan("search", None, attrs, configs, params=point)
             return Plan("search", None, {}, configs)
         if ctx.name in self._remeasures_created:
             return None
@@ -175,17 +182,39 @@ class Planner:
         return Plan("remeasure", knobs, {  # the effective config, less derived fields (effective_batch)
             "probe": probe.model_dump(mode="json"), "remeasure_of": target.number, "remeasure_round": round_}, configs)
 
-    def starting_points(self, ctx: StudyContext) -> list[dict[str, Any]]:
-        """The study's starting points, derived once per process from its first finished
-        baseline's effective config (what the probe ran: the preset's batch included)."""
+    def starting_points(self, ctx: StudyContext) -> list[tuple[dict[str, Any], str | None]]:
+        """The study's starting points, each with the earlier study it warm-starts from (None: the
+        study's own), derived once from its first finished baseline's effective config (what the
+        probe ran: the preset's batch included): the warm start's points first
+        (`contract.starting.warm_points`), then the spec's `starting_points`, at most MAX_POINTS.
+        The warm start's are kept in the study (WARM_START_ATTR) when first resolved, so a
+        restarted or second service process hands out the same points though more studies may
+        have finished since."""
         points = self._starting.get(ctx.name)
         if points is None:
             baseline = ctx.spec.baseline_config()
+            fingerprint = None
             for trial in self.bridge.trials(ctx.name):
                 config = trial.user_attrs.get("config")
                 if role(trial) == "baseline" and completed(trial) and isinstance(config, dict):
                     baseline = knobs_of(config)
+                    fingerprint = (trial.user_attrs.get("measurement") or {}).get("model_fingerprint")
                     break
-            points = self._starting[ctx.name] = resolve_starting_points(
-                ctx.spec.starting_points, ctx.space, baseline, ctx.spec.hardware, ctx.spec.sampler)
+            warm = self._warm_points(ctx, baseline, fingerprint)
+            own = resolve_starting_points(ctx.spec.starting_points, ctx.space, baseline, ctx.spec.hardware,
+                                          ctx.spec.sampler)
+            taken = [point for point, _ in warm]
+            points = [*warm, *((p, None) for p in own if p not in taken)][:MAX_POINTS]
+            self._starting[ctx.name] = points
         return points
+
+    def _warm_points(self, ctx: StudyContext, baseline: dict[str, Any],
+                     fingerprint: str | None) -> list[tuple[dict[str, Any], str | None]]:
+        if ctx.spec.warm_start == "none":
+            return []
+        stored = self.bridge.study_attr(ctx.name, WARM_START_ATTR)
+        if isinstance(stored, list):
+            return [(dict(p["params"]), p.get("from")) for p in stored]
+        found = warm_points(ctx.space, baseline, self.bridge.warm_start_sources(ctx, fingerprint))
+        self.bridge.set_study_attr(ctx, WARM_START_ATTR, [{"params": p, "from": origin} for p, origin in found])
+        return [(p, origin) for p, origin in found]

@@ -195,6 +195,53 @@ class OptunaBridge:
         value = self._reader(name).study.user_attrs.get(RECOMMENDATION_ATTR)
         return value if isinstance(value, dict) else None
 
+    def warm_start_sources(self, ctx: StudyContext, model_fingerprint: str | None = None
+                           ) -> list[tuple[str, list[dict[str, Any]]]]:
+        """Each source study of `ctx`'s warm start with its configs to try first: its certified
+        pick, then its other candidates that were not shown slower or worse (certified, undecided,
+        stopped), fastest first. The studies named in the spec, in its order, or for "auto" every
+        other study with a verdict of the same workload, preset and hardware class, newest first
+        (where both sides record a model fingerprint, it must match). Read through Optuna's
+        public API: the spec and the verdict are study user attrs."""
+        spec = ctx.spec
+        if spec.warm_start == "none":
+            return []
+        summaries = {s.study_name: s for s in optuna.get_all_study_summaries(self.storage, include_best_trial=False)}
+        if spec.warm_start == "auto":
+            def same_job(attrs: Mapping[str, Any]) -> bool:
+                other = attrs.get("autotune_spec") or {}
+                return (isinstance(other, dict) and other.get("workload") == spec.workload
+                        and other.get("preset") == spec.preset and other.get("hardware") == spec.hardware)
+
+            names = [s.study_name for s in sorted(summaries.values(), reverse=True,
+                                                  key=lambda s: (s.datetime_start is not None, s.datetime_start))
+                     if s.study_name != ctx.name and same_job(s.user_attrs)]
+        else:
+            names = [n for n in spec.warm_start if n in summaries]
+        sources = []
+        for name in names:
+            rec = summaries[name].user_attrs.get(RECOMMENDATION_ATTR)
+            if not isinstance(rec, dict):
+                continue  # no verdict yet: nothing known to start from
+            theirs = (rec.get("provenance") or {}).get("model_fingerprint")
+            if spec.warm_start == "auto" and model_fingerprint and theirs and theirs != model_fingerprint:
+                continue  # another model under the same workload name
+            configs = [rec["config"]] if rec.get("certified") and isinstance(rec.get("config"), dict) else []
+            front = [c for c in rec.get("configs") or [] if isinstance(c, dict) and c.get("role") == "candidate"
+                     and c.get("status") in ("certified", "undecided", "stopped") and isinstance(c.get("config"), dict)]
+            front.sort(key=lambda c: -(c.get("speedup") or 0.0))
+            configs += [c["config"] for c in front]
+            if configs:
+                sources.append((name, configs))
+        return sources
+
+    def study_attr(self, name: str, key: str) -> Any:
+        """A study user attr, read fresh from the storage (another service process may have set it)."""
+        return optuna.load_study(study_name=name, storage=self.storage, sampler=RandomSampler()).user_attrs.get(key)
+
+    def set_study_attr(self, ctx: StudyContext, key: str, value: Any) -> None:
+        self._handle(ctx).study.set_user_attr(key, json_safe(value))
+
     def delete_study(self, name: str) -> None:
         with self._handles_lock:
             self._handles.pop(name, None)

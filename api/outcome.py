@@ -21,7 +21,8 @@ from autotune.contract.gate import constraint_value
 from autotune.contract.protocol import OBJECTIVES, StudySpec
 
 # ProbeResult fields copied verbatim into user attrs
-RESULT_ATTRS = ("device", "torch_version", "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
+RESULT_ATTRS = ("device", "torch_version", "cuda_version", "driver_version", "gpu_count", "model_fingerprint",
+                "warmup_s", "throughput_spread", "peak_mem_reserved_bytes",
                 "peak_mem_allocated_bytes", "data_wait_fraction", "samples_trained", "throughput_samples_per_s",
                 "val_nrmse", "window_throughputs", "raw_window_throughputs", "epoch_cost_s", "window_data_wait_s",
                 "window_gpu", "window_host", "host_cpu", "compile_workers",

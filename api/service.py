@@ -476,7 +476,7 @@ class TuningService(StudyService):
         if remeasurement(ctx.spec, trials, gate_nrmse(ctx.spec, trials)).pending:
             return
         try:
-            verdict = recommend(ctx.name, ctx.spec, trials)
+            verdict = recommend(ctx.name, ctx.spec, trials, ctx.space)
         except NoRecommendation:
             return
         self.bridge.set_recommendation(ctx, verdict.model_dump(mode="json"))

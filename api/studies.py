@@ -91,6 +91,13 @@ class StudyService:
                 if crud.get_study(session, spec.name) is not None:
                     raise Conflict(f"study {spec.name!r} already exists; choose another name "
                                    f"(or DELETE /v1/studies/{spec.name} only stops it: data is kept)")
+                if isinstance(spec.warm_start, list):
+                    unknown = [n for n in spec.warm_start if crud.get_study(session, n) is None]
+                    if unknown:
+                        raise Invalid("warm_start", f"no study named {', '.join(map(repr, unknown))} in this "
+                                                    "service: name studies GET /v1/studies lists, or use "
+                                                    '"auto" (every earlier study of this workload, preset and '
+                                                    "hardware)")
             try:
                 self.bridge.create_study(ctx)
             except StudyExists as e:
@@ -123,7 +130,7 @@ class StudyService:
             state = "finished"
         message = failed
         try:
-            best: dict[str, Any] | None = recommend(record.name, ctx.spec, trials).model_dump(mode="json")
+            best: dict[str, Any] | None = recommend(record.name, ctx.spec, trials, ctx.space).model_dump(mode="json")
         except NoRecommendation as e:
             best = None
             if state != "running":
@@ -170,8 +177,8 @@ class StudyService:
         return front_infos(trials, spec)
 
     def best(self, name: str) -> Recommendation:
-        spec = stored_spec(self._record(name))
+        ctx = self._ctx(self._record(name))
         try:
-            return recommend(name, spec, self.bridge.trials(name))
+            return recommend(name, ctx.spec, self.bridge.trials(name), ctx.space)
         except NoRecommendation as e:
             raise NotFound(str(e)) from e

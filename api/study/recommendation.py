@@ -30,8 +30,10 @@ from autotune.api.study.trials import (
 from autotune.contract.config import knobs_of
 from autotune.contract.gate import Estimate
 from autotune.contract.protocol import StudySpec
+from autotune.contract.provenance import mixed_runs, space_fingerprint
+from autotune.contract.space import Space
 from autotune.contract.verdict import Judgement, Sample, t_ppf, welch
-from autotune.contract.views import ConfigVerdict, Recommendation
+from autotune.contract.views import ConfigVerdict, Provenance, Recommendation
 
 
 class NoRecommendation(Exception):
@@ -86,13 +88,15 @@ def verdict_rows(spec: StudySpec, trials: Sequence[TrialRecord], rm: Remeasureme
     return rows
 
 
-def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -> Recommendation:
+def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord], space: Space | None = None
+              ) -> Recommendation:
     """The study's verdict once its re-measurement has finished: the fastest certified candidate
     (the lowest energy per sample where energy picks: `chosen_by`), or, when none was
     certified, the baseline's own config with certified False and the fastest uncertified
     candidate beside it. With re-measurement off (remeasure.top_k 0) nothing is judged: the
     baseline's config again, the search's fastest candidate as the uncertified one. Raises
-    NoRecommendation while there is nothing to say yet, or when the baseline failed."""
+    NoRecommendation while there is nothing to say yet, or when the baseline failed. `space`: the
+    study's parsed search space, for the provenance's space fingerprint (None: left out)."""
     runs = baselines(trials)
     if not runs:
         raise NoRecommendation(f"study {study_name!r} has no recommendation yet: its baseline trial has not been "
@@ -191,6 +195,10 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
     gate_used = base_quality + qsign * margin if margin is not None else gate
     nrmse = qname == "val_nrmse"
     config = chosen.user_attrs.get("config") or {}
+    provenance = run_provenance(spec, space, run, [*pick_runs, chosen] if pick_row else [chosen], base_runs)
+    if provenance.mixed:
+        caveats.append("mixed study: the pick's and the baseline's runs were measured in different environments ("
+                       + "; ".join(provenance.mixed) + "), so the speedup compares unlike runs")
     if spec.remeasure.top_k <= 0 and scored_pool:
         caveats.append("not re-measured (remeasure.top_k is 0): the search's own measurements, and the fastest of many "
                        "noisy measurements is flattered by its luck (winner's curse)")
@@ -223,7 +231,35 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord]) -
         energy_verdict=_energy_sentence(energy, saves) if energy else "",
         certified=bool(pick_row), outcome=outcome, reason=reason, configs=rows,  # type: ignore[arg-type]
         rounds_run=rm.rounds_done, max_rounds=rm.round_limit, remeasure_probes=rm.probes, uncertified=uncertified,
+        provenance=provenance,
     )
+
+
+def run_provenance(spec: StudySpec, space: Space | None, source: TrialRecord, pick_runs: Sequence[TrialRecord],
+                   base_runs: Sequence[TrialRecord]) -> Provenance:
+    """The recommendation's provenance: the environment recorded by `source` (the run the
+    recommendation's measurement notes come from), the study's workload, preset and space
+    fingerprint, and what the pick's runs and the baseline's runs disagree on (`mixed`)."""
+    attrs = source.user_attrs
+
+    def text(name: str) -> str | None:
+        value = attrs.get(name)
+        return value if isinstance(value, str) else None
+
+    count = attrs.get("gpu_count")
+    labelled: dict[int, tuple[str, TrialRecord]] = {}  # a baseline kept as the pick: its runs are the baseline's
+    for role_, runs in (("baseline", base_runs), ("pick", pick_runs)):
+        for r in runs:
+            labelled.setdefault(r.number, (role_, r))
+    baseline = base_runs[-1].number if base_runs else None
+    return Provenance(
+        workload=spec.workload, preset=spec.preset, torch_version=text("torch_version"),
+        cuda_version=text("cuda_version"), driver_version=text("driver_version"), device=text("device"),
+        gpu_count=count if isinstance(count, int) and not isinstance(count, bool) else None,
+        host_cpu=text("host_cpu"), model_fingerprint=text("model_fingerprint"),
+        space_fingerprint=space_fingerprint(space) if space is not None else None,
+        source_trial=source.number, baseline_trial=baseline,
+        mixed=mixed_runs([(role_, n, r.user_attrs) for n, (role_, r) in sorted(labelled.items())]))
 
 
 def _ratio_of(pick: float | None, base: float | None) -> float | None:

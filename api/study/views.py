@@ -65,6 +65,7 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         remeasure_of=int(remeasure_of) if isinstance(remeasure_of, int) else None,
         remeasure_round=key[1] if (key := remeasure_key(trial)) else None,
         starting_point=starting_point if isinstance(starting_point, int) else None,
+        warm_start_from=str(attrs["warm_start_from"]) if attrs.get("warm_start_from") else None,
         repeat_of=repeat_of if isinstance(repeat_of, int) else None, baseline_repeat_of=base_repeat,
         feasibility_note=note, duration_s=trial.duration_s,
         attempt=attempt_of(trial), retry_of=retry_of(trial), retried_as=retry,

@@ -101,6 +101,8 @@ def trial_role(t: TrialInfo) -> str:
             text += f": repeat of #{t.repeat_of}, not run"
         elif t.baseline_repeat_of is not None:
             text += f": the baseline's config (repeats #{t.baseline_repeat_of}), never a candidate"
+        elif t.warm_start_from:
+            text += f": warm start from study {t.warm_start_from}"
         elif t.starting_point is not None:
             text += f": starting point {t.starting_point + 1}"
     if t.retry_of is not None:

@@ -276,6 +276,15 @@ def status(
                   f"({counts}){rounds} · hardware {info.spec.hardware}", highlight=False, soft_wrap=True)
     if info.message:
         console.print(f"[yellow]{rich_escape(info.message)}[/]", highlight=False, soft_wrap=True)
+    warm = Counter(t.warm_start_from for t in searched if t.warm_start_from)
+    if warm:
+        console.print("warm start: " + ", ".join(f"{n} config(s) from {name}" for name, n in warm.items())
+                      + " tried first (measured again here)", highlight=False, soft_wrap=True)
+    elif info.spec.warm_start != "none":
+        warm_start = info.spec.warm_start
+        named = warm_start if isinstance(warm_start, str) else ", ".join(warm_start)
+        console.print(f"warm start ({named}): no earlier config tried (resolved once, when the search starts)",
+                      highlight=False)
     if info.failures:
         console.print("failures: " + ", ".join(f"{n} {kind}" for kind, n in sorted(info.failures.items())),
                       highlight=False)

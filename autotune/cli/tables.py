@@ -88,6 +88,7 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         round_ = f", round {t.remeasure_round + 1}" if t.remeasure_round else ""
         role = " [cyan](baseline)[/]" if t.is_baseline else \
             f" [cyan](re-measure of {t.remeasure_of}{round_})[/]" if t.role == "remeasure" else \
+            f" [cyan](warm start from {t.warm_start_from})[/]" if t.warm_start_from else \
             f" [cyan](starting point {t.starting_point + 1})[/]" if t.starting_point is not None else \
             f" [cyan](same as {t.repeat_of}, not run)[/]" if t.repeat_of is not None else \
             f" [cyan](the baseline's config: a repeat of trial {t.baseline_repeat_of})[/]" \

@@ -38,6 +38,7 @@ from autotune.contract.space import Space, SpaceError, load_space, parse_space, 
 from autotune.contract.starting import check_points
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+MAX_WARM_STUDIES = 10  # studies a warm start may name
 # Free text that names something (worker ids, hardware classes): printable, no control characters
 # (PostgreSQL text cannot hold NUL; a newline in an id breaks logs and tables).
 TEXT_PATTERN = r"^[^\x00-\x1f\x7f]+$"
@@ -201,6 +202,12 @@ class StudySpec(Strict):
                             "nsga2 or gp: the fast stack derived from the baseline: CUDA graphs, bf16, fused AdamW, "
                             "accumulation folded into the micro-batch, …), 'none', or a list of partial "
                             "configs of the space's parameters (the sampler draws the rest)")
+    warm_start: Literal["auto", "none"] | list[Annotated[str, Field(pattern=NAME_PATTERN)]] = Field(
+        "none", description="earlier studies whose certified picks and front configs this study tries first, "
+                            "after its baseline and before its own starting points (autotune.contract.starting."
+                            "warm_points): their names, 'auto' (every finished study of the same workload, "
+                            "preset and hardware class, newest first; where both record a model fingerprint it "
+                            "must match), or 'none'. Their configs are measured again here, never reused")
     max_memory_gb: Number | None = Field(None, gt=0, description="peak reserved memory limit (GiB): "
                                                                  "a trial above it is infeasible")
     gate: GateSpec = Field(default_factory=lambda: GateSpec())
@@ -239,6 +246,20 @@ class StudySpec(Strict):
             except ConfigError as e:
                 raise ValueError(f"baseline.{e}") from None
         return v
+
+    @model_validator(mode="after")
+    def _warm_start(self) -> StudySpec:
+        if isinstance(self.warm_start, list):
+            if not self.warm_start:
+                raise ValueError('warm_start: an empty list; name earlier studies, or use "auto" or "none"')
+            if len(self.warm_start) > MAX_WARM_STUDIES:
+                raise ValueError(f"warm_start: {len(self.warm_start)} studies; at most {MAX_WARM_STUDIES}")
+            if self.name in self.warm_start:
+                raise ValueError(f"warm_start: {self.name!r} is this study; name earlier studies")
+        if self.warm_start != "none" and self.sampler == "grid":
+            raise ValueError("warm_start: the grid sampler runs every config of the space in its own order; set "
+                             'warm_start: "none", or pick another sampler')
+        return self
 
     @model_validator(mode="after")
     def _energy_needs_a_gpu(self) -> StudySpec:

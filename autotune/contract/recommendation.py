@@ -8,7 +8,7 @@ from __future__ import annotations
 import yaml
 
 from autotune.contract.config import knobs_of
-from autotune.contract.views import Recommendation
+from autotune.contract.views import Provenance, Recommendation
 
 
 def recommendation_yaml(rec: Recommendation) -> str:
@@ -73,8 +73,33 @@ def _number_lines(rec: Recommendation) -> list[str]:
     lines.append("# peak memory reserved: " + ("n/a (not measured on this device)" if rec.peak_mem_reserved_bytes
                                                 is None else f"{rec.peak_mem_reserved_bytes / 2**30:.2f} GiB"))
     lines += [f"# note: {note}" for note in rec.measurement_notes]
+    lines += [f"# {line}" for line in provenance_lines(rec.provenance)]
     lines += [f"# caveat: {c}" for c in rec.caveats]
     if rec.config and rec.config.get("lr") is not None:
         lines.append("# lr: the probes' (the workload preset's); autotune.apply keeps your optimizer's lr "
                      "unless use_config_lr=True")
     return lines
+
+
+def provenance_lines(p: Provenance) -> list[str]:
+    """What the verdict was measured on, in words (best.yaml's header): versions, device,
+    workload and the fingerprints, and which runs they come from; n/a where not recorded."""
+    def na(value: object) -> str:
+        return "n/a" if value is None else str(value)
+
+    if p.gpu_count is None:
+        count = ""
+    elif p.gpu_count == 0:
+        count = " (CPU study)"
+    else:
+        count = f" x {p.gpu_count} GPU{'s' if p.gpu_count != 1 else ''}"
+    host = f"; host CPU {p.host_cpu}" if p.host_cpu else ""
+    lines = [f"provenance: workload {na(p.workload)}, preset {na(p.preset)}; torch {na(p.torch_version)}, "
+             f"CUDA {na(p.cuda_version)}, driver {na(p.driver_version)}",
+             f"device: {na(p.device)}{count}{host}",
+             f"fingerprints: model {na(p.model_fingerprint)}, search space {na(p.space_fingerprint)}"]
+    if p.source_trial is not None:
+        base = "" if p.baseline_trial is None or p.baseline_trial == p.source_trial else \
+            f"; baseline run: trial {p.baseline_trial}"
+        lines.append(f"environment read from trial {p.source_trial}{base}")
+    return lines  # a mixed study (p.mixed) is one of the recommendation's caveats

@@ -166,6 +166,14 @@ class TrialResult(BaseModel):
                                                             "knobs and effective_batch only")
     device: str | None = None
     torch_version: str | None = None
+    # provenance (Recommendation.provenance); left out by older workers
+    cuda_version: Annotated[str, Field(strict=True, max_length=100)] | None = Field(
+        None, description="torch.version.cuda (None: a CPU build of torch)")
+    driver_version: Annotated[str, Field(strict=True, max_length=100)] | None = Field(
+        None, description="the NVIDIA driver's version from NVML (None: no GPU or no NVML)")
+    gpu_count: Count | None = Field(None, description="GPUs the probe ran on (0 on a CPU)")
+    model_fingerprint: Annotated[str, Field(strict=True, max_length=100)] | None = Field(
+        None, description="autotune.contract.provenance.model_fingerprint of the model the probe built")
     throughput_samples_per_s: Throughput | None = Field(None, description="timed samples per second (a "
                                                         f"measurement's: {MIN_THROUGHPUT:g} to {MAX_THROUGHPUT:g})")
     throughput_spread: NonNegative | None = Field(None, description="(max - min) / throughput over the windows")

@@ -17,6 +17,11 @@ Each point takes only values the space can draw, must pass the knob rules, and i
 it repeats an earlier point or the baseline; the gate judges them like any trial.
 `StudySpec.starting_points`: "auto" (the above; nothing for CPU studies or the random and grid
 samplers), "none", or the user's own partial configs (`check_points`).
+
+A warm start (`StudySpec.warm_start`) puts earlier studies' certified picks and front configs
+before those points (`warm_points`): each projected onto this study's space (the values it can
+draw), measured again like any trial (an earlier study's numbers are never reused: another
+torch, GPU or model would make them wrong).
 """
 
 from __future__ import annotations
@@ -109,6 +114,30 @@ def _usable(space: Space, candidates: Sequence[Mapping[str, Any]], baseline: Map
             continue
         seen.append(point)
         points.append(point)
+    return points
+
+
+def warm_points(space: Space, baseline: Mapping[str, Any],
+                sources: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list[tuple[dict[str, Any], str]]:
+    """The warm start's points, in order: each source study's configs (its certified pick first,
+    then its front) as the values this space can draw, with the study each came from. A point
+    is dropped when nothing of it can be drawn, it is the baseline, it repeats an earlier point,
+    or it breaks the knob rules; at most MAX_POINTS."""
+    seen = [_drawable(space, baseline)]
+    points: list[tuple[dict[str, Any], str]] = []
+    for study, configs in sources:
+        for config in configs:
+            point = _drawable(space, config)
+            if not point or point in seen:
+                continue
+            try:
+                parse_config({**space.fixed, **point})
+            except ConfigError:
+                continue
+            seen.append(point)
+            points.append((point, study))
+            if len(points) == MAX_POINTS:
+                return points
     return points
 
 

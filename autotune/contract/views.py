@@ -54,6 +54,8 @@ class TrialInfo(BaseModel):
     remeasure_round: int | None = Field(None, description="a remeasure trial's round (0, 1, …)")
     starting_point: int | None = Field(None, description="which of the study's starting points this search "
                                                          "trial ran (0 = the first; None: the sampler's draw)")
+    warm_start_from: str | None = Field(None, description="the earlier study whose pick or front config this "
+                                                          "starting point is (StudySpec.warm_start)")
     repeat_of: int | None = Field(None, description="the measured trial whose params the sampler drew again: this "
                                                     "trial was told its result and not run")
     baseline_repeat_of: int | None = Field(None, description="the baseline trial whose config this search trial "
@@ -102,6 +104,34 @@ class ConfigVerdict(BaseModel):
                                          "baseline's sd at this budget)")
     alpha: float | None = Field(None, description="the one-sided level each test used at the last look (the study's "
                                 "error rate spent over configs and looks)")
+
+
+class Provenance(BaseModel):
+    """What a recommendation was measured on and against (best.yaml's header names it too): the
+    environment of the run it is read from (`source_trial`: the pick's last run; the baseline's
+    last run when the baseline is kept), the study's workload, preset and search space. Each
+    field is None where the runs did not record it (a worker older than these fields). `mixed`
+    lists what the verdict's runs (the pick's and the baseline's) disagree on: a mixed study,
+    whose speedup compares unlike environments."""
+
+    workload: str | None = None
+    preset: str | None = None
+    torch_version: str | None = None
+    cuda_version: str | None = Field(None, description="torch.version.cuda of the probe (None: a CPU build)")
+    driver_version: str | None = Field(None, description="the NVIDIA driver's version: NVML's, else the kernel "
+                                       "module's (None: no GPU, or neither answered)")
+    device: str | None = Field(None, description="the GPU's name, or the CPU's for a CPU study")
+    gpu_count: int | None = Field(None, description="GPUs each probe ran on (0: a CPU study)")
+    host_cpu: str | None = None
+    model_fingerprint: str | None = Field(None, description="a short hash of the model's parameter names and shapes "
+                                          "as the probe built it (autotune.contract.provenance.model_fingerprint)")
+    space_fingerprint: str | None = Field(None, description="a short hash of the study's normalized search space "
+                                          "(autotune.contract.provenance.space_fingerprint)")
+    source_trial: int | None = Field(None, description="the trial whose run the environment fields are read from")
+    baseline_trial: int | None = Field(None, description="the baseline run the verdict's last comparison names "
+                                       "(its environment is checked against the source's: `mixed`)")
+    mixed: list[str] = Field(default_factory=list, description="what the pick's and the baseline's runs disagree on "
+                             "(torch, CUDA or driver version, GPU, GPU count, model): empty when they agree")
 
 
 class Recommendation(BaseModel):
@@ -179,6 +209,8 @@ class Recommendation(BaseModel):
     remeasure_probes: int = Field(0, description="re-measure probes run (the verdict's cost)")
     uncertified: ConfigVerdict | None = Field(None, description="the fastest candidate that was not certified (what "
                                               "`autotune best --uncertified` prints)")
+    provenance: Provenance = Field(default_factory=Provenance, description="what the verdict was measured on: "
+                                   "versions, device, workload, model and search-space fingerprints")
 
     def energy_lines(self) -> list[str]:
         """The energy in words (the YAML header, the report): the pick's J/sample, the baseline's

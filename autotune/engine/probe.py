@@ -66,6 +66,7 @@ from autotune.engine.knobs import (
     build_optimizers,
     world_size,
 )
+from autotune.engine.provenance import cuda_version, driver_version, model_fingerprint
 from autotune.engine.result import ProbeResult, amortize_epoch_starts
 from autotune.engine.sampled_data import (
     SampledBatches,
@@ -205,7 +206,9 @@ def run_probe(
                                              cfg.inverse_loss_frequency, periods)
     result = ProbeResult(
         workload=wl.name, preset=wl.preset, config={**cfg.to_dict(), "effective_batch": global_batch},
-        device=device_name(dev), torch_version=torch.__version__, quality_metric=wl.quality_metric,
+        device=device_name(dev), torch_version=torch.__version__, cuda_version=cuda_version(),
+        driver_version=driver_version(dev), gpu_count=world if dev.type == "cuda" else 0,
+        quality_metric=wl.quality_metric,
         quality_direction=getattr(wl, "quality_direction", "minimize"),
         process_start_s=process_start_s, warmup_steps=warm, window_steps=per, world_size=world,
         host_cpu=cpu_model(),
@@ -344,6 +347,7 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
     t = build_training(wl, cfg, dev, settings, notes, total, phase)
     plain_model, loader, data, trainer, sync, val_set = t.plain_model, t.loader, t.data, t.trainer, t.sync, t.val_set
     eff, rank, world = t.eff, t.rank, t.world
+    result.model_fingerprint = model_fingerprint(plain_model)  # names and shapes: setup, not timed
     result.setup_s = time.perf_counter() - t_begin
     check_deadline("setup")
 

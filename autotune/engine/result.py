@@ -31,6 +31,10 @@ class ProbeResult:
     config: dict[str, Any]
     device: str
     torch_version: str
+    cuda_version: str | None = None  # torch.version.cuda (None: a CPU build)
+    driver_version: str | None = None  # the NVIDIA driver's, from NVML (None: no GPU or no NVML)
+    gpu_count: int = 0  # GPUs the probe ran on (world_size on CUDA; 0 on a CPU)
+    model_fingerprint: str | None = None  # autotune.contract.provenance.model_fingerprint, taken at setup
     throughput_samples_per_s: float | None = None
     throughput_spread: float | None = None
     window_throughputs: list[float] = field(default_factory=list)  # with epoch starts amortized (epoch_cost.py)
