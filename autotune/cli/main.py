@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from autotune.cli import probe_cmd, service_cmds, spool_cmds, study_cmds, worker_cmd
+from autotune.cli import check_cmd, probe_cmd, service_cmds, spool_cmds, study_cmds, worker_cmd
 
 app = typer.Typer(
     help="autotune: find the fastest PyTorch training configuration that keeps model quality.",
@@ -43,6 +43,7 @@ app.command("submit")(study_cmds.submit)
 app.command("status")(study_cmds.status)
 app.command("stop")(study_cmds.stop)
 app.command("best")(study_cmds.best)
+app.command("check")(check_cmd.check)
 app.command("report")(study_cmds.report)
 app.command("demo")(study_cmds.demo)
 

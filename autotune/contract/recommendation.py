@@ -5,6 +5,9 @@ own config under a header that says why (never a slower config)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import yaml
 
 from autotune.contract.config import knobs_of
@@ -26,8 +29,33 @@ def recommendation_yaml(rec: Recommendation) -> str:
         lines = [f"# autotune verdict for study {rec.study}: CERTIFIED, trial {rec.trial_number}{picked}",
                  f"# {rec.verdict}"]
     lines += _number_lines(rec)
+    if rec.certified and rec.check is not None:
+        lines.append(CHECK_PREFIX + json.dumps(check_record(rec), separators=(",", ":"), sort_keys=True))
     body = yaml.safe_dump(rec.config, sort_keys=False, default_flow_style=False) if rec.config else "{}\n"
     return "\n".join(lines) + "\n" + body
+
+
+CHECK_PREFIX = "# autotune-check: "  # best.yaml's one machine-read line: what `autotune check` re-measures
+
+
+def check_record(rec: Recommendation) -> dict[str, Any]:
+    """The certified pick's record for `autotune check` (one JSON object on best.yaml's
+    ``# autotune-check:`` line): its study, speedup and interval, quality rule, the baseline
+    and judged budget (`CheckInputs`) and the provenance it was measured with."""
+    assert rec.check is not None
+    return {"study": rec.study, "trial": rec.trial_number, "speedup": rec.speedup,
+            "speedup_ci": [rec.speedup_ci_low, rec.speedup_ci_high], "quality_metric": rec.quality_metric,
+            "quality_direction": rec.quality_direction, "check": rec.check.model_dump(mode="json"),
+            "provenance": rec.provenance.model_dump(mode="json")}
+
+
+def read_check_record(text: str) -> dict[str, Any] | None:
+    """The ``# autotune-check:`` record of a best.yaml's text (None: it has none)."""
+    for line in text.splitlines():
+        if line.startswith(CHECK_PREFIX):
+            value = json.loads(line[len(CHECK_PREFIX):])
+            return value if isinstance(value, dict) else None
+    return None
 
 
 def uncertified_yaml(rec: Recommendation) -> str:

@@ -134,6 +134,23 @@ class Provenance(BaseModel):
                              "(torch, CUDA or driver version, GPU, GPU count, model): empty when they agree")
 
 
+class CheckInputs(BaseModel):
+    """What `autotune check` needs to measure a certified pick against its baseline again on
+    another host, as the study's verdict did: the baseline's config, the judged probe budget
+    and the decision rule's settings."""
+
+    baseline_config: dict[str, Any] = Field(default_factory=dict, description="the baseline's knobs as it ran")
+    samples: int | None = Field(None, description="training samples of each judged run (None: the preset's)")
+    windows: int = 8
+    warmup_steps: int = 5
+    seed: int = Field(1000, description="the first probe seed of the re-measure rounds")
+    abs_tol: float = 0.01
+    k: float = 2.0
+    confidence: float = 0.95
+    hardware: str = "cpu"
+    gpus_per_trial: int = 1
+
+
 class Recommendation(BaseModel):
     study: str
     config: dict[str, Any]
@@ -211,6 +228,8 @@ class Recommendation(BaseModel):
                                               "`autotune best --uncertified` prints)")
     provenance: Provenance = Field(default_factory=Provenance, description="what the verdict was measured on: "
                                    "versions, device, workload, model and search-space fingerprints")
+    check: CheckInputs | None = Field(None, description="what `autotune check` re-measures a certified pick with "
+                                      "(best.yaml's `# autotune-check:` line)")
 
     def energy_lines(self) -> list[str]:
         """The energy in words (the YAML header, the report): the pick's J/sample, the baseline's
