@@ -30,7 +30,14 @@ CLI = [sys.executable, "-m", "autotune.cli", "tune"]
 def _tune(tmp_path: Path, *args: str, log: str = "tune.log") -> subprocess.Popen[bytes]:
     with open(tmp_path / log, "wb") as out:
         return subprocess.Popen([*CLI, "spec.yaml", "--workers", "1", *args], cwd=tmp_path, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_interruptible)
+
+
+def _interruptible() -> None:
+    """In the child before exec: SIGINT back to its default. A test process may run with SIGINT
+    ignored (a pytest-xdist worker can), and a Python started with SIGINT ignored installs no
+    KeyboardInterrupt handler: Ctrl-C would then be lost, as for a job a script starts with `&`."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _leased(workdir: Path) -> list[str]:
