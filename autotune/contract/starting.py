@@ -102,9 +102,15 @@ def auto_points(space: Space, baseline: Mapping[str, Any]) -> list[dict[str, Any
 def _usable(space: Space, candidates: Sequence[Mapping[str, Any]], baseline: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Drawable parts of `candidates` that pass the knob rules, without repeats of each other or
     of the baseline."""
+    return [point for point, _ in _usable_tagged(space, [(c, None) for c in candidates], baseline)]
+
+
+def _usable_tagged(space: Space, candidates: Sequence[tuple[Mapping[str, Any], Any]],
+                   baseline: Mapping[str, Any]) -> list[tuple[dict[str, Any], Any]]:
+    """`_usable` for (candidate, tag) pairs: each point kept with its tag."""
     seen = [_drawable(space, baseline)]
     points = []
-    for wanted in candidates:
+    for wanted, tag in candidates:
         point = _drawable(space, wanted)
         if not point or point in seen:  # empty: nothing to start from, the sampler's own draw
             continue
@@ -113,7 +119,7 @@ def _usable(space: Space, candidates: Sequence[Mapping[str, Any]], baseline: Map
         except ConfigError:
             continue
         seen.append(point)
-        points.append(point)
+        points.append((point, tag))
     return points
 
 
@@ -123,22 +129,8 @@ def warm_points(space: Space, baseline: Mapping[str, Any],
     then its front) as the values this space can draw, with the study each came from. A point
     is dropped when nothing of it can be drawn, it is the baseline, it repeats an earlier point,
     or it breaks the knob rules; at most MAX_POINTS."""
-    seen = [_drawable(space, baseline)]
-    points: list[tuple[dict[str, Any], str]] = []
-    for study, configs in sources:
-        for config in configs:
-            point = _drawable(space, config)
-            if not point or point in seen:
-                continue
-            try:
-                parse_config({**space.fixed, **point})
-            except ConfigError:
-                continue
-            seen.append(point)
-            points.append((point, study))
-            if len(points) == MAX_POINTS:
-                return points
-    return points
+    tagged = [(config, study) for study, configs in sources for config in configs]
+    return _usable_tagged(space, tagged, baseline)[:MAX_POINTS]
 
 
 def check_points(space: Space, points: Any) -> list[dict[str, Any]]:

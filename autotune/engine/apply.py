@@ -69,6 +69,7 @@ from autotune.engine.knobs import (
     build_optimizer,
     loader_options,
     record_inactive_distributed,
+    shown_value,
     world_size,
 )
 from autotune.engine.optimizers import OptimizerLike, Optimizers, apply_fused_optimizer, as_optimizers, set_lr
@@ -246,14 +247,6 @@ class Parallel:
     world: int
 
 
-def _shown(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}"
-    return "unset" if value is None else str(value)
-
-
 def _sharded_by_caller(model: nn.Module) -> str | None:
     """'FSDP2' / 'FSDP' where the caller sharded the model already, else None."""
     from torch.distributed import fsdp
@@ -272,7 +265,7 @@ def _record_nccl_environment(config: TrainConfig, backend: str, notes: Notes) ->
         value = getattr(config, name)
         present = os.environ.get(variable)
         if "nccl" not in backend:
-            notes[name] = f"{_shown(value)} (inactive: the process group's backend is {backend}, not NCCL)"
+            notes[name] = f"{shown_value(value)} (inactive: the process group's backend is {backend}, not NCCL)"
         elif value is None:
             notes[name] = (f"{variable} unset in the config" + (f"; {present} from your environment" if present
                                                                 else " (NCCL's default)"))
@@ -317,13 +310,13 @@ def _adjust_callers_ddp(ddp: DistributedDataParallel, config: TrainConfig, notes
         notes["bucket_cap_mb"] = (f"{config.bucket_cap_mb:g} not applied: your DDP was built with "
                                   f"{ddp.bucket_bytes_cap / MIB:g} MiB buckets, a constructor argument; {fix}")
     if ddp.gradient_as_bucket_view == config.gradient_as_bucket_view:
-        notes["gradient_as_bucket_view"] = f"{_shown(config.gradient_as_bucket_view)} (your DDP's already)"
+        notes["gradient_as_bucket_view"] = f"{shown_value(config.gradient_as_bucket_view)} (your DDP's already)"
     else:
-        notes["gradient_as_bucket_view"] = (f"{_shown(config.gradient_as_bucket_view)} not applied: your DDP was "
-                                            f"built with {_shown(ddp.gradient_as_bucket_view)}, a constructor "
+        notes["gradient_as_bucket_view"] = (f"{shown_value(config.gradient_as_bucket_view)} not applied: your DDP was "
+                                            f"built with {shown_value(ddp.gradient_as_bucket_view)}, a constructor "
                                             f"argument; {fix}")
     if ddp.static_graph == config.static_graph:
-        notes["static_graph"] = f"{_shown(config.static_graph)} (your DDP's already)"
+        notes["static_graph"] = f"{shown_value(config.static_graph)} (your DDP's already)"
     elif config.static_graph and not getattr(ddp, "_lazy_init_ran", True):
         _check_static_graph_with_no_sync(True, config)
         ddp._set_static_graph()
@@ -386,7 +379,7 @@ def distribute(model: nn.Module, config: TrainConfig, device: torch.device, note
     elif (sharding := _sharded_by_caller(model)) is not None:
         why = f"inactive: your model is sharded with {sharding}, not DDP"
         for name in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"):
-            notes[name] = f"{_shown(getattr(config, name))} ({why})"
+            notes[name] = f"{shown_value(getattr(config, name))} ({why})"
         notes["parallel"] = f"{sharding}: yours, kept, {ranks}" + (
             "" if config.parallel == "fsdp2" else f" ({config.parallel} not applied: your model is sharded already)")
         parallel = Parallel(model, model, model, world)

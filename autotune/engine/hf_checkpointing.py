@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from autotune.contract.errors import ProbeError
+from autotune.engine.checkpoint_policy import save_matmuls_policy
 
 
 def hf_models(model: nn.Module) -> list[nn.Module]:
@@ -46,38 +46,17 @@ def _hf_switch(module: nn.Module, which: str) -> Callable[..., Any] | None:
     return None
 
 
-# Selective checkpointing where the model has no policy of its own (a Hugging Face model): keep the
-# matmul and attention outputs, recompute the cheap ops between them (the ups Block's policy,
-# autotune/workloads/ups/model.py).
-_SAVED_BY_SELECTIVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _save_matmuls_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def hf_checkpoint_kwargs(mode: str) -> dict[str, Any]:
     """The keyword arguments a Hugging Face model's ``gradient_checkpointing_enable`` hands to
     ``torch.utils.checkpoint.checkpoint`` for `mode`: non-reentrant always; ``selective`` adds
-    the policy that keeps the matmul and attention outputs (`_save_matmuls_policy`)."""
+    the policy that keeps the matmul and attention outputs (`save_matmuls_policy`)."""
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
         from functools import partial
 
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, save_matmuls_policy)
     return kwargs
 
 

@@ -165,10 +165,11 @@ def record_inactive_distributed(config: TrainConfig, notes: Notes, why: str) -> 
     from autotune.contract.config import DISTRIBUTED_KNOBS
 
     for name in DISTRIBUTED_KNOBS:
-        notes[name] = f"{_shown(getattr(config, name))} (inactive: {why})"
+        notes[name] = f"{shown_value(getattr(config, name))} (inactive: {why})"
 
 
-def _shown(value: Any) -> str:
+def shown_value(value: Any) -> str:
+    """A knob's value as the notes show it (true/false, 25, unset)."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
@@ -184,7 +185,7 @@ def _record_nccl(config: TrainConfig, device: torch.device, notes: Notes) -> Non
     for name, variable in NCCL_ENV_KNOBS.items():
         value = getattr(config, name)
         if device.type != "cuda":
-            notes[name] = f"{_shown(value)} (inactive: gloo on cpu)"
+            notes[name] = f"{shown_value(value)} (inactive: gloo on cpu)"
         else:
             notes[name] = f"{variable}={value}" if value is not None else f"{variable} unset (NCCL's default)"
 
@@ -233,7 +234,7 @@ def apply_ddp(model: nn.Module, config: TrainConfig, notes: Notes, device: torch
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         for name in ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"):
-            notes[name] = f"{_shown(getattr(config, name))} (inactive: parallel=fsdp2)"
+            notes[name] = f"{shown_value(getattr(config, name))} (inactive: parallel=fsdp2)"
         notes["parallel"] = f"fsdp2: fully_shard on {len(blocks)} blocks + root, {world} ranks ({backend})"
         return model
     if config.static_graph and config.no_sync_accumulation and accum > 1:
@@ -249,8 +250,8 @@ def apply_ddp(model: nn.Module, config: TrainConfig, notes: Notes, device: torch
         gradient_as_bucket_view=config.gradient_as_bucket_view, static_graph=config.static_graph)
     notes["parallel"] = f"ddp: {world} ranks ({backend})"
     notes["bucket_cap_mb"] = f"{config.bucket_cap_mb:g}"
-    notes["gradient_as_bucket_view"] = _shown(config.gradient_as_bucket_view)
-    notes["static_graph"] = _shown(config.static_graph)
+    notes["gradient_as_bucket_view"] = shown_value(config.gradient_as_bucket_view)
+    notes["static_graph"] = shown_value(config.static_graph)
     return ddp
 
 

@@ -16,6 +16,7 @@ import torch
 from autotune.contract.config import TrainConfig
 from autotune.contract.workload import Workload
 from autotune.engine.epoch_cost import Boundary
+from autotune.engine.knobs import shown_value
 
 # The knobs that shape a DataLoader: nothing of theirs runs when the job samples its own batches.
 LOADER_KNOBS = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
@@ -36,9 +37,7 @@ def note_inactive_loader_knobs(config: TrainConfig, notes: dict[str, str], workl
     """Record each DataLoader knob as inactive, naming the reason."""
     why = f"inactive: {type(workload).__name__}.sample_batch makes the batches, no DataLoader"
     for knob in LOADER_KNOBS:
-        value = getattr(config, knob)
-        shown = "unset" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-        notes[knob] = f"{shown} ({why})"
+        notes[knob] = f"{shown_value(getattr(config, knob))} ({why})"
 
 
 class SampledBatches:

@@ -18,7 +18,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from autotune.engine.checkpoint_policy import save_matmuls_policy
 
 
 @dataclass(frozen=True)
@@ -78,27 +80,10 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-_MATMUL_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing: keep matmul/attention outputs, recompute the cheap ops."""
-    return CheckpointPolicy.MUST_SAVE if op in _MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 class Block(nn.Module):
     """Pre-norm transformer block. `checkpoint` selects what is recomputed in backward:
     none | block (the whole block) | attn (attention sub-layer) | mlp (MLP sub-layer) |
-    selective (whole block, but matmul outputs are saved; see `_save_matmuls_policy`)."""
+    selective (whole block, but matmul outputs are saved; see `save_matmuls_policy`)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
         super().__init__()
@@ -131,7 +116,7 @@ class Block(nn.Module):
             x = x + self._attn(x)
             return x + checkpoint(self._mlp, x, use_reentrant=False)
         if mode == "selective":
-            context = partial(create_selective_checkpoint_contexts, _save_matmuls_policy)
+            context = partial(create_selective_checkpoint_contexts, save_matmuls_policy)
             return checkpoint(self._block, x, use_reentrant=False, context_fn=context)
         raise ValueError(f"unknown checkpoint mode {mode!r}")
 
