@@ -231,11 +231,13 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord], s
         energy_verdict=_energy_sentence(energy, saves) if energy else "",
         certified=bool(pick_row), outcome=outcome, reason=reason, configs=rows,  # type: ignore[arg-type]
         rounds_run=rm.rounds_done, max_rounds=rm.round_limit, remeasure_probes=rm.probes, uncertified=uncertified,
-        provenance=provenance, check=check_inputs(spec, base, pick_runs) if pick_row else None,
+        provenance=provenance,
+        check=check_inputs(spec, base, pick_runs, pick_row.quality_margin) if pick_row else None,
     )
 
 
-def check_inputs(spec: StudySpec, base: TrialRecord, pick_runs: Sequence[TrialRecord]) -> CheckInputs:
+def check_inputs(spec: StudySpec, base: TrialRecord, pick_runs: Sequence[TrialRecord],
+                 quality_margin: float | None = None) -> CheckInputs:
     """What `autotune check` needs to measure the certified pick against the baseline again: the
     baseline's config as it ran, the judged runs' budget and the decision rule's settings."""
     samples = (pick_runs[-1].user_attrs.get("samples_trained") if pick_runs else None) or spec.probe.samples
@@ -244,6 +246,7 @@ def check_inputs(spec: StudySpec, base: TrialRecord, pick_runs: Sequence[TrialRe
         samples=samples if isinstance(samples, int) and not isinstance(samples, bool) else None,
         windows=spec.remeasure.windows or spec.probe.windows, warmup_steps=spec.probe.warmup_steps,
         seed=spec.probe.seed + spec.remeasure.seed_offset, abs_tol=spec.gate.abs_tol, k=spec.gate.k,
+        quality_margin=quality_margin,
         confidence=spec.remeasure.confidence, hardware=spec.hardware, gpus_per_trial=spec.gpus_per_trial)
 
 

@@ -146,6 +146,9 @@ class CheckInputs(BaseModel):
     seed: int = Field(1000, description="the first probe seed of the re-measure rounds")
     abs_tol: float = 0.01
     k: float = 2.0
+    quality_margin: float | None = Field(None, description="the non-inferiority margin the study judged the pick "
+                                         "with (max(abs_tol, k × the baseline's seed spread over all its runs)): "
+                                         "a check's few baseline runs never narrow it")
     confidence: float = 0.95
     hardware: str = "cpu"
     gpus_per_trial: int = 1

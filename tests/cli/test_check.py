@@ -22,12 +22,14 @@ BASELINE = {"batch_size": 4, "accum_steps": 2}
 
 
 def best_yaml(tmp_path: Path, pick: dict[str, Any], speedup: float, ci: tuple[float, float],
-              torch_version: str = torch.__version__, certified: bool = True) -> Path:
+              torch_version: str = torch.__version__, certified: bool = True,
+              quality_margin: float | None = None) -> Path:
     rec = Recommendation(
         study="s", config=pick, trial_number=7, throughput_samples_per_s=100.0 * speedup,
         baseline_throughput_samples_per_s=100.0, speedup=speedup, speedup_ci_low=ci[0], speedup_ci_high=ci[1],
         certified=certified, outcome="certified" if certified else "undecided",
-        check=CheckInputs(baseline_config=BASELINE, samples=96, windows=5, warmup_steps=5, seed=1000),
+        check=CheckInputs(baseline_config=BASELINE, samples=96, windows=5, warmup_steps=5, seed=1000,
+                          quality_margin=quality_margin),
         provenance=Provenance(workload="ups", preset="tiny", torch_version=torch_version, device="cpu"))
     path = tmp_path / "best.yaml"
     path.write_text(recommendation_yaml(rec))
@@ -74,6 +76,18 @@ def test_a_pick_whose_quality_is_now_worse_regressed(tmp_path: Path) -> None:
     report = decide(record, runs([100 * n for n in NOISE], [200 * n for n in NOISE],
                                  [0.10, 0.11, 0.09], [0.20, 0.212, 0.19]))  # worse by 0.1 > abs_tol 0.01
     assert report.status == "regressed" and "quality worse" in report.reason
+
+
+def test_the_studys_margin_is_kept_where_the_checks_few_baseline_runs_would_narrow_it(tmp_path: Path) -> None:
+    runs_ = runs([100 * n for n in NOISE], [200 * n for n in NOISE], [0.100, 0.101, 0.099], [0.130, 0.131, 0.129])
+    # a difference of +0.03: beyond abs_tol (0.01) and 2 sd of these three baseline runs ...
+    narrow = decide(record_of(best_yaml(tmp_path, {"batch_size": 8, "accum_steps": 1}, 2.0, (1.8, 2.2))), runs_)
+    assert narrow.status == "regressed" and "quality worse" in narrow.reason
+    # ... inside the margin the study judged the pick with (its baseline's spread over all its runs)
+    record = record_of(best_yaml(tmp_path, {"batch_size": 8, "accum_steps": 1}, 2.0, (1.8, 2.2), quality_margin=0.05))
+    assert record["check"]["quality_margin"] == 0.05
+    kept = decide(record, runs_)
+    assert kept.status == "holds" and kept.quality_margin == pytest.approx(0.05)
 
 
 def test_a_pick_whose_probe_fails_now_regressed_and_a_failed_baseline_is_not_measured(tmp_path: Path) -> None:
