@@ -213,11 +213,11 @@ def test_the_contract_imports_no_torch_at_import_time() -> None:
 
 # optional libraries (extras): imported inside the functions that use them, never when a module is
 # imported, so that autotune, its contract, the worker and the engine import without them
-LAZY_LIBRARIES = {"transformers", "accelerate", "torchao"}
+LAZY_LIBRARIES = {"transformers", "accelerate", "torchao", "liger_kernel"}
 
 
 def test_optional_libraries_are_imported_only_where_they_are_used() -> None:
-    """transformers (the `hf` extra: autotune/workloads/hf.py) and torchao (`gpu`) only inside
+    """transformers (the `hf` extra: autotune/workloads/hf.py), torchao (`gpu`) and liger_kernel (`liger`) only inside
     functions or under TYPE_CHECKING, in every module of the product."""
     eager = []
     for module, path in product_modules().items():

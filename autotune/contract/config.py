@@ -24,6 +24,11 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-auto
 CHECKPOINT_MODES = ("none", "block", "attn", "mlp", "selective")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 PARALLEL_MODES = ("ddp", "fsdp2")
+# The language-model knobs (autotune/engine/lm_knobs.py applies them; docs/workloads.md explains them)
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+HF_ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention")
+INDUCTOR_TUNINGS = ("none", "coordinate_descent", "max_autotune_gemm", "max_autotune_gemm+coordinate_descent")
+LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 class ConfigError(ValueError):
@@ -101,7 +106,18 @@ KNOBS: dict[str, Knob] = {
         Knob("cudnn_benchmark", bool, False, "torch.backends.cudnn.benchmark", choices=(False, True)),
         Knob("checkpoint", str, "none", "activation-checkpoint granularity inside each transformer block",
              choices=CHECKPOINT_MODES),
+        Knob("hf_attn_implementation", str, "auto", "a Hugging Face model's attn_implementation, set on the model "
+             "(auto: the model's own; inactive on other models)", choices=HF_ATTN_IMPLEMENTATIONS),
+        Knob("liger_kernels", bool, False, "Liger's fused kernels (RMSNorm, SwiGLU, RoPE, fused linear "
+             "cross-entropy) on a Hugging Face model of a class Liger supports (CUDA; pip install "
+             "'autotune[liger]')", choices=(False, True)),
         Knob("compile", str, "none", "torch.compile mode (none = eager)", choices=COMPILE_MODES),
+        Knob("inductor_tuning", str, "none", "TorchInductor tuning flags for the model's compile only "
+             "(coordinate-descent tuning, Triton GEMM autotuning); inactive with compile none",
+             choices=INDUCTOR_TUNINGS),
+        Knob("attention_backend", str, "auto", "the kernels scaled_dot_product_attention may use in the forward "
+             "(auto: torch's choice); one that cannot run on this device and dtype is recorded inactive",
+             choices=ATTENTION_BACKENDS),
         Knob("bucket_cap_mb", float, 25.0, "DDP gradient bucket size in MiB (live only with world size > 1)",
              minimum=0.001, maximum=4096.0),
         Knob("parallel", str, "ddp", "data parallelism over the trial's GPUs: ddp (DistributedDataParallel) | "
@@ -144,6 +160,8 @@ KNOBS: dict[str, Knob] = {
              minimum=1, maximum=1000),
         Knob("lr", float, None, "learning rate (default: the preset's; not searched by default)", minimum=0.0,
              nullable=True),
+        Knob("lr_scaling", str, "none", "the lr's rule when batch_size × accum_steps differs from the preset's: "
+             "none (kept) | linear (× the ratio) | sqrt (× its square root)", choices=LR_SCALINGS),
     )
 }
 
@@ -159,7 +177,11 @@ class TrainConfig:
     precision: str = "fp32"
     cudnn_benchmark: bool = False
     checkpoint: str = "none"
+    hf_attn_implementation: str = "auto"
+    liger_kernels: bool = False
     compile: str = "none"
+    inductor_tuning: str = "none"
+    attention_backend: str = "auto"
     bucket_cap_mb: float = 25.0
     parallel: str = "ddp"
     gradient_as_bucket_view: bool = False
@@ -179,6 +201,7 @@ class TrainConfig:
     persistent_workers: bool = False
     inverse_loss_frequency: int = 1
     lr: float | None = None
+    lr_scaling: str = "none"
 
     @property
     def effective_batch(self) -> int:
@@ -216,6 +239,8 @@ NCCL_ENV_KNOBS = {"nccl_nsocks_perthread": "NCCL_NSOCKS_PERTHREAD", "nccl_socket
 # The knobs `check_rules` reads: a search space is checked over every combination of these
 # it can draw (autotune.contract.space), so a rule reading another knob must be listed here.
 RULE_KNOBS = ("num_workers", "prefetch_factor", "persistent_workers")
+# The knobs `check_hardware` reads: a search space's choices of each are checked against the study's hardware.
+HARDWARE_KNOBS = ("precision", "attention_backend", "liger_kernels")
 
 
 def knobs_of(config: Mapping[str, Any] | Any) -> dict[str, Any]:
@@ -240,10 +265,18 @@ def check_rules(values: Mapping[str, Any]) -> None:
 def check_hardware(values: Mapping[str, Any], hardware: str) -> None:
     """Rules of the hardware class a study runs on ('cpu', or the GPU name a worker reports).
     Raises ConfigError naming the knob. fp8 needs a CUDA GPU (compute capability >= 8.9, which
-    only the probe can check on the GPU itself)."""
+    only the probe can check on the GPU itself); so do the efficient and cuDNN attention kernels
+    and Liger's kernels. Only HARDWARE_KNOBS are read."""
     if values.get("precision") == "fp8" and hardware == "cpu":
         raise ConfigError("precision", "fp8 needs a CUDA GPU with compute capability >= 8.9 and this study's "
                                        "hardware is cpu: use bf16 or fp32, or run the study on such a GPU")
+    if values.get("attention_backend") in ("efficient", "cudnn") and hardware == "cpu":
+        raise ConfigError("attention_backend", f"{values['attention_backend']} attention is a CUDA kernel and this "
+                                               "study's hardware is cpu: use auto, flash (torch's CPU flash kernel) "
+                                               "or math, or run the study on a GPU")
+    if values.get("liger_kernels") is True and hardware == "cpu":
+        raise ConfigError("liger_kernels", "Liger's kernels are Triton kernels for CUDA GPUs and this study's "
+                                           "hardware is cpu: set liger_kernels false, or run the study on a GPU")
 
 
 def parse_config(raw: Mapping[str, Any] | None) -> TrainConfig:

@@ -35,6 +35,7 @@ import yaml
 
 from autotune.contract.config import (
     DISTRIBUTED_KNOBS,
+    HARDWARE_KNOBS,
     KNOBS,
     RULE_KNOBS,
     ConfigError,
@@ -361,12 +362,12 @@ def validate_for(space: Space, hardware: str, world_size: int = 1) -> None:
     world_size > 1: at world size 1 they would change nothing but the sampler's data. A fixed
     value is accepted at any world size (a single-process probe records it as inactive), so
     one space file can pin them for the multi-GPU studies that share it."""
-    if "precision" in space.params:
-        for value in space.params["precision"].choices or ():
+    for knob in (k for k in HARDWARE_KNOBS if k in space.params):
+        for value in space.params[knob].choices or ():
             try:
-                check_hardware({"precision": value}, hardware)
+                check_hardware({knob: value}, hardware)
             except ConfigError as e:
-                raise SpaceError("params.precision", f"{value}: {e.message} (drop it from the choices)") from None
+                raise SpaceError(f"params.{knob}", f"{value}: {e.message} (drop it from the choices)") from None
     try:
         check_hardware(space.fixed, hardware)
     except ConfigError as e:

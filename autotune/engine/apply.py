@@ -62,7 +62,6 @@ from autotune.engine.knobs import (
     Trainer,
     apply_backend_flags,
     apply_checkpointing,
-    apply_compile,
     apply_ddp,
     apply_fp8,
     batch_length,
@@ -72,6 +71,7 @@ from autotune.engine.knobs import (
     shown_value,
     world_size,
 )
+from autotune.engine.lm_knobs import apply_lr_scaling, apply_model_kernels, compile_model, use_attention_backend
 from autotune.engine.optimizers import OptimizerLike, Optimizers, apply_fused_optimizer, as_optimizers, set_lr
 
 LossFn = Callable[[nn.Module, Any, bool], torch.Tensor]
@@ -406,7 +406,8 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
           loss_fn: LossFn | None = None, device: str | torch.device = "cpu", lr: float | None = None,
           use_config_lr: bool = False, weight_decay: float = 0.0, grad_clip_norm: float | None = None,
           total_samples: int | None = None, warmup_fraction: float = 0.05, final_lr_fraction: float = 0.1,
-          lr_multiplier: Callable[[float], float] | None = None, quiet: bool = False) -> Prepared:
+          lr_multiplier: Callable[[float], float] | None = None, scheduler: Any = None,
+          reference_batch: int | None = None, quiet: bool = False) -> Prepared:
     """Apply `config` to your model, optimizer(s) and DataLoader, in the probe's knob order.
 
     `loss_fn(model, batch, with_aux) -> scalar loss`; default: ``model(batch, with_aux)["total"]``
@@ -419,6 +420,12 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
     (`lr_multiplier(progress)`, default warm-up then cosine to `final_lr_fraction`), as the
     probe did; None leaves the lr to you. Raises ConfigError / ApplyError naming the knob and
     the fix; prints once each knob that could not act (unless `quiet`).
+
+    ``lr_scaling`` (linear / sqrt) multiplies your lr by the config's effective batch over
+    `reference_batch`, the micro-batch × accumulation your lr was set for (default: your
+    train_loader's batch size); pass your torch LR `scheduler` (one, or a list) made before apply,
+    so its base lrs scale too (an optimizer whose groups hold a scheduler's ``initial_lr`` without
+    it is refused: the scheduler's next step would undo the scaling).
 
     Several ranks (a default process group of world size > 1, made by you before `apply`):
     `model` plain is wrapped in DistributedDataParallel with the config's ``bucket_cap_mb``,
@@ -464,6 +471,7 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
             raise ApplyError("checkpoint", message) from None
     else:
         notes["checkpoint"] = "none"
+    apply_model_kernels(model, cfg, dev, notes)  # 2b: hf_attn_implementation, liger_kernels
     model.to(dev)  # 3
     with _as_apply_error("precision"):  # 4
         if isinstance(model, DistributedDataParallel):
@@ -472,7 +480,7 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
             model = apply_fp8(model, cfg, dev, notes)
     parallel = distribute(model, cfg, dev, notes, builds_optimizer=opts is None)  # 5
     plain = parallel.module
-    compiled = apply_compile(parallel.model, cfg.compile, notes)  # 6
+    compiled = compile_model(parallel.model, cfg, dev, notes)  # 6, with inductor_tuning
     with _as_apply_error("fused_optimizer"):  # 7
         held: OptimizerLike
         if opts is None:
@@ -491,6 +499,16 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
                        "(use_config_lr=True applies the config's)")
     else:
         notes["lr"] = f"{chosen_lr:g} (yours)"
+    schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+    reference = reference_batch or batch  # the effective batch your lr was set for
+    if (cfg.lr_scaling != "none" and reference is not None and not schedulers
+            and any("initial_lr" in g for g in opts.param_groups)):
+        raise ApplyError("lr_scaling", "your optimizer has a torch LR scheduler (its parameter groups hold "
+                                       "initial_lr), whose base lrs would undo the scaled lr at its next step: pass "
+                                       "scheduler=your_scheduler (or a list of them) to apply")
+    factor = apply_lr_scaling(opts, cfg, reference, notes, schedulers, world=parallel.world)  # 7b
+    if factor != 1.0:
+        notes["lr"] += f"; × {factor:.4g} by lr_scaling: {float(opts.param_groups[0]['lr']):g} runs"
     loader = None
     if train_loader is not None:  # 8
         loader = rebuild_loader(train_loader, cfg, dev, notes)
@@ -508,6 +526,8 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
         trainer = Trainer(compiled, opts, cfg, dev, notes, schedule=schedule, parallel=parallel.wrapper,
                           world=parallel.world, clip_norm=grad_clip_norm)
     trainer.loss_fn = step_loss
+    use_attention_backend(trainer, plain, cfg, dev, notes,  # 9b
+                          lambda message: ApplyError("attention_backend", message.removeprefix("attention_backend=")))
     prepared = Prepared(config=cfg, device=dev, model=compiled, module=plain, optimizer=held, trainer=trainer,
                         train_loader=loader, parallel=parallel.wrapper, notes=notes,
                         check_batch_size=train_loader is None)

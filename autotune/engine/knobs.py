@@ -4,7 +4,7 @@ The probe applies them in this order (each function checks its own preconditions
 
 1. ``apply_backend_flags``   precision's TF32 switches, cudnn.benchmark (process-global)
 2. ``apply_checkpointing``   activation-checkpoint granularity on the model's blocks
-3. model moved to the device
+3. model moved to the device (before it 2b; and 6 with inductor_tuning, 7b, 9b: the LM knobs, lm_knobs.py)
 4. ``apply_fp8``             torchao float8 training (precision=fp8 only; before compile)
 5. ``apply_ddp``             DDP (bucket_cap_mb, gradient_as_bucket_view, static_graph) or
                              FSDP2 fully_shard over the ranks (inactive in a single-process probe)

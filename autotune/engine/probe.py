@@ -59,13 +59,14 @@ from autotune.engine.knobs import (
     Trainer,
     apply_backend_flags,
     apply_checkpointing,
-    apply_compile,
     apply_ddp,
     apply_fp8,
     build_loader,
     build_optimizers,
     world_size,
 )
+from autotune.engine.lm_knobs import apply_lr_scaling, apply_model_kernels, compile_model, use_attention_backend
+from autotune.engine.optimizers import as_optimizers
 from autotune.engine.provenance import cuda_version, driver_version, model_fingerprint
 from autotune.engine.result import ProbeResult, amortize_epoch_starts
 from autotune.engine.sampled_data import (
@@ -258,6 +259,7 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
         model = wl.build_model()
     apply_checkpointing(model, cfg.checkpoint, notes) if cfg.checkpoint != "none" else notes.setdefault(
         "checkpoint", "none")
+    apply_model_kernels(model, cfg, dev, notes)  # 2b: hf_attn_implementation, liger_kernels (lm_knobs.py)
     model.to(dev)
     model.train()
     model = apply_fp8(model, cfg, dev, notes)
@@ -267,9 +269,12 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
     rank = torch.distributed.get_rank() if world > 1 else 0
     parallel = apply_ddp(model, cfg, notes, dev)  # before compile: dynamo then sees DDP's buckets
     phase("parallel")  # DDP/FSDP2 wrapping: the initial broadcast of the weights, the reducer
-    model = apply_compile(parallel, cfg.compile, notes, backend=settings.compile_backend)
+    model = compile_model(parallel, cfg, dev, notes, backend=settings.compile_backend)  # with inductor_tuning
     phase("compile_wrap")  # torch.compile is lazy: this is import and wrapper cost, not compilation
     optimizer = build_optimizers(wl, plain_model, cfg, notes)  # the workload's own step: its optimizer(s)
+    d = wl.defaults
+    # lr_scaling: the preset's lr goes with the preset's batch per rank (the world size is the same for both)
+    lr_factor = apply_lr_scaling(as_optimizers(optimizer), cfg, d.batch_size * d.accum_steps, notes, world=world)
     loader: Any = None
     data: EpochIterator | SampledBatches
     if has_own_data_path(wl):  # the job's own data path (Workload.sample_batch), not a DataLoader
@@ -280,7 +285,6 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
     else:
         loader = build_loader(train_set, cfg, dev, settings.seed, notes, rank, world)
         data = EpochIterator(loader, dev)
-    d = wl.defaults
     eff = cfg.effective_batch * world  # global samples per optimizer step
     own_schedule = type(wl).lr_multiplier is not Workload.lr_multiplier
     schedule = Schedule(total * eff, d.warmup_fraction, d.final_lr_fraction,
@@ -288,10 +292,13 @@ def build_training(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: 
     trainer = Trainer(model, optimizer, cfg, dev, notes, schedule=schedule,
                       parallel=parallel if world > 1 else None, world=world, clip_norm=wl.grad_clip_norm,
                       compile_backend=settings.compile_backend)
-    notes["lr"] = (f"{cfg.lr:g}, " + (f"the workload's schedule ({type(wl).__name__}.lr_multiplier) over the "
-                                      "probe's samples" if own_schedule else
-                                      f"warm-up {d.warmup_fraction:.0%} of samples, cosine to "
-                                      f"{d.final_lr_fraction:g}×"))
+    use_attention_backend(trainer, plain_model, cfg, dev, notes, lambda message: ProbeError("unsupported", message))
+    assert cfg.lr is not None
+    ran = f"{cfg.lr * lr_factor:g} ({cfg.lr:g} × {lr_factor:.4g}, lr_scaling {cfg.lr_scaling})" if lr_factor != 1 \
+        else f"{cfg.lr:g}"
+    notes["lr"] = f"{ran}, " + (f"the workload's schedule ({type(wl).__name__}.lr_multiplier) over the probe's "
+                                "samples" if own_schedule else
+                                f"warm-up {d.warmup_fraction:.0%} of samples, cosine to {d.final_lr_fraction:g}×")
     phase("optimizer_data_loader")
     return Training(plain_model, loader, data, trainer, RankSync(dev, world), val_set, eff, rank, world)
 
