@@ -1,50 +1,64 @@
 """Benchmark: does the verdict's certified speedup hold in an outside script's own loop?
 
-The workload is examples/gpt_script (docs/tutorial.md, part 2): a nanoGPT-style training
-script written without autotune, tuned through its 78-line glue (`gpt-script`, registered by
-the package's entry point). One run, on one host:
+Two outside scripts, written without autotune and tuned through their glue (``--job``):
 
-1. **The study.** `autotune serve` on a SQLite file (loopback, no tokens), a study of
-   `gpt-script` (preset tiny) on this hardware class, the script's own defaults as the
-   baseline (16 × 1, 3 seeds), a GPU space that holds the fast stack (compile modes, the step
-   graph, bf16, fused AdamW, the compiled optimizer step, micro-batch × accumulation),
-   `starting_points: auto`, then TPE, then the verdict's interleaved re-measure rounds; one
-   `autotune worker --device cuda --allow-workload gpt-script` until the study is finished.
-   `autotune best --format json` (certified, speedup and interval, `configs`: the rule's
-   inputs) and the YAML are kept; without a certified pick, also the fastest uncertified
+* ``gpt_script`` (the default): examples/gpt_script (docs/tutorial.md, part 2), a nanoGPT-style
+  script (`gpt-script`, preset tiny), its 78-line glue; baseline the script as written, 16 × 1 fp32.
+* ``hf_causal_lm``: examples/hf_causal_lm (docs/huggingface.md), a Hugging Face user's script
+  (`hf-causal-lm`): a Llama built from a LlamaConfig, AdamW without decay on biases and norms,
+  clipping at 1.0, get_linear_schedule_with_warmup, its own get_batch; on a GPU the preset
+  ``gpu`` (``--size gpu``: hidden 512, 10 layers, 32.2 M parameters, blocks of 256) and as the
+  baseline what the plain loop runs there, as an HF user would today: bf16 autocast, sdpa
+  attention, eager, torch's default AdamW, 16 × 1; on a CPU the preset ``tiny``, fp32.
+
+One run, on one host:
+
+1. **The study.** `autotune serve` on a SQLite file (loopback, no tokens), a study of the job's
+   workload on this hardware class, the script's own defaults as the baseline (3 seeds), a GPU
+   space that holds the fast stack (compile modes, the step graph, bf16, fused AdamW, the
+   compiled optimizer step, micro-batch × accumulation; for the HF job also the model's own
+   activation checkpointing), `starting_points: auto`, then TPE, then the verdict's interleaved
+   re-measure rounds; one `autotune worker --device cuda --allow-workload NAME` until the study is
+   finished. `autotune best --format json` (certified, speedup and interval, `configs`: the
+   rule's inputs) and the YAML are kept; without a certified pick, also the fastest uncertified
    candidate (`best --uncertified`).
-2. **The script's own loop.** `gpt_script.train`'s `main()` (what `python -m gpt_script.train`
-   runs), without and with `--config best.yaml` (and the uncertified candidate), several
-   fresh processes each, interleaved (A B C, C B A, ...). The script is not edited: the child
-   imports it and wraps three of its module-level functions, which `main()` looks up at each
-   call: `get_lr` (called once at the top of every iteration: the clock marks, with a device
-   synchronize, at the end of the warm-up, half-way and at the end), `get_batch` (counts
-   the training samples between the marks) and `estimate_loss` (its evaluations are timed
-   and left out of the training rate; the loop rate with them is reported too). Steady
-   state only: the first fifth of the iterations (at least --warmup-iters) are warm-up
-   (compile, CUDA-graph capture, allocator growth).
+2. **The script's own loop.** The script's `main()` (what ``python -m gpt_script.train`` /
+   ``python -m hf_causal_lm.train --size gpu`` runs), without and with ``--config best.yaml`` (and
+   the uncertified candidate), several fresh processes each, interleaved (A B C, C B A, ...). The
+   script is not edited: the child imports it and wraps module-level names that `main()` looks
+   up at each call. gpt_script: `get_lr` (called once at the top of every iteration: the clock
+   marks, with a device synchronize, at the end of the warm-up, half-way and at the end),
+   `get_batch` (counts the training samples between the marks) and `estimate_loss` (its
+   evaluations are timed and left out of the training rate; the loop rate with them is reported
+   too). hf_causal_lm: `get_linear_schedule_with_warmup` (the scheduler it returns is stepped
+   once at the end of every iteration: its `step` marks the clock as `get_lr` does), `get_batch`
+   (counts) and `val_loss` (timed and left out). Steady state only: the first fifth of the
+   iterations (at least --warmup-iters) are warm-up (compile, CUDA-graph capture, allocator growth).
 3. **The comparison.** The loop's speedup is the ratio of geometric means over the repeats
    (as the verdict's), with a Welch 95 % interval from autotune.contract.verdict; it agrees with the
    verdict when the two speedups are within 10 % of each other.
 
-Everything lands in one JSON (environment, the spec, the trials, the verdict, the loop
+Everything lands in one JSON (environment, the job, the spec, the trials, the verdict, the loop
 runs, the comparison) and a markdown summary is printed; `plot` draws the PNG.
 
     python bench/gpt_script_verdict.py run --device cuda --out $OUT/gpt_script_verdict_h100.json \
         --png $OUT/gpt_script_verdict_h100.png
+    python bench/gpt_script_verdict.py run --job hf_causal_lm --device cuda --shared-inductor-cache \
+        --out $OUT/hf_causal_lm_verdict_h200.json ...
     python bench/gpt_script_verdict.py loop --from results/gpt_script_verdict_h100.json --out ...   # loop only
     python bench/gpt_script_verdict.py plot --json F.json --png F.png
     python bench/gpt_script_verdict.py run --device cpu --samples 256 --windows 5 --n-trials 5 ...   # CPU smoke test
 
-It installs nothing: `gpt-script` must be registered (``pip install ./examples/gpt_script``);
-if it is not, the run names it by import path (AUTOTUNE_WORKLOADS for the service,
-``--allow-workload gpt-script=gpt_script.workload:ScriptWorkload`` for the worker) with
-examples/gpt_script on PYTHONPATH, and the JSON says so.
+It installs nothing: the job's package must be registered (``pip install ./examples/gpt_script``,
+``pip install ./examples/hf_causal_lm``); if it is not, the run names it by import path
+(AUTOTUNE_WORKLOADS for the service, ``--allow-workload NAME=module:attr`` for the worker) with
+the example's folder on PYTHONPATH, and the JSON says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
@@ -56,13 +70,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "gpt_script"
 CLI = [sys.executable, "-m", "autotune.cli"]
-TARGET = "gpt_script.workload:ScriptWorkload"
 STUDY = "gpt-script-verdict"
 AGREE = 0.10  # the loop's speedup and the verdict's agree when within 10 % of each other
 
@@ -87,6 +101,84 @@ CPU_SPACE: dict[str, Any] = {  # the CPU smoke test's: the example study's space
     "params": {"batch_size": {"choices": [8, 16]}, "accum_steps": {"choices": [1, 2]},
                "fused_optimizer": {"choices": [False, True]}},
 }
+# The HF job's GPU space: the fast stack at the baseline's precision (bf16, fixed: an HF user on an
+# H100/H200 trains in bf16 today), micro-batch × accumulation around the script's 16 × 1, and the
+# HF model's own activation checkpointing (whole decoder layers, or selective). No DataLoader knobs
+# (the script's get_batch is the data path), no cudnn (no convolution), no auxiliary loss.
+HF_GPU_SPACE: dict[str, Any] = {
+    "name": "hf-causal-lm-gpu",
+    "params": {
+        "compile": {"choices": ["none", "default", "reduce-overhead"]},
+        "batch_size": {"choices": [16, 32, 64]},
+        "accum_steps": {"choices": [1, 2]},
+        "checkpoint": {"choices": ["none", "block", "selective"]},
+        "fused_optimizer": {"choices": [False, True]},
+        "compile_optimizer": {"choices": [False, True]},
+        "step_graph": {"choices": [False, True], "when": {"compile": ["none", "default"]}},
+    },
+    "fixed": {"precision": "bf16"},
+}
+HF_CPU_SPACE: dict[str, Any] = {  # the CPU smoke test's: the example study's space
+    "name": "hf-causal-lm-cpu",
+    "params": {"batch_size": {"choices": [8, 16]}, "accum_steps": {"choices": [1, 2]},
+               "checkpoint": {"choices": ["none", "block"]}},
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One outside script: its package and registration, its study, and how its loop is timed."""
+
+    key: str  # --job
+    workload: str  # the name its package's entry point registers
+    package: str  # examples/<package>: put on PYTHONPATH when the package is not installed
+    target: str  # module:attr, the registration by import path
+    script: str  # the module whose main() is the loop
+    presets: dict[str, str]  # device type -> preset
+    spaces: dict[str, dict[str, Any]]  # device type ("cpu", else "cuda") -> the study's space
+    baselines: dict[str, dict[str, Any]]  # device type -> the baseline: what the loop runs as written there
+    steps_flag: str  # main()'s option for its iteration count
+    size_flag: str | None = None  # main()'s option naming the preset's size
+    instrument: str = ""  # the name of this module's function that wraps the script's functions
+
+    @property
+    def example(self) -> Path:
+        return ROOT / "examples" / self.package
+
+    def preset(self, device: str) -> str:
+        return self.presets["cpu" if device == "cpu" else "cuda"]
+
+    def space(self, device: str) -> dict[str, Any]:
+        return json.loads(json.dumps(self.spaces["cpu" if device == "cpu" else "cuda"]))
+
+    def baseline(self, device: str) -> dict[str, Any]:
+        return dict(self.baselines["cpu" if device == "cpu" else "cuda"])
+
+    def loop_argv(self, preset: str) -> list[str]:
+        return [self.size_flag, preset] if self.size_flag else []
+
+
+JOBS: dict[str, Job] = {
+    "gpt_script": Job(
+        key="gpt_script", workload="gpt-script", package="gpt_script", target="gpt_script.workload:ScriptWorkload",
+        script="gpt_script.train", presets={"cpu": "tiny", "cuda": "tiny"},
+        spaces={"cpu": CPU_SPACE, "cuda": GPU_SPACE},
+        baselines={"cpu": {"batch_size": 16, "accum_steps": 1}, "cuda": {"batch_size": 16, "accum_steps": 1}},
+        steps_flag="--max-iters", instrument="instrument_gpt_script"),
+    "hf_causal_lm": Job(
+        key="hf_causal_lm", workload="hf-causal-lm", package="hf_causal_lm", target="hf_causal_lm.workload:Llama",
+        script="hf_causal_lm.train", presets={"cpu": "tiny", "cuda": "gpu"},
+        spaces={"cpu": HF_CPU_SPACE, "cuda": HF_GPU_SPACE},
+        # the plain loop autocasts to bf16 on a GPU (train.bf16), fp32 on a CPU; eager, torch's AdamW
+        baselines={"cpu": {"batch_size": 16, "accum_steps": 1},
+                   "cuda": {"precision": "bf16", "batch_size": 16, "accum_steps": 1}},
+        steps_flag="--max-steps", size_flag="--size", instrument="instrument_hf_causal_lm"),
+}
+
+
+def job_of(data: dict[str, Any], given: str | None = None) -> Job:
+    """The job a run's JSON was made for (runs before --job: gpt_script), or the one given."""
+    return JOBS[given or data.get("job") or "gpt_script"]
 
 
 def _log(msg: str) -> None:
@@ -109,34 +201,32 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 # --- the workload's registration ----------------------------------------------------------------
 
-def registration() -> tuple[str, dict[str, str], str]:
-    """(the worker's --allow-workload value, extra environment, how gpt-script is registered)."""
+def registration(job: Job) -> tuple[str, dict[str, str], str]:
+    """(the worker's --allow-workload value, extra environment, how the job's workload is registered)."""
     env: dict[str, str] = {}
-    if importlib.util.find_spec("gpt_script") is None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH", "")]))
+    if importlib.util.find_spec(job.package) is None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(job.example), os.environ.get("PYTHONPATH", "")]))
     from autotune.contract.registry import registered_workloads
 
-    entry = registered_workloads().get("gpt-script")
+    entry = registered_workloads().get(job.workload)
     if entry is not None and entry.source == "entry_point":
-        return "gpt-script", env, "entry point (installed package)"
-    env["AUTOTUNE_WORKLOADS"] = f"gpt-script={TARGET}"
-    return f"gpt-script={TARGET}", env, f"import path ({TARGET}; the package is not installed)"
+        return job.workload, env, "entry point (installed package)"
+    env["AUTOTUNE_WORKLOADS"] = f"{job.workload}={job.target}"
+    return f"{job.workload}={job.target}", env, f"import path ({job.target}; the package is not installed)"
 
 
-def study_spec(args: argparse.Namespace, hardware: str) -> dict[str, Any]:
-    if args.device == "cpu":
-        space: dict[str, Any] = json.loads(json.dumps(CPU_SPACE))
-    else:
-        space = json.loads(json.dumps(GPU_SPACE))
-        if args.no_compile:
-            space["params"].pop("compile")
-            space["params"]["step_graph"].pop("when")
+def study_spec(args: argparse.Namespace, hardware: str, job: Job | None = None) -> dict[str, Any]:
+    job = job or JOBS[args.job]
+    space = job.space(args.device)
+    if args.device != "cpu" and args.no_compile:
+        space["params"].pop("compile")
+        space["params"]["step_graph"].pop("when")
     probe: dict[str, Any] = {"samples": args.samples, "windows": args.windows, "timeout_s": args.probe_timeout_s}
     if args.warmup_steps:
         probe["warmup_steps"] = args.warmup_steps
     remeasure: dict[str, Any] = {"top_k": args.top_k, "max_rounds": args.max_rounds}
-    return {"name": args.study, "workload": "gpt-script", "preset": "tiny", "hardware": hardware,
-            "space": space, "baseline": {"batch_size": 16, "accum_steps": 1}, "baseline_seeds": 3,
+    return {"name": args.study, "workload": job.workload, "preset": args.preset or job.preset(args.device),
+            "hardware": hardware, "space": space, "baseline": job.baseline(args.device), "baseline_seeds": 3,
             "starting_points": "auto", "sampler": "tpe", "seed": args.seed, "n_trials": args.n_trials,
             "probe": probe, "remeasure": remeasure, "max_retries": 1}
 
@@ -147,7 +237,7 @@ def run_study(args: argparse.Namespace, work: Path, hardware: str, deadline: flo
     import httpx
     from studylib import free_port, wait_healthy
 
-    allow, extra_env, how = registration()
+    allow, extra_env, how = registration(JOBS[args.job])
     port = free_port()
     api = f"http://127.0.0.1:{port}"
     # the benchmark's own loopback service: no tokens; a short grace re-runs a lost trial soon
@@ -295,39 +385,82 @@ def _phase_seconds(trials: list[dict[str, Any]]) -> dict[str, float]:
 
 # --- 2. the script's own loop -----------------------------------------------------------------------
 
-def loop_child(args: argparse.Namespace) -> None:
-    """In a fresh process: the script's main() with timing wrapped around its own functions."""
-    import gpt_script.train as script
-    import torch
+class LoopClock:
+    """The timing state of one loop run: marks at three iteration boundaries (the end of the
+    warm-up, half-way, the end), each after a device synchronize (every launched step has then
+    finished: the host clock times the GPU's work too); the training samples fetched between the
+    first and the last; the evaluations' time inside that window; the host time of the batches'
+    sampling, of their copies to the device and of autotune.apply's step."""
 
-    cuda = script.device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    st: dict[str, Any] = {"marks": {}, "samples": 0, "eval_s": 0.0, "in": False, "k0": None, "mid": None,
-                          "half_samples": 0, "half_eval_s": 0.0, "iters": None, "batch_host_s": 0.0,
-                          "batch_copy_s": 0.0, "step_s": 0.0}
+    def __init__(self, warmup_iters: int, cuda: bool) -> None:
+        import torch
+
+        self.warmup_iters = warmup_iters
+        self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        self.marks: dict[int, float] = {}
+        self.samples, self.half_samples = 0, 0
+        self.eval_s, self.half_eval_s = 0.0, 0.0
+        self.batch_host_s, self.batch_copy_s, self.step_s = 0.0, 0.0, 0.0
+        self.inside = False  # between the first and the last mark
+        self.evaluating = False  # inside the script's evaluation (its batches are not training samples)
+        self.iters: int | None = None
+        self.k0 = self.mid = 0
+
+    def plan(self, iters: int) -> None:
+        """The iteration count main() settled on (scaled with --config), once."""
+        if self.iters is None:
+            self.k0 = min(max(self.warmup_iters, iters // 5), iters - 2)
+            self.iters, self.mid = iters, self.k0 + (iters - self.k0) // 2
+
+    def boundary(self, it: float) -> None:
+        """Iteration boundary `it` (the script's own count): mark the clock at the three."""
+        if it in (self.k0, self.mid, self.iters):
+            self.sync()
+            self.marks[int(it)] = time.perf_counter()
+            if it == self.k0:
+                self.inside = True
+            elif it == self.mid:
+                self.half_samples, self.half_eval_s = self.samples, self.eval_s
+            else:
+                self.inside = False
+
+    def counting(self) -> bool:
+        return self.inside and not self.evaluating
+
+    def count(self, samples: int, host_s: float, copy_s: float) -> None:
+        self.samples += samples
+        self.batch_host_s += host_s
+        self.batch_copy_s += copy_s
+
+    def evaluation(self, fn: Callable[..., Any], *a: Any, **kw: Any) -> float:
+        """The script's evaluation, timed inside the window (left out of the training rate)."""
+        self.evaluating = True
+        try:
+            if not self.inside:
+                return float(fn(*a, **kw))
+            self.sync()
+            t0 = time.perf_counter()
+            value = float(fn(*a, **kw))  # a Python float: its .item()s synchronized already
+            self.eval_s += time.perf_counter() - t0
+            return value
+        finally:
+            self.evaluating = False
+
+
+def instrument_gpt_script(script: Any, clock: LoopClock) -> None:
+    """gpt_script.train: get_lr (called at the top of every iteration) marks, get_batch("train")
+    counts, estimate_loss is timed."""
     get_lr, get_batch, estimate_loss = script.get_lr, script.get_batch, script.estimate_loss
-    t_start = time.perf_counter()
 
     def timed_get_lr(it: float, max_iters: int = script.max_iters) -> float:
-        if st["iters"] is None:  # the first call: the iteration count main() settled on (scaled with --config)
-            k0 = min(max(args.warmup_iters, max_iters // 5), max_iters - 2)
-            st.update(iters=max_iters, k0=k0, mid=k0 + (max_iters - k0) // 2)
-        if it in (st["k0"], st["mid"], max_iters):
-            sync()  # every launched step has finished: the host clock then times the GPU's work too
-            st["marks"][int(it)] = time.perf_counter()
-            if it == st["k0"]:
-                st["in"] = True
-            elif it == st["mid"]:
-                st["half_samples"], st["half_eval_s"] = st["samples"], st["eval_s"]
-            else:
-                st["in"] = False
-        return get_lr(it, max_iters)
+        clock.plan(max_iters)
+        clock.boundary(it)
+        return get_lr(it, max_iters)  # type: ignore[no-any-return]
 
     def counted_get_batch(split: str, batch_size: int = script.batch_size, device: str = script.device,
-                          generator: torch.Generator | None = None) -> Any:
-        if not (split == "train" and st["in"]):
+                          generator: Any = None) -> Any:
+        if not (split == "train" and clock.counting()):
             return get_batch(split, batch_size, device, generator)
-        st["samples"] += batch_size
         # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
         # where its .to() is a no-op), then the script's own two copies, x.to(device), y.to(device)
         # (blocking: each waits for the work queued on the GPU before it)
@@ -335,60 +468,112 @@ def loop_child(args: argparse.Namespace) -> None:
         x, y = get_batch(split, batch_size, "cpu", generator)
         t1 = time.perf_counter()
         moved = x.to(device), y.to(device)
-        t2 = time.perf_counter()
-        st["batch_host_s"] += t1 - t0
-        st["batch_copy_s"] += t2 - t1
+        clock.count(batch_size, t1 - t0, time.perf_counter() - t1)
         return moved
 
     def timed_estimate_loss(*a: Any, **kw: Any) -> float:
-        if not st["in"]:
-            return float(estimate_loss(*a, **kw))
-        sync()
-        t0 = time.perf_counter()
-        value = float(estimate_loss(*a, **kw))  # a Python float: its .item()s synchronized already
-        st["eval_s"] += time.perf_counter() - t0
-        return value
+        return clock.evaluation(estimate_loss, *a, **kw)
 
     script.get_lr, script.get_batch, script.estimate_loss = timed_get_lr, counted_get_batch, timed_estimate_loss
+
+
+def instrument_hf_causal_lm(script: Any, clock: LoopClock) -> None:
+    """hf_causal_lm.train: the scheduler get_linear_schedule_with_warmup returns is stepped once at
+    the end of every iteration (plain loop and --config alike): its step() marks; get_batch counts
+    (the training batches: not those of val_loss), val_loss is timed."""
+    factory, get_batch, val_loss = script.get_linear_schedule_with_warmup, script.get_batch, script.val_loss
+
+    def marked_factory(optimizer: Any, num_warmup_steps: int, num_training_steps: int, *a: Any, **kw: Any) -> Any:
+        scheduler = factory(optimizer, num_warmup_steps, num_training_steps, *a, **kw)
+        clock.plan(num_training_steps)
+        step, done = scheduler.step, [0]
+
+        def marked_step(*sa: Any, **skw: Any) -> Any:
+            out = step(*sa, **skw)
+            done[0] += 1  # iterations finished
+            clock.boundary(done[0])
+            return out
+
+        scheduler.step = marked_step
+        return scheduler
+
+    def counted_get_batch(ids: Any, n: int, block_size: int, generator: Any = None,
+                          device: str = script.device) -> Any:
+        if not clock.counting():
+            return get_batch(ids, n, block_size, generator, device)
+        # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
+        # where its .to() is a no-op), then its copy to the device (blocking: it waits for the work
+        # queued on the GPU before it); a tensor the batch holds twice (labels = input_ids) moved once
+        t0 = time.perf_counter()
+        batch = get_batch(ids, n, block_size, generator, "cpu")
+        t1 = time.perf_counter()
+        moved: dict[int, Any] = {}
+        for value in batch.values():
+            if id(value) not in moved:
+                moved[id(value)] = value.to(device)
+        out = {key: moved[id(value)] for key, value in batch.items()}
+        clock.count(n, t1 - t0, time.perf_counter() - t1)
+        return out
+
+    def timed_val_loss(*a: Any, **kw: Any) -> float:
+        return clock.evaluation(val_loss, *a, **kw)
+
+    script.get_linear_schedule_with_warmup, script.get_batch, script.val_loss = (marked_factory, counted_get_batch,
+                                                                                 timed_val_loss)
+
+
+def loop_child(args: argparse.Namespace) -> None:
+    """In a fresh process: the script's main() with timing wrapped around its own functions."""
+    import torch
+
+    job = JOBS[args.job]
+    script = importlib.import_module(job.script)
+    cuda = script.device == "cuda"
+    clock = LoopClock(args.warmup_iters, cuda)
+    t_start = time.perf_counter()
+    globals()[job.instrument](script, clock)
     if args.config:  # the host time of autotune.apply's step (the script as written never imports autotune)
         from autotune.engine.apply import Prepared
 
         step = Prepared.step
 
         def timed_step(self: Any, batch: Any) -> Any:
-            if not st["in"]:
+            if not clock.inside:
                 return step(self, batch)
             t0 = time.perf_counter()
             out = step(self, batch)
-            st["step_s"] += time.perf_counter() - t0
+            clock.step_s += time.perf_counter() - t0
             return out
 
         Prepared.step = timed_step  # type: ignore[method-assign]
-    argv = ["--max-iters", str(args.max_iters)] + (["--config", args.config] if args.config else [])
+    argv = [job.steps_flag, str(args.max_iters), *job.loop_argv(args.preset)]
+    argv += ["--config", args.config] if args.config else []
     val_loss = script.main(argv)
     total_s = time.perf_counter() - t_start
-    k0, mid, end = st["k0"], st["mid"], st["iters"]
-    m = st["marks"]
+    k0, mid, end = clock.k0, clock.mid, clock.iters
+    assert end is not None, f"{job.script}.main() never reached the instrumented iteration count"
+    m = clock.marks
     window = m[end] - m[k0]
-    train_s = window - st["eval_s"]
-    first = (m[mid] - m[k0]) - st["half_eval_s"]
-    second = (m[end] - m[mid]) - (st["eval_s"] - st["half_eval_s"])
-    second_samples = st["samples"] - st["half_samples"]
+    train_s = window - clock.eval_s
+    first = (m[mid] - m[k0]) - clock.half_eval_s
+    second = (m[end] - m[mid]) - (clock.eval_s - clock.half_eval_s)
+    second_samples = clock.samples - clock.half_samples
     result = {
+        "job": job.key, "argv": argv,
         "config": args.config, "max_iters_arg": args.max_iters, "iterations": end, "warmup_iterations": k0,
-        "timed_iterations": end - k0, "samples": st["samples"], "window_s": window, "eval_s": st["eval_s"],
-        "train_s": train_s, "train_samples_per_s": st["samples"] / train_s,
-        "loop_samples_per_s": st["samples"] / window,
-        "halves_samples_per_s": [st["half_samples"] / first, second_samples / second],
+        "timed_iterations": end - k0, "samples": clock.samples, "window_s": window, "eval_s": clock.eval_s,
+        "train_s": train_s, "train_samples_per_s": clock.samples / train_s,
+        "loop_samples_per_s": clock.samples / window,
+        "halves_samples_per_s": [clock.half_samples / first, second_samples / second],
         "main_s": total_s, "warmup_s": m[k0] - t_start, "final_val_loss": val_loss,
-        # host milliseconds per timed iteration: sampling the windows, the two blocking copies (with the
+        # host milliseconds per timed iteration: sampling the windows, the blocking copies (with the
         # wait for the GPU), autotune.apply's step (with --config), and the rest (the plain path's own
         # forward/backward/clip/step, the lr writes, the loss logging)
         "per_iteration_ms": {
-            "get_batch_host": 1e3 * st["batch_host_s"] / (end - k0),
-            "get_batch_copy": 1e3 * st["batch_copy_s"] / (end - k0),
-            "apply_step": 1e3 * st["step_s"] / (end - k0) if args.config else None,
-            "rest": 1e3 * (train_s - st["batch_host_s"] - st["batch_copy_s"] - st["step_s"]) / (end - k0),
+            "get_batch_host": 1e3 * clock.batch_host_s / (end - k0),
+            "get_batch_copy": 1e3 * clock.batch_copy_s / (end - k0),
+            "apply_step": 1e3 * clock.step_s / (end - k0) if args.config else None,
+            "rest": 1e3 * (train_s - clock.batch_host_s - clock.batch_copy_s - clock.step_s) / (end - k0),
             "total": 1e3 * train_s / (end - k0)},
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     Path(args.result).write_text(json.dumps(result))
@@ -398,11 +583,16 @@ def run_loops(args: argparse.Namespace, work: Path, configs: dict[str, str | Non
               ) -> list[dict[str, Any]]:
     """The script's loop per config (name -> best.yaml path or None for the script as written),
     `repeats` fresh processes each, interleaved, while the deadline allows."""
-    _, extra_env, _ = registration()
-    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-loop")}
+    job = JOBS[args.job]
+    _, extra_env, _ = registration(job)
+    # the loops' own inductor cache (a cold first compile, in the warm-up), or with
+    # --shared-inductor-cache the study's: a user's loop after a study on the same host finds the
+    # study's kernels in torch's default cache (the study's is its own only to keep studies apart)
+    cache = work / ("inductor-study" if args.shared_inductor_cache else "inductor-loop")
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     if args.device == "cpu":  # as the worker runs its CPU probes (--threads): a busy host's cores oversubscribed
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    preset = args.preset or job.preset(args.device)
     names = list(configs)
     runs: list[dict[str, Any]] = []
     took: dict[str, float] = {}
@@ -414,8 +604,9 @@ def run_loops(args: argparse.Namespace, work: Path, configs: dict[str, str | Non
                 _log(f"  loop {name} repeat {r}: skipped, {deadline - time.time():.0f} s left (needs ~{expected:.0f})")
                 continue
             result_path = work / f"loop-{name}-{r}.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "_loop", "--max-iters", str(args.loop_iters),
-                   "--warmup-iters", str(args.warmup_iters), "--result", str(result_path)]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_loop", "--job", job.key, "--preset", preset,
+                   "--max-iters", str(args.loop_iters), "--warmup-iters", str(args.warmup_iters),
+                   "--result", str(result_path)]
             if configs[name]:
                 cmd += ["--config", str(configs[name])]
             t0 = time.time()
@@ -560,8 +751,10 @@ def markdown(data: dict[str, Any]) -> str:
     study = data.get("study") or {}
     best = study.get("best") or {}
     cmp_ = data.get("comparison") or {}
-    lines = [f"### gpt-script: the verdict against the script's own loop ({env.get('gpu')}, torch {env.get('torch')}, "
-             f"{env.get('date')})", ""]
+    job = job_of(data)
+    spec = study.get("spec") or {}
+    lines = [f"### {job.workload} (preset {spec.get('preset')}): the verdict against the script's own loop "
+             f"({env.get('gpu')}, torch {env.get('torch')}, {env.get('date')})", ""]
     loop_env = data.get("loop_environment")
     if loop_env:
         lines += [f"(The loop timings ran later, on {loop_env.get('gpu')} host {loop_env.get('host')}, "
@@ -580,7 +773,10 @@ def markdown(data: dict[str, Any]) -> str:
     b = cmp_.get("baseline") or {}
     space = ((study.get("spec") or {}).get("space") or {}).get("params") or {}
     shown = set(space) | {"batch_size", "accum_steps"}
-    lines.append(f"| baseline (script as written, 16 × 1) | {_fmt(b.get('probe_samples_per_s'))} "
+    base_cfg = spec.get("baseline") or {}
+    as_written = f"{base_cfg.get('batch_size', 16)} × {base_cfg.get('accum_steps', 1)}" + (
+        f", {base_cfg['precision']}" if base_cfg.get("precision") else "")
+    lines.append(f"| baseline (script as written, {as_written}) | {_fmt(b.get('probe_samples_per_s'))} "
                  f"({b.get('probe_runs')}) | {_fmt(b.get('loop_train_samples_per_s'))} ({b.get('loop_runs')}) "
                  "| 1 | 1 | | |")
     for name in [n for n in cmp_ if n not in ("agree_within", "baseline")]:
@@ -602,7 +798,7 @@ def markdown(data: dict[str, Any]) -> str:
             lines.append(f"|  its config | `{json.dumps(knobs)}` | | | | | |")
     lines += ["", "Where an iteration's host time goes in the script's loop (ms, median over the runs; the copies "
                   "block until the GPU's queued work is done):", "",
-              "| config | samples / iteration | get_batch: sampling | get_batch: 2 copies (+ GPU wait) "
+              "| config | samples / iteration | get_batch: sampling | get_batch: copies (+ GPU wait) "
               "| autotune.apply step | rest | total | probe: data wait (sample_batch) | probe: step |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in [n for n in cmp_ if n != "agree_within"]:
@@ -662,9 +858,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     from studylib import environment, hardware_class
 
     out_path = Path(args.out)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="gpt-script-verdict-"))
+    job = JOBS[args.job]
+    args.study = args.study or (STUDY if job.key == "gpt_script" else f"{job.workload}-verdict")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix=f"{job.workload}-verdict-"))
     work.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {"benchmark": "gpt_script_verdict", "argv": sys.argv[1:],
+    data: dict[str, Any] = {"benchmark": "gpt_script_verdict", "job": job.key, "argv": sys.argv[1:],
                             "environment": environment(args.device)}
     hardware = hardware_class(args.device)
     _log(f"{hardware}; work dir {work}; deadline in {args.deadline_s:.0f} s")
@@ -682,7 +880,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     data["elapsed_s"] = time.time() - t_begin
     _write_json(out_path, data)
     if args.png:
-        plot(data, Path(args.png))
+        _plot_if_possible(data, Path(args.png))
     print(markdown(data))
 
 
@@ -693,17 +891,29 @@ def cmd_loop(args: argparse.Namespace) -> None:
     from studylib import environment
 
     data = load(getattr(args, "from"))  # whole: its raw fields too (bench/resultfiles.py)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="gpt-script-loop-"))
-    work.mkdir(parents=True, exist_ok=True)
+    job = job_of(data, args.job)
     study = data.get("study") or {}
+    args.job, data["job"] = job.key, job.key
+    args.preset = args.preset or (study.get("spec") or {}).get("preset")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix=f"{job.workload}-loop-"))
+    work.mkdir(parents=True, exist_ok=True)
     configs = loop_configs(study, work, args.candidates)
     data["loop_environment"] = environment(args.device)
     data["loops"] = run_loops(args, work, configs, t_begin + args.deadline_s - 15)
     data["comparison"] = compare(data)
     _write_json(Path(args.out), data)
     if args.png:
-        plot(data, Path(args.png))
+        _plot_if_possible(data, Path(args.png))
     print(markdown(data))
+
+
+def _plot_if_possible(data: dict[str, Any], png: Path) -> None:
+    """The PNG after a run, whose JSON is written already: a host without matplotlib (a lent GPU's)
+    still prints the summary; `plot --json` draws it later elsewhere."""
+    try:
+        plot(data, png)
+    except ImportError as e:
+        _log(f"no PNG ({e}): draw it later from the JSON with `plot --json OUT.json --png {png.name}`")
 
 
 def plot(data: dict[str, Any], png: Path) -> None:
@@ -762,11 +972,14 @@ def plot(data: dict[str, Any], png: Path) -> None:
     b.set_xlim(-0.6, max(len(names), 1) - 0.4)
     b.set_ylim(bottom=0)
     b.set_ylabel("samples/s in the script's own loop (each process)")
-    b.set_title("python -m gpt_script.train [--config], steady state", fontsize=10)
+    job = job_of(data)
+    preset = ((data.get("study") or {}).get("spec") or {}).get("preset")
+    size = f" {job.size_flag} {preset}" if job.size_flag and preset else ""
+    b.set_title(f"python -m {job.script}{size} [--config], steady state", fontsize=10)
     if names:
         b.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.07), ncol=3, frameon=False)
     env = data.get("environment", {})
-    fig.suptitle(f"gpt-script on {env.get('gpu')} (torch {env.get('torch')}, {env.get('date')})", fontsize=11)
+    fig.suptitle(f"{job.workload} on {env.get('gpu')} (torch {env.get('torch')}, {env.get('date')})", fontsize=11)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -793,7 +1006,12 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--device", default="cuda")
         p.add_argument("--threads", type=int, default=1, help="CPU only: torch threads per probe and loop run")
         p.add_argument("--repeats", type=int, default=3, help="fresh processes per config, interleaved")
-        p.add_argument("--loop-iters", type=int, default=3000, help="the script's --max-iters (at its 16 x 1)")
+        p.add_argument("--loop-iters", type=int, default=3000,
+                       help="the script's iterations at its own batch (--max-iters; hf_causal_lm: --max-steps)")
+        p.add_argument("--preset", default=None, help="the job's preset (default: the job's for the device: "
+                       "gpt_script tiny; hf_causal_lm tiny on a CPU, gpu on a GPU); the loop runs its size")
+        p.add_argument("--shared-inductor-cache", action="store_true",
+                       help="the loops compile with the study's TorchInductor cache (default: their own, cold)")
         p.add_argument("--warmup-iters", type=int, default=100, help="iterations left out at least (else a fifth)")
         p.add_argument("--first-run-s", type=float, default=60.0, help="a config's first loop run's expected wall")
         p.add_argument("--deadline-s", type=float, default=560.0, help="stop starting work after this; JSON written")
@@ -804,7 +1022,8 @@ def main(argv: list[str] | None = None) -> None:
 
     r = sub.add_parser("run", help="the study, then the loop timings")
     loop_options(r)
-    r.add_argument("--study", default=STUDY)
+    r.add_argument("--job", choices=JOBS, default="gpt_script", help="the outside script (module docstring)")
+    r.add_argument("--study", default=None, help=f"the study's name (default: {STUDY}, or WORKLOAD-verdict)")
     r.add_argument("--samples", type=int, default=16384, help="training samples per probe")
     r.add_argument("--windows", type=int, default=8)
     r.add_argument("--warmup-steps", type=int, default=None)
@@ -822,6 +1041,7 @@ def main(argv: list[str] | None = None) -> None:
     lp = sub.add_parser("loop", help="the loop timings alone, from an earlier run's JSON")
     loop_options(lp)
     lp.add_argument("--from", required=True)
+    lp.add_argument("--job", choices=JOBS, default=None, help="default: the run's (its JSON's job, else gpt_script)")
     lp.set_defaults(func=cmd_loop)
 
     p = sub.add_parser("plot")
@@ -832,6 +1052,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_plot)
 
     c = sub.add_parser("_loop", help=argparse.SUPPRESS)  # the child: one timed run of the script's main()
+    c.add_argument("--job", choices=JOBS, default="gpt_script")
+    c.add_argument("--preset", default="tiny")
     c.add_argument("--max-iters", type=int, required=True)
     c.add_argument("--warmup-iters", type=int, default=100)
     c.add_argument("--config", default=None)

@@ -21,8 +21,10 @@ them (`decay_param_groups`: no weight decay on biases and LayerNorm/RMSNorm weig
 is ``val_loss``, the mean next-token cross-entropy over every validation token, in fp32. The
 ``checkpoint`` knob drives the model's own ``gradient_checkpointing_enable`` (whole decoder layers:
 ``block``, or ``selective`` keeping the matmul outputs; ``attn`` / ``mlp`` are refused), through
-`autotune.engine.knobs.apply_checkpointing`. Several presets, or a model per preset: subclass
-`HFCausalLM`.
+`autotune.engine.knobs.apply_checkpointing`. A job that samples its own batches (nanoGPT-style
+``get_batch``: random windows copied to the device) says so with ``sample_batch=``: the probe then
+trains on that data path instead of a DataLoader over the blocks. Several presets, or a model per
+preset: subclass `HFCausalLM`.
 
 Your own loop takes a recommended config with `autotune.apply` and `causal_lm_loss`; the HF
 Trainer takes it as its `training_arguments` (docs/huggingface.md).
@@ -240,11 +242,14 @@ def hf_adamw(model: nn.Module, lr: float, weight_decay: float, **kwargs: Any) ->
 class HFCausalLM(Workload):
     """An HF causal LM trained on token blocks. Subclass it, or build one with
     `causal_lm_workload`: set `name`, `block_size` and `presets` (preset name → TrainingDefaults)
-    and implement `hf_model` (a fresh model; `self.preset` says which) and `tokens`."""
+    and implement `hf_model` (a fresh model; `self.preset` says which) and `tokens`. A job that
+    makes its training batches itself overrides `sample_batch` (`Workload.sample_batch`: a dict
+    with ``input_ids`` and ``labels`` on the device); the probe then trains on it, not on the
+    blocks of `tokens` (which still give the validation set)."""
 
     quality_metric = "val_loss"
     quality_direction = "minimize"
-    block_size: ClassVar[int]
+    block_size: int  # a class attribute, or set per preset in __init__
     presets: ClassVar[Mapping[str, TrainingDefaults]]
     val_fraction: ClassVar[float] = 0.1  # of a single token stream: the last tokens validate
     train_stride: ClassVar[int | None] = None  # None: disjoint training blocks; 1: every window
@@ -289,11 +294,17 @@ def causal_lm_workload(name: str, model: Callable[[], nn.Module], tokens: Tokens
                        block_size: int, defaults: TrainingDefaults | Mapping[str, TrainingDefaults],
                        val_fraction: float = 0.1, train_stride: int | None = None,
                        lr_multiplier: Callable[[float], float] | None = None,
+                       sample_batch: Callable[[int, torch.Generator, torch.device], Mapping[str, torch.Tensor]]
+                       | None = None,
                        eval_batch_size: int = 16) -> type[HFCausalLM]:
     """A workload class (the factory an entry point names) for the HF causal LM `model()` builds,
     trained on `tokens` (or what `tokens()` returns, read when a probe starts: see `HFCausalLM.tokens`)
     in blocks of `block_size`. `defaults`: the preset ``default``, or a table preset → defaults.
-    `lr_multiplier(progress)`: the schedule over the probe's samples (default: warm-up, cosine)."""
+    `lr_multiplier(progress)`: the schedule over the probe's samples (default: warm-up, cosine).
+    `sample_batch(batch_size, generator, device)`: the job's own data path (its ``get_batch``: a
+    dict with ``input_ids`` and ``labels`` on `device`, its randomness from `generator`); the
+    probe then trains on these batches, not on a DataLoader over the blocks (the DataLoader
+    knobs are noted inactive), and `tokens` gives the validation set."""
     presets = {"default": defaults} if isinstance(defaults, TrainingDefaults) else dict(defaults)
     memo: list[Tokens] = []
 
@@ -311,6 +322,9 @@ def causal_lm_workload(name: str, model: Callable[[], nn.Module], tokens: Tokens
     }
     if lr_multiplier is not None:
         namespace["lr_multiplier"] = lambda self, progress: lr_multiplier(progress)
+    if sample_batch is not None:  # only then: the probe asks whether the class overrides it
+        namespace["sample_batch"] = lambda self, batch_size, generator, device: dict(
+            sample_batch(batch_size, generator, device))
     title = "".join(part.capitalize() for part in name.replace(".", "-").replace("_", "-").split("-"))
     return type(f"{title}Workload", (HFCausalLM,), namespace)
 

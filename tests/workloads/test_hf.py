@@ -143,6 +143,36 @@ def test_a_schedule_and_stride_given_to_the_helper_are_the_workloads() -> None:
     assert result.failure is None and "Workload.lr_multiplier" in result.knobs["lr"]
 
 
+def test_a_jobs_own_sampler_given_to_the_helper_makes_the_probes_batches() -> None:
+    """sample_batch=: the job's get_batch (random windows, made on the device) is the probe's data
+    path, every micro-batch drawn from the probe's generator; the DataLoader knobs are noted
+    inactive and the validation set is still the blocks of the tokens. Without it, the class
+    does not override Workload.sample_batch (the probe feeds a DataLoader)."""
+    from autotune.engine.sampled_data import has_own_data_path
+
+    calls: list[tuple[int, str]] = []
+
+    def get_batch(n: int, generator: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+        calls.append((n, str(device)))
+        starts = torch.randint(len(TOKENS) - 409 - BLOCK, (n,), generator=generator)
+        x = torch.stack([TOKENS[s:s + BLOCK] for s in starts]).to(device)
+        return {"input_ids": x, "labels": x}
+
+    Sampled = causal_lm_workload("sampled", llama, TOKENS, block_size=BLOCK, defaults=DEFAULTS, sample_batch=get_batch)
+    wl = Sampled("default")
+    assert has_own_data_path(wl) and not has_own_data_path(TinyLlama("default"))
+    batch = wl.sample_batch(3, torch.Generator().manual_seed(0), CPU)
+    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (3, BLOCK)
+    calls.clear()
+    result = run_probe(wl, {"num_workers": 2}, settings=SETTINGS)
+    assert result.failure is None, result.failure
+    assert calls == [(DEFAULTS.batch_size, "cpu")] * (80 // DEFAULTS.batch_size)  # every micro-batch, and no other
+    assert result.knobs["data"].startswith("SampledWorkload.sample_batch"), result.knobs["data"]
+    assert result.knobs["num_workers"].startswith("2 (inactive: SampledWorkload.sample_batch")
+    untrained = math.log(VOCAB)
+    assert result.quality is not None and result.quality < 0.5 * untrained  # validated on the blocks: it learned
+
+
 def test_rows_without_labels_learn_from_their_input_ids_and_skip_the_padding() -> None:
     rows = [{"input_ids": [5, 6, 7, 0], "attention_mask": [1, 1, 1, 0], "text": "x"},
             {"input_ids": [1, 2, 3, 4], "attention_mask": [1, 1, 1, 1], "text": "y"}]

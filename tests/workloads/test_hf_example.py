@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLE = ROOT / "examples" / "hf_causal_lm"
 WORKLOAD = EXAMPLE / "hf_causal_lm" / "workload.py"
 TRAIN = EXAMPLE / "hf_causal_lm" / "train.py"
-TARGET = "hf_causal_lm.workload:TinyLlama"
+TARGET = "hf_causal_lm.workload:Llama"
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_probe_trains_the_scripts_llama_with_its_clipping_and_schedule(monkeyp
     monkeypatch.setenv(ENV_VAR, f"hf-causal-lm={TARGET}")
     registered_workloads.cache_clear()
     try:
-        result = run_probe("hf-causal-lm", {"batch_size": 8, "checkpoint": "block"}, preset="default",
+        result = run_probe("hf-causal-lm", {"batch_size": 8, "checkpoint": "block"}, preset="tiny",
                            settings=ProbeSettings(samples=160))
     finally:
         monkeypatch.delenv(ENV_VAR)
@@ -58,9 +58,12 @@ def test_a_probe_trains_the_scripts_llama_with_its_clipping_and_schedule(monkeyp
     assert knobs["grad_clip"].startswith("max norm 1 ") and knobs["optimizer"] == "AdamW (21 tensors in 2 groups)"
     assert "lr_multiplier" in knobs["lr"], knobs["lr"]
 
-    from hf_causal_lm.workload import TinyLlama
+    assert knobs["data"].startswith("Llama.sample_batch"), knobs["data"]  # the script's own get_batch
+    assert "inactive" in knobs["num_workers"]
 
-    wl = TinyLlama("default")  # the schedule is the script's get_linear_schedule_with_warmup, over [0, 1]
+    from hf_causal_lm.workload import Llama
+
+    wl = Llama("tiny")  # the schedule is the script's get_linear_schedule_with_warmup, over [0, 1]
     assert wl.lr_multiplier(0.05) == pytest.approx(0.5) and wl.lr_multiplier(0.55) == pytest.approx(0.5)
     assert wl.lr_multiplier(1.0) == 0.0
 
@@ -91,5 +94,24 @@ def test_the_docs_count_the_glue_as_it_is() -> None:
     assert len(counts) == 3 and all(got == said for got, said in counts.values()), counts
     marked = [line for line in TRAIN.read_text().splitlines() if line.rstrip().endswith("# autotune")]
     assert sum("training_arguments" in line for line in marked) == 2  # the Trainer's share: 3 lines, 2 naming it
-    glue = "\n".join(line for line in WORKLOAD.read_text().splitlines()[7:])
+    lines = WORKLOAD.read_text().splitlines()
+    glue = "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("class ")):])
     assert glue in docs  # the workload the page shows is the file's
+
+
+def test_the_gpu_size_is_a_llama_of_25_to_60_million_parameters_trained_as_the_plain_loop(script: Any) -> None:
+    """The preset gpu (bench/gpt_script_verdict.py --job hf_causal_lm): the script's --size gpu, built
+    on the meta device here (nothing allocated); its defaults are the plain loop's batch."""
+    import torch
+    from hf_causal_lm.workload import Llama
+
+    wl = Llama("gpu")
+    with torch.device("meta"):
+        model = wl.build_model()
+    n = sum(p.numel() for p in model.parameters())
+    assert 25e6 <= n <= 60e6, n
+    assert model.hf.config._attn_implementation == "sdpa" and wl.block_size == 256
+    size = script.SIZES["gpu"]
+    assert (wl.defaults.batch_size, wl.defaults.accum_steps, wl.defaults.lr) == (size.batch_size, size.accum_steps,
+                                                                                 size.learning_rate)
+    assert script.bf16 == (script.device == "cuda")  # the loop autocasts to bf16 on a GPU: a study's baseline bf16
