@@ -93,6 +93,7 @@ RULES: dict[str, Rule] = {
     "energy_h100.json": Rule(PROBE_RAW | {"trials", "best_yaml", "study", "pareto"}, indent=None),
     "cpu_demo_win.json": Rule(PROBE_RAW | {"runs"}),
     "gpt_script_verdict_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
+    "hf_causal_lm_verdict_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
     # tuning.py analyze: each strategy's trial rows and the fidelity pairs (its command writes them again
     # from the studies' archives and the fidelity files, in a minute; kept all the same)
     "tuning_h100*.json": Rule(frozenset({"rows", "fidelity"})),
