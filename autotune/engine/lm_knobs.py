@@ -48,7 +48,8 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines()[0] if text else type(error).__name__)[:300]
 
 
-def apply_attn_implementation(model: nn.Module, config: TrainConfig, notes: Notes) -> None:
+def apply_attn_implementation(model: nn.Module, config: TrainConfig, notes: Notes,
+                              device: torch.device | None = None) -> None:
     """Set ``hf_attn_implementation`` on every Hugging Face model inside `model` through its own
     ``set_attn_implementation`` (transformers >= 4.5x picks the attention function from the config at
     each forward), read back from the model's config: a model that keeps its own is said so."""
@@ -60,6 +61,11 @@ def apply_attn_implementation(model: nn.Module, config: TrainConfig, notes: Note
         return
     if not found:
         notes[knob] = f"{want} (inactive: no Hugging Face model in this model; its attention is its own code)"
+        return
+    if want == "flex_attention" and device is not None and device.type != "cuda":
+        # torch's FlexAttention has a forward on the CPU but no backward (NotImplementedError in training)
+        notes[knob] = f"{want} (inactive: FlexAttention trains on CUDA only, not on {device.type}; the model keeps " \
+                      f"{', '.join(str(attn_implementation(m)) for m in found)})"
         return
     parts = []
     for hf in found:
@@ -152,7 +158,7 @@ def apply_liger_kernels(model: nn.Module, config: TrainConfig, device: torch.dev
 
 def apply_model_kernels(model: nn.Module, config: TrainConfig, device: torch.device, notes: Notes) -> None:
     """Knob step 2b: the attention implementation, then Liger's kernels, on the plain model."""
-    apply_attn_implementation(model, config, notes)
+    apply_attn_implementation(model, config, notes, device)
     apply_liger_kernels(model, config, device, notes)
 
 

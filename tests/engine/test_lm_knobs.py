@@ -233,6 +233,19 @@ def test_hf_attn_implementation_is_inactive_without_a_hugging_face_model_or_a_wa
     assert model.config._attn_implementation == "sdpa"  # type: ignore[union-attr]
 
 
+def test_flex_attention_is_inactive_off_cuda_and_the_model_trains_with_its_own() -> None:
+    """FlexAttention has no backward on a CPU: the knob says so, the step runs the model's sdpa."""
+    model = _tiny_llama("sdpa")
+    prepared = apply({"hf_attn_implementation": "flex_attention", "batch_size": 2}, model, lr=1e-3,
+                     loss_fn=_llama_loss, quiet=True)
+    assert prepared.notes["hf_attn_implementation"] == ("flex_attention (inactive: FlexAttention trains on CUDA "
+                                                        "only, not on cpu; the model keeps sdpa)")
+    assert model.config._attn_implementation == "sdpa"  # type: ignore[union-attr]
+    with _Ops() as seen:
+        prepared.step(torch.randint(0, 32, (2, 8)))
+    assert seen.ran(FLASH_CPU)
+
+
 # ---------------------------------------------------------------------------------------------
 # liger_kernels
 
