@@ -4,7 +4,8 @@
    (`autotune token create`), then start `autotune serve` on it with auth on (log: serve.log);
 2. submit a study (admin token): workload ups, preset tiny, space ups-tiny-cpu (DEMO_SPACE), TPE, hardware cpu;
 3. start N `autotune worker --device cpu` processes (logs: worker-N.log; worker token in
-   AUTOTUNE_TOKEN), each with cores // N torch threads so they do not thrash one another;
+   AUTOTUNE_TOKEN), each with cores // N torch threads (at most OMP_NUM_THREADS, if set) so they
+   do not thrash one another;
 4. show progress until the study is finished; print the Pareto front (throughput vs
    NRMSE), the recommended config with its speedup over the baseline, and the command
    that opens the Optuna dashboard on the same database.
@@ -35,11 +36,19 @@ from autotune.cli.tables import recommendation_table, trials_table, verdict_tabl
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
 from autotune.contract.views import StudyInfo
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
+from autotune.worker.cpu_share import omp_threads_cap
 
 HEALTH_TIMEOUT_S = 90.0
 STOP_GRACE_S = 25.0  # a worker may spend up to 20 s completing its interrupted trial
 POLL_S = 1.0
 FINISHED = ("COMPLETE", "PRUNED", "FAIL", "REPEAT")
+
+
+def worker_threads(workers: int) -> int:
+    """Torch threads for each of `workers` local CPU workers: the cores shared out, at most an
+    OMP_NUM_THREADS of this process's environment (the operator's, or a test suite's, ceiling,
+    which a worker's own core share keeps too: autotune.worker.cpu_share.omp_threads_cap)."""
+    return max(1, min((os.cpu_count() or 1) // workers, omp_threads_cap() or os.cpu_count() or 1))
 
 
 def free_port() -> int:
@@ -176,7 +185,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
     db_path = workdir / "autotune.db"
     port = port or free_port()
     api = f"http://127.0.0.1:{port}"
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = worker_threads(workers)
     cli = [sys.executable, "-m", "autotune.cli"]
     db_url = f"sqlite:///{db_path}"
     processes = Processes()

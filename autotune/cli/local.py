@@ -28,7 +28,16 @@ from typing import Any
 
 from rich.console import Console
 
-from autotune.cli.demo import DemoError, Processes, follow, free_port, report, sigterm_as_interrupt, wait_for_health
+from autotune.cli.demo import (
+    DemoError,
+    Processes,
+    follow,
+    free_port,
+    report,
+    sigterm_as_interrupt,
+    wait_for_health,
+    worker_threads,
+)
 from autotune.contract.protocol import StudySpec
 from autotune.contract.views import Recommendation
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
@@ -141,7 +150,7 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
                                     "name (--name) or another --workdir, or run the same spec again to resume")
                 console.print(f"study     {spec.name}: resumed ({info.state})")
             if info.state == "running":
-                threads = max(1, (os.cpu_count() or 1) // len(devices.devices))
+                threads = worker_threads(len(devices.devices))
                 worker_procs = []
                 for i, device in enumerate(devices.devices):
                     argv = [*cli, "worker", "--api", api, "--study", spec.name, "--device", device, "--idle-exit",

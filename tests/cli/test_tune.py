@@ -109,6 +109,22 @@ def test_the_progress_line_estimates_the_time_left() -> None:
     assert eta_text(5.0, 0, 4) == "" and eta_text(5.0, 4, 4) == ""  # nothing to go on, or nothing left
 
 
+def test_local_workers_share_the_cores_at_most_omp_num_threads_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`autotune tune` and `autotune demo` give each local CPU worker cores // N torch threads,
+    at most an OMP_NUM_THREADS of their environment (as a worker's own core share keeps it)."""
+    from autotune.cli.demo import worker_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (worker_threads(1), worker_threads(2), worker_threads(3), worker_threads(16)) == (8, 4, 2, 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert (worker_threads(1), worker_threads(2)) == (1, 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert (worker_threads(1), worker_threads(4)) == (3, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "x")  # not a number: no ceiling
+    assert worker_threads(1) == 8
+
+
 def test_a_spec_without_hardware_is_checked_against_this_hosts_gpu(tmp_path: Path) -> None:
     """`autotune tune` on a GPU host: a spec that leaves `hardware` out takes the host's GPU
     before it is validated, so a GPU space (fp8 among its precisions) is not refused as a CPU
