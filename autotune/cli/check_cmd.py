@@ -6,10 +6,12 @@ the other way round), each run a fresh `autotune probe` process at the study's j
 and the round's seed, as the study's re-measure rounds ran; the same decision rule
 (autotune.contract.verdict.judge) forms the speedup's interval and the seed-matched quality
 difference. The pick *holds* when its new interval reaches the recorded one and its quality
-is not shown worse; it *regressed* when the new interval lies wholly below the recorded one
-(or below parity), or its quality is shown worse than the baseline's beyond the study's
-margin. Exit status: 0 holds, 1 regressed (by how much, and which provenance field changed),
-2 bad input, 3 could not measure (the baseline's probe failed). docs/regression-check.md.
+is not shown worse, and the new interval shows the pick faster than the baseline beyond this
+host's noise; it *regressed* when the new interval lies wholly below the recorded one (or below
+parity), or its quality is shown worse than the baseline's beyond the study's margin; otherwise
+it is *undecided* (too noisy here to tell: an exit 0 never rests on noise). Exit status: 0 holds,
+1 regressed (by how much, and which provenance field changed), 2 bad input, 3 no answer (the
+baseline's probe failed, or undecided). docs/regression-check.md.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Run:
 
 @dataclass
 class CheckReport:
-    status: str  # holds | regressed | not_measured
+    status: str  # holds | regressed | undecided | not_measured
     reason: str
     recorded: dict[str, Any]
     speedup: float | None = None
@@ -180,10 +182,16 @@ def decide(record: dict[str, Any], runs: list[Run]) -> CheckReport:
             what.append(f"quality worse: {record.get('quality_metric')} difference {j.quality_diff:+.4g} (at least "
                         f"{j.quality_low:+.4g}) beyond the margin {j.margin:.4g}")
         report.reason = "; ".join(what) + _changes(report.changed)
-    else:
+    elif j.ratio_low is not None and j.ratio_low > 1.0:
         report.status = "holds"
         note = "" if j.status == "certified" else f" (on this host in {len(pick)} rounds: {j.reason})"
         report.reason = f"speedup {now}, within reach of the recorded {then}{note}" + _changes(report.changed)
+    else:  # neither shown slower nor shown faster than the baseline: the spread here is too wide to say
+        report.status = "undecided"
+        report.reason = (f"speedup {now} on this host against the recorded {then}: {len(pick)} rounds here do not "
+                         "show the pick faster than its baseline beyond their own noise, nor slower than recorded; "
+                         "run again with more --rounds, on a host with nothing else running"
+                         + _changes(report.changed))
     return report
 
 
@@ -220,7 +228,8 @@ def check(
     whether its speedup still holds.
 
     Exit status: 0 it holds; 1 it regressed (by how much, and which of torch, CUDA, driver, GPU
-    or model changed since); 2 bad input; 3 could not measure (the baseline's probe failed).
+    or model changed since); 2 bad input; 3 no answer: the baseline's probe failed, or the rounds
+    here were too noisy to tell (run again with more --rounds).
     """
     try:
         config, record = load_best(best_file)
