@@ -353,9 +353,11 @@ def training_arguments(config: str | Path | Mapping[str, Any] | TrainConfig, arg
     probe), the config's lr → learning_rate only with `use_config_lr`. ``checkpoint=selective``
     is applied to `model` itself (its checkpoint kwargs hold a function, which the arguments
     should not: they are saved as JSON), so it needs `model`; attn / mlp and precision fp8 are
-    refused (ApplyError naming the knob). What the Trainer cannot take (step_graph,
-    compile_optimizer: it runs its own step) is noted inactive in `notes` and printed once
-    unless `quiet`."""
+    refused (ApplyError naming the knob). The LM knobs: liger_kernels → use_liger_kernel,
+    hf_attn_implementation on `model`, lr_scaling → learning_rate (your arguments' effective batch
+    the reference). What the Trainer cannot take (step_graph, compile_optimizer: it runs its own
+    step; attention_backend, inductor_tuning: its own step and compile call, the notes give the
+    line that sets them) is noted inactive in `notes` and printed once unless `quiet`."""
     from autotune.contract.errors import ProbeError
     from autotune.engine.apply import ApplyError, load_config
     from autotune.engine.knobs import apply_checkpointing
@@ -461,6 +463,8 @@ def training_arguments(config: str | Path | Mapping[str, Any] | TrainConfig, arg
     elif cfg.lr is not None and cfg.lr != args.learning_rate:
         notes["lr"] = (f"{cfg.lr:g} in the config not applied: your learning_rate ({args.learning_rate:g}) kept "
                        "(use_config_lr=True applies the config's)")
+    # the language-model knobs (autotune/engine/lm_knobs.py), lr_scaling on the lr chosen above
+    _lm_knobs_on_trainer(cfg, args, model, fields, put, notes, old_batch, batch * accum, use_config_lr)
     updated = dataclasses.replace(args, **changes)
     if not quiet:
         lines = [f"  {knob}: {text}" for knob, text in notes.items() if "not applied" in text or "inactive" in text]
@@ -468,6 +472,45 @@ def training_arguments(config: str | Path | Mapping[str, Any] | TrainConfig, arg
             print("autotune training_arguments: knobs that could not act on the HF Trainer:", *lines, sep="\n",
                   file=sys.stderr)
     return updated
+
+
+def _lm_knobs_on_trainer(cfg: TrainConfig, args: TrainingArguments, model: nn.Module | None, fields: set[str],
+                         put: Callable[[str, Any], None], notes: dict[str, str], old_batch: int, new_batch: int,
+                         use_config_lr: bool) -> None:
+    """liger_kernels → use_liger_kernel; hf_attn_implementation on `model`; lr_scaling → learning_rate
+    (the lr in use × the rule's factor, your args' own effective batch the reference);
+    attention_backend and inductor_tuning noted with the line that applies them (the Trainer runs
+    its own step and its own torch.compile call)."""
+    from autotune.engine.lm_knobs import INDUCTOR_FLAGS, apply_attn_implementation, lr_factor_of, sdpa_backend
+
+    if "use_liger_kernel" in fields:
+        put("use_liger_kernel", cfg.liger_kernels)
+        if cfg.liger_kernels:
+            notes["liger_kernels"] = "use_liger_kernel=True (the Trainer applies Liger's kernels; needs liger-kernel)"
+    elif cfg.liger_kernels:
+        notes["liger_kernels"] = "true not applied (inactive: this transformers has no use_liger_kernel)"
+    if cfg.hf_attn_implementation != "auto":
+        if model is None:
+            notes["hf_attn_implementation"] = (f"{cfg.hf_attn_implementation} not applied: pass model=... (the "
+                                               "model you give the Trainer), or build it with "
+                                               f"attn_implementation={cfg.hf_attn_implementation!r}")
+        else:
+            on_cpu = args.use_cpu or not torch.cuda.is_available()
+            apply_attn_implementation(model, cfg, notes, torch.device("cpu" if on_cpu else "cuda"))
+    if cfg.attention_backend != "auto":
+        notes["attention_backend"] = (f"{cfg.attention_backend} not applied (inactive: the Trainer runs its own step): "
+                                      "train under `with torch.nn.attention.sdpa_kernel(torch.nn.attention."
+                                      f"SDPBackend.{sdpa_backend(cfg.attention_backend).name}): trainer.train()`")
+    if cfg.inductor_tuning != "none":
+        flags = " and ".join(f"torch._inductor.config.{flag} = True" for flag in INDUCTOR_FLAGS[cfg.inductor_tuning])
+        notes["inductor_tuning"] = (f"{cfg.inductor_tuning} not applied (inactive: the Trainer makes its own "
+                                    f"torch.compile call): set {flags} before trainer.train()")
+    if cfg.lr_scaling != "none":
+        lr = cfg.lr if use_config_lr and cfg.lr is not None else args.learning_rate
+        factor = lr_factor_of(cfg.lr_scaling, new_batch, old_batch)
+        put("learning_rate", lr * factor)
+        notes["lr"] = (f"{lr * factor:g} ({lr:g} × {factor:.4g}: lr_scaling {cfg.lr_scaling}, your arguments' "
+                       f"effective batch {old_batch} → {new_batch})")
 
 
 __all__ = ["CausalLMModule", "HFCausalLM", "TokenBlocks", "TokenRows", "causal_lm_loss", "causal_lm_workload",

@@ -84,6 +84,26 @@ def test_compile_and_precision_map_to_their_fields(tmp_path: Path) -> None:
     assert eager.torch_compile is False and eager.bf16 is False  # a backend alone would turn compile back on
 
 
+def test_the_lm_knobs_reach_the_trainer_or_say_the_line_that_applies_them(tmp_path: Path) -> None:
+    args = user_args(tmp_path, gradient_accumulation_steps=2)  # the user's effective batch: 4 x 2
+    model = llama()
+    notes: dict[str, str] = {}
+    new = training_arguments({"batch_size": 8, "accum_steps": 4, "lr_scaling": "sqrt", "liger_kernels": True,
+                              "hf_attn_implementation": "eager", "attention_backend": "math",
+                              "inductor_tuning": "coordinate_descent"}, args, model, notes=notes, quiet=True)
+    assert new.learning_rate == pytest.approx(1e-3 * 2.0) and args.learning_rate == 1e-3  # sqrt(32 / 8)
+    assert "lr_scaling sqrt" in notes["lr"] and "8 → 32" in notes["lr"]
+    assert new.use_liger_kernel is True and args.use_liger_kernel is False
+    assert model.config._attn_implementation == "eager"  # type: ignore[union-attr]
+    assert "SDPBackend.MATH" in notes["attention_backend"] and "not applied" in notes["attention_backend"]
+    assert "torch._inductor.config.coordinate_descent_tuning = True" in notes["inductor_tuning"]
+    linear = training_arguments({"batch_size": 2, "accum_steps": 2, "lr_scaling": "linear", "lr": 0.4}, args,
+                                use_config_lr=True, quiet=True)
+    assert linear.learning_rate == pytest.approx(0.4 * 4 / 8)  # the config's lr, scaled to half the batch
+    plain = training_arguments({"batch_size": 8, "accum_steps": 4}, args, quiet=True)
+    assert plain.learning_rate == 1e-3  # lr_scaling none: the batch changes, the lr does not
+
+
 def test_what_the_trainer_cannot_run_is_refused_naming_the_knob(tmp_path: Path) -> None:
     args = user_args(tmp_path)
     for config, knob in (({"checkpoint": "attn"}, "checkpoint"), ({"precision": "fp8"}, "precision"),
