@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import platform
+import re
 import resource
 import time
 import traceback
@@ -370,10 +371,13 @@ def _run(wl: Workload, cfg: TrainConfig, dev: torch.device, settings: ProbeSetti
         data_wait += time.perf_counter() - t0
         return batches
 
+    # the lr that ran (lr_scaling: "0.002 (0.001 × 2, lr_scaling linear)"), as the notes say it
+    lr_ran = re.match(r"[^,(]+(\([^)]*\))?", str(notes.get("lr", cfg.lr))).group(0).strip()  # type: ignore[union-attr]
+
     def check_finite(losses: torch.Tensor, step: int) -> None:
         if not bool(torch.isfinite(losses).all()):
             raise ProbeError("nan", f"non-finite loss at step {step} (samples {step * eff}); "
-                                    f"precision={cfg.precision}, lr={cfg.lr:g}")
+                                    f"precision={cfg.precision}, lr={lr_ran}")
 
     meter: EnergyMeter | None = None
     try:

@@ -289,6 +289,15 @@ def test_exploding_learning_rate_fails_as_nan(tiny: Workload) -> None:
     assert r.knobs["compile"] == "none (eager)"  # notes are kept on failure
 
 
+def test_a_nan_failure_quotes_the_lr_that_ran(tiny: Workload) -> None:
+    """With lr_scaling the failure names the scaled lr the step ran, not the leased one."""
+    d = tiny.defaults
+    cfg = {"lr": 1e30, "batch_size": d.batch_size * 2, "accum_steps": d.accum_steps, "lr_scaling": "linear"}
+    r = run_probe(tiny, cfg, settings=ProbeSettings(samples=SAMPLES * 2))  # the same steps at twice the batch
+    assert r.failure is not None and r.failure["kind"] == "nan"
+    assert r.failure["message"].endswith("lr=2e+30 (1e+30 × 2, lr_scaling linear)"), r.failure["message"]
+
+
 OOM_SCRIPT = textwrap.dedent("""
     import json, resource
     import torch
