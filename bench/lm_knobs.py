@@ -76,14 +76,14 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from studylib import environment, pyplot, run_cli
+from probe_configs import run_one  # one probe: `autotune probe --json` in a process of its own
+from studylib import environment, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -369,28 +369,6 @@ def choose_combined(doc: dict[str, Any], min_gain: float, tol: float) -> tuple[d
 
 
 # -- probing ----------------------------------------------------------------------------------------------
-
-def run_one(config: dict[str, Any], args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    cmd = ["probe", "--json", "--workload", args.workload, "--preset", args.preset, "--device", args.device,
-           "--config", json.dumps(config)]
-    if args.samples:
-        cmd += ["--samples", str(args.samples)]
-    t0 = time.perf_counter()
-    try:
-        proc = run_cli(cmd, env=env, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"failure": {"kind": "timeout", "message": f"no result within {args.timeout} s"},
-                "wall_s": time.perf_counter() - t0}
-    wall = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        return {"failure": {"kind": "error", "message": proc.stderr[-2000:]}, "wall_s": wall}
-    result: dict[str, Any] = json.loads(lines[-1])
-    result["wall_s"] = wall
-    if result.get("failure"):
-        result["stderr_tail"] = proc.stderr[-2000:]
-    return result
-
 
 def write(path: Path | None, doc: dict[str, Any]) -> None:
     if path is None:
