@@ -1,18 +1,21 @@
 """Helpers shared by the benchmarks: a free port, the hardware class a worker on a device
 reports, the run's environment, waiting for a freshly started service, and running
-`autotune probe` as a worker runs its probes (`run_cli`)."""
+`autotune probe` as a worker runs its probes (`run_cli`), the code a run measured (`code_version`),
+and a study benchmark's last step (`finish_run`)."""
 
 from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import platform
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -116,3 +119,36 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_version() -> dict[str, Any]:
+    """The code a run measures: the commit checked out and the files changed since (read-only git calls)."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.rstrip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "changed_files": changed}
+
+
+def finish_run(out: Path, doc: dict[str, Any], png: Path, draw: Callable[[], None], table: str,
+               studies: list[dict[str, Any]], log_tail: str) -> int:
+    """A study benchmark's end: the JSON (compact), the PNG, the table; 1 when a study did not finish."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, separators=(",", ":")))
+    draw()
+    print()
+    print(table)
+    print(f"\nwrote {out} and {png} ({doc['wall_s']:.0f} s)")
+    unfinished = [s["study"] for s in studies if not s["finished"]]
+    if unfinished:
+        print(f"{len(unfinished)} studies did not finish: {', '.join(unfinished[:10])}\nservice log:\n{log_tail}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -88,7 +88,7 @@ import httpx
 import numpy as np
 from resultfiles import load
 from service_load import PG_ADMIN_URL, Server, bearer, create_tokens, fake_result, fresh_database
-from studylib import environment, pyplot
+from studylib import code_version, environment, finish_run, pyplot
 
 from autotune.contract.protocol import GateSpec
 
@@ -581,20 +581,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def code_version() -> dict[str, Any]:
-    """The service's code: the commit checked out and the files changed since (read-only git calls)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.rstrip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD").strip() or None, "changed_files": changed}
-
-
 def shown_path(path: Path) -> str:
     """`path` relative to the repository when it lies in it (the JSON names no one's home), else absolute."""
     path = path.resolve()
@@ -718,19 +704,9 @@ def run(args: argparse.Namespace) -> int:
                  "quality_seed_share": SEED_SHARE}
     doc = {"benchmark": "verdict", "environment": environment("cpu") | code, "settings": settings,
            "wall_s": round(time.perf_counter() - t_start, 2), "summaries": summaries, "studies": studies}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, separators=(",", ":")))
-    plot(summaries, png)
-    print()
-    print(markdown_table(summaries))
-    partial.unlink(missing_ok=True)
-    print(f"\nwrote {args.out} and {png} ({doc['wall_s']:.0f} s)")
-    unfinished = [s["study"] for s in studies if not s["finished"]]
-    if unfinished:
-        print(f"{len(unfinished)} studies did not finish: {', '.join(unfinished[:10])}\nservice log:\n{log_tail}",
-              file=sys.stderr)
-        return 1
-    return 0
+    status = finish_run(args.out, doc, png, lambda: plot(summaries, png), markdown_table(summaries), studies, log_tail)
+    partial.unlink(missing_ok=True)  # the studies are in args.out now
+    return status
 
 
 if __name__ == "__main__":

@@ -58,9 +58,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-import verdict  # bench/verdict.py: the planted truth, the simulated worker, the code's version
+import verdict  # bench/verdict.py: the planted truth, the simulated worker
 from service_load import Server, bearer, create_tokens, fresh_database
-from studylib import environment, pyplot
+from studylib import code_version, environment, finish_run, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "warm_start.json"
@@ -447,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     tag = uuid.uuid4().hex[:6]
     t_start = time.perf_counter()
-    code = verdict.code_version()
+    code = code_version()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="autotune-warm-start-") as tmp, \
             fresh_database("sqlite", Path(tmp)) as db_url:
@@ -480,18 +480,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {"benchmark": "warm_start", "environment": environment("cpu") | code, "settings": settings,
            "wall_s": round(time.perf_counter() - t_start, 1), "summaries": [by[g] for g in GROUPS],
            "ratios": ratios(rows, by), "studies": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, separators=(",", ":")))
-    plot(doc, png)
-    print()
-    print(markdown_table(doc))
-    print(f"\nwrote {args.out} and {png} ({doc['wall_s']:.0f} s)")
-    unfinished = [r["study"] for r in rows if not r["finished"]]
-    if unfinished:
-        print(f"{len(unfinished)} studies did not finish: {', '.join(unfinished[:10])}\nservice log:\n{log_tail}",
-              file=sys.stderr)
-        return 1
-    return 0
+    return finish_run(args.out, doc, png, lambda: plot(doc, png), markdown_table(doc), rows, log_tail)
 
 
 if __name__ == "__main__":

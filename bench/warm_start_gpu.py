@@ -74,7 +74,7 @@ from typing import Any
 
 import yaml
 from regression_check import BASELINE, CLI, check_both, run_bounded
-from studylib import environment, pyplot
+from studylib import code_version, environment, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 B_SEED_OFFSET = 1000  # the second studies' sampler seed: --seed + 1000 (B cold does not replay A's draws)
@@ -432,17 +432,6 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 
 # --- the run ----------------------------------------------------------------------------------------
-
-def code_version() -> dict[str, Any]:
-    def git(*argv: str) -> str:
-        try:
-            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.rstrip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD").strip() or None, "changed_files": changed}
-
 
 def space_size(spec: dict[str, Any]) -> int | None:
     from autotune.contract.space import load_space, parse_space
