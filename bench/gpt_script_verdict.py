@@ -58,6 +58,7 @@ the example's folder on PYTHONPATH, and the JSON says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -74,6 +75,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trace_summary import DATA as TRACE_DATA
+from trace_summary import STEP as TRACE_STEP
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "autotune.cli"]
@@ -399,6 +403,7 @@ class LoopClock:
         import torch
 
         self.warmup_iters = warmup_iters
+        self.device = torch.device("cuda" if cuda else "cpu")
         self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
         self.marks: dict[int, float] = {}
         self.samples, self.half_samples = 0, 0
@@ -408,6 +413,31 @@ class LoopClock:
         self.evaluating = False  # inside the script's evaluation (its batches are not training samples)
         self.iters: int | None = None
         self.k0 = self.mid = 0
+        self.trace_path: str | None = None  # --trace: a Chrome trace of the warm-up's last iterations
+        self.trace_iters = 0
+        self.profiler: Any = None
+
+    def traced(self, name: str) -> Any:
+        """A named range for the trace (autotune.step, autotune.data: bench/trace_summary.py reads
+        them), or nothing while no profiler runs."""
+        import torch
+
+        return torch.profiler.record_function(name) if self.profiler is not None else contextlib.nullcontext()
+
+    def _trace(self, it: float) -> None:
+        """With --trace: profile iterations [k0 - 2 - n, k0 - 2), the warm-up's last but two."""
+        if self.trace_path is None or self.iters is None:
+            return
+        first = self.k0 - 2 - self.trace_iters
+        if it == first and self.profiler is None and first > 0:
+            from autotune.engine.timing import start_trace
+
+            self.profiler = start_trace(self.device)
+        elif it == self.k0 - 2 and self.profiler is not None:
+            from autotune.engine.timing import stop_trace
+
+            stop_trace(self.profiler, self.device, self.trace_path)
+            self.profiler = None
 
     def plan(self, iters: int) -> None:
         """The iteration count main() settled on (scaled with --config), once."""
@@ -417,6 +447,7 @@ class LoopClock:
 
     def boundary(self, it: float) -> None:
         """Iteration boundary `it` (the script's own count): mark the clock at the three."""
+        self._trace(it)
         if it in (self.k0, self.mid, self.iters):
             self.sync()
             self.marks[int(it)] = time.perf_counter()
@@ -463,7 +494,8 @@ def instrument_gpt_script(script: Any, clock: LoopClock) -> None:
     def counted_get_batch(split: str, batch_size: int = script.batch_size, device: str = script.device,
                           generator: Any = None) -> Any:
         if not (split == "train" and clock.counting()):
-            return get_batch(split, batch_size, device, generator)
+            with clock.traced(TRACE_DATA):
+                return get_batch(split, batch_size, device, generator)
         # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
         # where its .to() is a no-op), then the script's own two copies, x.to(device), y.to(device)
         # (blocking: each waits for the work queued on the GPU before it)
@@ -503,7 +535,8 @@ def instrument_hf_causal_lm(script: Any, clock: LoopClock) -> None:
     def counted_get_batch(ids: Any, n: int, block_size: int, generator: Any = None,
                           device: str = script.device) -> Any:
         if not clock.counting():
-            return get_batch(ids, n, block_size, generator, device)
+            with clock.traced(TRACE_DATA):
+                return get_batch(ids, n, block_size, generator, device)
         # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
         # where its .to() is a no-op), then its copy to the device (blocking: it waits for the work
         # queued on the GPU before it); a tensor the batch holds twice (labels = input_ids) moved once
@@ -533,6 +566,7 @@ def loop_child(args: argparse.Namespace) -> None:
     script = importlib.import_module(job.script)
     cuda = script.device == "cuda"
     clock = LoopClock(args.warmup_iters, cuda)
+    clock.trace_path, clock.trace_iters = args.trace, args.trace_iters
     t_start = time.perf_counter()
     globals()[job.instrument](script, clock)
     if args.config:  # the host time of autotune.apply's step (the script as written never imports autotune)
@@ -542,7 +576,8 @@ def loop_child(args: argparse.Namespace) -> None:
 
         def timed_step(self: Any, batch: Any) -> Any:
             if not clock.inside:
-                return step(self, batch)
+                with clock.traced(TRACE_STEP):
+                    return step(self, batch)
             t0 = time.perf_counter()
             out = step(self, batch)
             clock.step_s += time.perf_counter() - t0
@@ -1061,6 +1096,8 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--warmup-iters", type=int, default=100)
     c.add_argument("--config", default=None)
     c.add_argument("--result", required=True)
+    c.add_argument("--trace", default=None, help="a Chrome trace of the warm-up's last iterations (with --config)")
+    c.add_argument("--trace-iters", type=int, default=8)
     c.set_defaults(func=loop_child)
 
     args = parser.parse_args(argv)

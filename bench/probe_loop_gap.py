@@ -1,0 +1,236 @@
+"""Where a probe and the job's own loop part (issue 38, item 2): one config of an outside job
+(examples/gpt_script or examples/hf_causal_lm, as bench/gpt_script_verdict.py runs them), timed
+by `autotune probe` as a worker runs it and by the script's own loop through `autotune.apply`,
+in fresh processes, interleaved, with one inductor cache (the first run compiles cold, in its
+warm-up), and each side traced once.
+
+Per repeat, in turn:
+  probe       `autotune probe --json` at the study's samples, windows and warm-up (a worker's probe);
+  probe-long  the same at --long-factor × the samples and --long-warmup warm-up steps: windows
+              that long make a window boundary's cost (the queue drained, the first step's launch
+              latency) --long-factor times smaller, and later steps are further from the compiles;
+  loop        the script's main() with --config, timed as gpt_script_verdict.py times it
+              (train samples/s between synchronized marks, evaluations left out), and its host
+              milliseconds per iteration (sampling, copies, autotune.apply's step, the rest).
+The first repeat's probe also writes a Chrome trace of its last warm-up steps (--trace-warmup
+warm-up steps, so those runs are recorded as `probe-traced`), and the first loop one of the
+warm-up's last iterations; bench/trace_summary.py sums both (host ms per step, the CUDA
+runtime calls per step, syncs, the GPU's kernel time and busy fraction, the heaviest host ops).
+
+    python bench/probe_loop_gap.py --job hf_causal_lm --from bench/results/hf_causal_lm_verdict_h200.json \\
+        --device cuda --out gap_hf.json --trace-dir traces/
+
+The config: the run's certified pick (`comparison.pick.config`), or --config FILE; the samples,
+windows and warm-up: the run's study's, unless given. Writes --out (JSON, rewritten after each
+run) and prints a table. Exit 1 when a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from gpt_script_verdict import JOBS, registration
+from resultfiles import load
+from studylib import code_version, environment, run_cli
+from trace_summary import summarize
+
+HERE = Path(__file__).resolve().parent
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def probe_run(args: argparse.Namespace, variant: str, config: Path, env: dict[str, str],
+              trace: Path | None) -> dict[str, Any]:
+    samples = args.samples * (args.long_factor if variant == "probe-long" else 1)
+    warmup = args.long_warmup if variant == "probe-long" else args.trace_warmup if trace else args.warmup_steps
+    argv = ["probe", "--workload", args.workload, "--preset", args.preset, "--device", args.device,
+            "--config", str(config), "--samples", str(samples), "--windows", str(args.windows),
+            "--warmup-steps", str(warmup), "--timeout", str(args.timeout), "--json"]
+    if trace:
+        argv += ["--trace", str(trace), "--trace-steps", str(args.trace_steps)]
+    t0 = time.time()
+    done = run_cli(argv, env=env, timeout=args.timeout + 60)
+    run: dict[str, Any] = {"variant": variant, "samples": samples, "warmup_steps": warmup, "exit": done.returncode,
+                           "process_wall_s": time.time() - t0}
+    try:
+        res = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        run["failure"] = (done.stderr or done.stdout)[-2000:]
+        return run
+    wins = res.get("window_throughputs") or []
+    run.update(throughput=res.get("throughput_samples_per_s"), window_throughputs=wins,
+               window_data_wait_s=res.get("window_data_wait_s"), warmup_s=res.get("warmup_s"),
+               steps=res.get("steps"), failure=res.get("failure"), notes=res.get("notes"))
+    return run
+
+
+def loop_run(args: argparse.Namespace, config: Path, env: dict[str, str], work: Path, r: int,
+             trace: Path | None) -> dict[str, Any]:
+    result = work / f"loop-{r}.json"
+    cmd = [sys.executable, str(HERE / "gpt_script_verdict.py"), "_loop", "--job", args.job, "--preset", args.preset,
+           "--max-iters", str(args.loop_iters), "--warmup-iters", str(args.loop_warmup_iters),
+           "--config", str(config), "--result", str(result)]
+    if trace:
+        cmd += ["--trace", str(trace), "--trace-iters", str(args.trace_steps)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(work), timeout=args.timeout + 120)
+    run: dict[str, Any] = {"variant": "loop", "exit": proc.returncode, "process_wall_s": time.time() - t0}
+    if proc.returncode == 0 and result.exists():
+        got = json.loads(result.read_text())
+        run.update({k: got.get(k) for k in ("train_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
+                                            "iterations", "warmup_iterations", "final_val_loss")})
+        run["throughput"] = got.get("train_samples_per_s")
+    else:
+        run["failure"] = proc.stderr[-2000:]
+    return run
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by: dict[str, list[float]] = {}
+    for run in runs:
+        if run.get("throughput"):
+            by.setdefault(run["variant"], []).append(run["throughput"])
+    out: dict[str, Any] = {v: {"median": statistics.median(xs), "runs": xs} for v, xs in by.items()}
+    loop = out.get("loop", {}).get("median")
+    for row in out.values():
+        row["over_loop"] = row["median"] / loop if loop else None
+    return out
+
+
+def table(doc: dict[str, Any]) -> str:
+    lines = [f"**{doc['environment'].get('gpu') or doc['environment'].get('device')}**, {doc['job']}, config "
+             f"{doc['config_source']}", "", "| run | samples/s (median) | runs | / loop |", "|---|---:|---:|---:|"]
+    for v, row in doc["summary"].items():
+        ratio = f"{row['over_loop']:.3f}" if row.get("over_loop") else "–"
+        lines.append(f"| {v} | {row['median']:,.0f} | {len(row['runs'])} | {ratio} |")
+    for side, tr in doc.get("traces", {}).items():
+        if "error" in tr:
+            lines.append(f"\n{side} trace: {tr['error']}")
+            continue
+        lines.append(f"\n{side} trace: {tr['steps']} steps, host {tr['step_host_ms']:.3f} ms/step "
+                     f"(data {tr['data_wait_ms'] or 0:.3f}), kernels {tr['kernel_ms_per_step']:.3f} ms/step, "
+                     f"GPU busy {tr['gpu_busy_fraction'] or 0:.2f}, syncs/step {tr['syncs_per_step']:.2f}, "
+                     f"span {tr['span_ms'] / max(1, tr['steps']):.3f} ms/step")
+        for name, row in list(tr["runtime_per_step"].items())[:5]:
+            lines.append(f"  runtime {name}: {row['calls']} calls, {row['ms']:.3f} ms")
+        for name, row in list(tr["host_ops_per_step"].items())[:8]:
+            lines.append(f"  op {name}: {row['calls']} calls, {row['ms']:.3f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", choices=JOBS, required=True)
+    p.add_argument("--from", dest="source", default=None, help="a gpt_script_verdict.py JSON: its pick and study")
+    p.add_argument("--config", default=None, help="a config file instead of the run's pick")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", default=None)
+    p.add_argument("--samples", type=int, default=None)
+    p.add_argument("--windows", type=int, default=None)
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--long-factor", type=int, default=3)
+    p.add_argument("--long-warmup", type=int, default=30)
+    p.add_argument("--trace-warmup", type=int, default=20, help="the traced probe's warm-up steps")
+    p.add_argument("--trace-steps", type=int, default=8)
+    p.add_argument("--trace-dir", default=None, help="keep the two traces here (gzipped)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--loop-iters", type=int, default=300)
+    p.add_argument("--loop-warmup-iters", type=int, default=60)
+    p.add_argument("--timeout", type=float, default=150.0)
+    p.add_argument("--deadline-s", type=float, default=540.0)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    t_begin = time.time()
+    job = JOBS[args.job]
+    args.workload = job.workload
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="gap-"))
+    work.mkdir(parents=True, exist_ok=True)
+    study_probe: dict[str, Any] = {}
+    config: dict[str, Any] = {}
+    source = "--config"
+    if args.source:
+        data = load(args.source)
+        spec = (data.get("study") or {}).get("spec") or {}
+        study_probe = spec.get("probe") or {}
+        args.preset = args.preset or spec.get("preset")
+        config = ((data.get("comparison") or {}).get("pick") or {}).get("config") or {}
+        source = f"the certified pick of {Path(args.source).name}"
+    if args.config:
+        config = yaml.safe_load(Path(args.config).read_text())
+        source = args.config
+    if not config:
+        raise SystemExit("no config: give --config FILE, or --from a run with a certified pick")
+    args.preset = args.preset or job.preset(args.device)
+    args.samples = args.samples or study_probe.get("samples") or 4096
+    args.windows = args.windows or study_probe.get("windows") or 8
+    args.warmup_steps = args.warmup_steps or study_probe.get("warmup_steps") or 5
+    path = work / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    _, extra_env, how = registration(job)
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}  # one cache: the first run compiles cold
+    traces = {"probe": work / "probe.trace.json", "loop": work / "loop.trace.json"}
+    doc: dict[str, Any] = {"benchmark": "probe_loop_gap", "job": args.job, "argv": sys.argv[1:],
+                           "config_source": source, "config": config, "registration": how,
+                           "settings": {k: getattr(args, k) for k in ("preset", "samples", "windows", "warmup_steps",
+                                                                        "long_factor", "long_warmup", "trace_warmup",
+                                                                        "trace_steps", "repeats", "loop_iters",
+                                                                        "loop_warmup_iters")},
+                           "environment": environment(args.device), "code": code_version(), "runs": []}
+    out = Path(args.out)
+    failed = False
+    for r in range(args.repeats):
+        order = ["probe", "probe-long", "loop"] if r % 2 == 0 else ["loop", "probe-long", "probe"]
+        for variant in order:
+            if time.time() - t_begin > args.deadline_s - 60:
+                _log(f"{variant} {r}: skipped (deadline)")
+                continue
+            trace = traces["loop" if variant == "loop" else "probe"] if r == 0 and variant != "probe-long" else None
+            try:
+                run = (loop_run(args, path, env, work, r, trace) if variant == "loop"
+                       else probe_run(args, variant, path, env, trace))
+            except subprocess.TimeoutExpired:
+                run = {"variant": variant, "failure": "timed out"}
+            if trace and run["variant"] == "probe":
+                run["variant"] = "probe-traced"
+            run["repeat"] = r
+            failed |= bool(run.get("failure"))
+            _log(f"{run['variant']} {r}: {run.get('throughput') or 0:,.0f} samples/s"
+                 + (f" FAILED {str(run['failure'])[-300:]}" if run.get("failure") else ""))
+            doc["runs"].append(run)
+            doc["summary"] = summary(doc["runs"])
+            out.write_text(json.dumps(doc, indent=1, default=str))
+    doc["traces"] = {}
+    for side, tr in traces.items():
+        try:
+            doc["traces"][side] = summarize(tr)
+        except (OSError, SystemExit, ValueError, KeyError) as exc:
+            doc["traces"][side] = {"error": str(exc)[:300]}
+        if args.trace_dir and tr.exists():
+            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+            with tr.open("rb") as src, gzip.open(Path(args.trace_dir) / f"{args.job}_{tr.name}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    doc["summary"] = summary(doc["runs"])
+    doc["wall_s"] = time.time() - t_begin
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print(table(doc))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
