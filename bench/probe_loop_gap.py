@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import shutil
 import statistics
@@ -45,6 +46,8 @@ from gpt_script_verdict import JOBS, registration
 from resultfiles import load
 from studylib import code_version, environment, run_cli
 from trace_summary import summarize
+
+from autotune.contract.verdict import Sample, welch
 
 HERE = Path(__file__).resolve().parent
 
@@ -106,16 +109,25 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             by.setdefault(run["variant"], []).append(run["throughput"])
     out: dict[str, Any] = {v: {"median": statistics.median(xs), "runs": xs} for v, xs in by.items()}
     loop = out.get("loop", {}).get("median")
-    for row in out.values():
+    for v, row in out.items():
         row["over_loop"] = row["median"] / loop if loop else None
+        if v != "loop" and len(row["runs"]) > 1 and len(by.get("loop", [])) > 1:
+            # the ratio of geometric means with its 95 % interval (Welch on log throughputs, each
+            # side its own run-to-run spread: the verdict's speed test, autotune/contract/verdict.py)
+            diff = welch(Sample.of([math.log(x) for x in row["runs"]]), Sample.of([math.log(x) for x in by["loop"]]))
+            low, high = diff.bounds(0.025)
+            row.update(geomean_over_loop=math.exp(diff.value), ci95=[math.exp(low), math.exp(high)])
     return out
 
 
 def table(doc: dict[str, Any]) -> str:
     lines = [f"**{doc['environment'].get('gpu') or doc['environment'].get('device')}**, {doc['job']}, config "
-             f"{doc['config_source']}", "", "| run | samples/s (median) | runs | / loop |", "|---|---:|---:|---:|"]
+             f"{doc['config_source']}", "", "| run | samples/s (median) | runs | / loop (median; geomean [95 % CI]) |",
+             "|---|---:|---:|---:|"]
     for v, row in doc["summary"].items():
         ratio = f"{row['over_loop']:.3f}" if row.get("over_loop") else "–"
+        if row.get("ci95"):
+            ratio += f" (geomean {row['geomean_over_loop']:.3f} [{row['ci95'][0]:.3f}–{row['ci95'][1]:.3f}])"
         lines.append(f"| {v} | {row['median']:,.0f} | {len(row['runs'])} | {ratio} |")
     for side, tr in doc.get("traces", {}).items():
         if "error" in tr:
@@ -148,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trace-steps", type=int, default=8)
     p.add_argument("--trace-dir", default=None, help="keep the two traces here (gzipped)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--variants", type=lambda v: v.split(","), default=["probe", "probe-long", "loop"],
+                   help="which runs each repeat makes (comma-separated: probe, probe-long, loop)")
+    p.add_argument("--no-trace", action="store_true", help="trace nothing (the first repeat traces by default)")
     p.add_argument("--loop-iters", type=int, default=300)
     p.add_argument("--loop-warmup-iters", type=int, default=60)
     p.add_argument("--timeout", type=float, default=150.0)
@@ -195,12 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     failed = False
     for r in range(args.repeats):
-        order = ["probe", "probe-long", "loop"] if r % 2 == 0 else ["loop", "probe-long", "probe"]
-        for variant in order:
+        order = [v for v in ("probe", "probe-long", "loop") if v in args.variants]
+        for variant in order if r % 2 == 0 else order[::-1]:
             if time.time() - t_begin > args.deadline_s - 60:
                 _log(f"{variant} {r}: skipped (deadline)")
                 continue
-            trace = traces["loop" if variant == "loop" else "probe"] if r == 0 and variant != "probe-long" else None
+            trace = (traces["loop" if variant == "loop" else "probe"]
+                     if r == 0 and variant != "probe-long" and not args.no_trace else None)
             try:
                 run = (loop_run(args, path, env, work, r, trace) if variant == "loop"
                        else probe_run(args, variant, path, env, trace))
@@ -216,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             doc["summary"] = summary(doc["runs"])
             out.write_text(json.dumps(doc, indent=1, default=str))
     doc["traces"] = {}
-    for side, tr in traces.items():
+    for side, tr in traces.items() if not args.no_trace else []:
         try:
             doc["traces"][side] = summarize(tr)
         except (OSError, SystemExit, ValueError, KeyError) as exc:
