@@ -1,0 +1,62 @@
+"""bench/lm_space_study.py's parts that need no study (its two studies take minutes even on a CPU:
+its CPU smoke command is in the module docstring): the widened space is the plain one plus the LM
+knobs the device can run, and is a valid space; the anytime curve and its value at equal GPU time
+are read from the trials' lease-to-complete times."""
+
+from __future__ import annotations
+
+import sys
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import lm_space_study as bench  # a bench script (bench/ is not a package)
+
+from autotune.contract.config import ATTENTION_BACKENDS, INDUCTOR_TUNINGS, LR_SCALINGS
+from autotune.contract.space import load_space, parse_space
+
+
+def test_the_widened_h100_space_is_the_plain_one_plus_every_lm_knob_and_parses() -> None:
+    plain = load_space("h100").to_dict()
+    wide = bench.widened("h100", "cuda", hf=False)
+    assert {k: v for k, v in wide["params"].items() if k in plain["params"]} == plain["params"]
+    assert wide["fixed"] == plain["fixed"]
+    added = set(wide["params"]) - set(plain["params"])
+    assert added == {"attention_backend", "inductor_tuning", "lr_scaling"}
+    assert wide["params"]["attention_backend"]["choices"] == list(ATTENTION_BACKENDS)
+    assert wide["params"]["inductor_tuning"] == {"choices": list(INDUCTOR_TUNINGS),
+                                                 "when": {"compile": ["default", "reduce-overhead"]}}
+    assert wide["params"]["lr_scaling"]["choices"] == list(LR_SCALINGS)
+    parse_space(wide)  # the service would take it: every cross-knob rule holds for every draw
+    assert bench.combinations(wide) == bench.combinations("h100") * len(ATTENTION_BACKENDS) * len(
+        INDUCTOR_TUNINGS) * len(LR_SCALINGS)
+
+
+def test_on_a_cpu_the_cuda_only_backends_are_left_out_and_a_hf_model_gets_its_knobs() -> None:
+    wide = bench.widened(bench.CPU_SPACE, "cpu", hf=True)
+    assert "efficient" not in wide["params"]["attention_backend"]["choices"]
+    assert "cudnn" not in wide["params"]["attention_backend"]["choices"]
+    assert "inductor_tuning" not in wide["params"]  # no compile in the space: it could not act
+    assert wide["params"]["hf_attn_implementation"]["choices"] == ["auto", "sdpa", "eager"]
+    assert "liger_kernels" not in wide["params"]  # CUDA kernels
+    assert bench.CPU_SPACE["params"].keys() <= wide["params"].keys()
+    assert "attention_backend" not in bench.CPU_SPACE["params"]  # the plain space is not changed in place
+    parse_space(wide)
+
+
+def _trial(number: int, role: str, start: float, end: float, throughput: float | None, feasible: bool = True,
+           state: str = "COMPLETE") -> dict[str, object]:
+    return {"number": number, "role": role, "state": state, "start_s": start, "end_s": end,
+            "throughput": throughput, "feasible": feasible}
+
+
+def test_the_anytime_curve_counts_feasible_search_trials_against_gpu_seconds() -> None:
+    trials = [_trial(0, "baseline", 0, 10, 100.0), _trial(1, "search", 10, 15, 300.0),
+              _trial(2, "search", 15, 30, 900.0, feasible=False),  # faster but fails the gate
+              _trial(3, "search", 30, 32, 200.0), _trial(4, "search", 32, 40, 500.0),
+              _trial(5, "remeasure", 40, 45, 800.0)]
+    curve = bench.anytime(trials)
+    assert curve == [[15.0, 300.0], [40.0, 500.0]]
+    assert bench.best_at(curve, 14.0) is None
+    assert bench.best_at(curve, 39.0) == 300.0
+    assert bench.best_at(curve, 40.0) == 500.0
