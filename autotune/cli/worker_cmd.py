@@ -54,6 +54,9 @@ def worker(
     Exit status: 0 after --max-trials or --idle-exit; 128 + N when stopped by signal N;
     1 when the service refuses this worker (unknown study, bad token); 2 for bad input;
     3 when --idle-exit ran out while the service could not be reached.
+
+    $AUTOTUNE_WORKER_RETRY_S: seconds one lease call or one result's delivery keeps retrying a
+    service that does not answer (default 10; the result then waits in the spool).
     """
     from autotune.worker.loop import run_worker
     from autotune.worker.options import WorkerOptions

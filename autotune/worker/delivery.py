@@ -2,11 +2,11 @@
 and what the worker says about each (`Deliveries`).
 
 The result is written to the spool first (`autotune.worker.spool`), then POST /complete
-(retried COMPLETE_RETRY_S) if the service still shows the lease's service id (else it waits in
-the spool for that service: `autotune.worker.spool.misplaced`); the file is removed once the
-service has it. Not delivered, it stays in the spool and the lease loop delivers it when the
-service answers. Only the folder of the service answering (and the top, for an unknown
-service's) is read."""
+(retried COMPLETE_RETRY_S, or $AUTOTUNE_WORKER_RETRY_S) if the service still shows the lease's
+service id (else it waits in the spool for that service: `autotune.worker.spool.misplaced`); the
+file is removed once the service has it. Not delivered, it stays in the spool and the lease loop
+delivers it when the service answers. Only the folder of the service answering (and the top,
+for an unknown service's) is read."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from autotune.contract.results import ANOTHER_LEASE, TrialLease
 from autotune.worker.client import Client, ServiceUnavailable
+from autotune.worker.options import service_retry_s
 from autotune.worker.progress import summarize_result
 from autotune.worker.results import TrialRun
 from autotune.worker.spool import (
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 # result stays in the spool; the service's reaper fails the trial as "lost" later).
 FINAL_COMPLETE_RETRY_S = 20.0
 # A complete retries this long; then its result waits in the spool and the lease loop (which
-# needs the service anyway) delivers it when the service answers.
+# needs the service anyway) delivers it when the service answers. $AUTOTUNE_WORKER_RETRY_S
+# overrides it (autotune.worker.options.service_retry_s).
 COMPLETE_RETRY_S = 10.0
 SPOOL_RETRY_S = 2.0  # one spooled result's delivery from the lease loop: short, the loop comes back
 # A spooled result the service would not take yet (a 401, a trial it does not know) is offered again after this
@@ -166,7 +168,7 @@ class Deliveries:
                            "instead of running the trial again")
         with self.spool.claim(entry) as mine:
             if mine:
-                self._say_delivery(entry, deliver(self.spool, self.client, entry, COMPLETE_RETRY_S,
+                self._say_delivery(entry, deliver(self.spool, self.client, entry, service_retry_s(COMPLETE_RETRY_S),
                                                   interruptible=True), spooled=True)
         if entry.path is not None and entry.path.exists():
             self.stop_event.wait(1.0)  # still not taken: the loop tries again, without running it
@@ -240,7 +242,7 @@ class Deliveries:
         while the calls' retries last); the spool file goes once the service has it. After a
         signal (`interrupted`) the complete retries FINAL_COMPLETE_RETRY_S, uninterruptibly."""
         lease = run.lease
-        retry = FINAL_COMPLETE_RETRY_S if interrupted else COMPLETE_RETRY_S
+        retry = FINAL_COMPLETE_RETRY_S if interrupted else service_retry_s(COMPLETE_RETRY_S)
         self.console.print(f"  trial {lease.number} ({run.elapsed_s:.1f} s): {summarize_result(result)}")
         for note in result.get("measurement_notes") or ():
             self.console.print(f"  [yellow]trial {lease.number}: {escape(str(note))}[/]")

@@ -9,9 +9,10 @@ spool     first, results not yet delivered are handed in, at the worker's start 
 lease     POST /v1/trials/lease with the worker's hardware class, its allow-list and the study, if
           given. 204: nothing to do: wait with backoff (capped at IDLE_BACKOFF_CAP_S); exit after
           `idle_exit_s`. Unreachable (connection refused, timeouts, 5xx): retried in slices of
-          LEASE_RETRY_S, the time counting toward `idle_exit_s`; a worker that gives up so exits
-          with UNREACHABLE_EXIT. A lease whose result lies in the spool (the same lease token), or
-          was just delivered from it, is not run again: the spooled result is delivered.
+          LEASE_RETRY_S (or $AUTOTUNE_WORKER_RETRY_S: `service_retry_s`), the time counting toward
+          `idle_exit_s`; a worker that gives up so exits with UNREACHABLE_EXIT. A lease whose
+          result lies in the spool (the same lease token), or was just delivered from it, is not
+          run again: the spooled result is delivered.
           While idle it names, once per distinct set, the running studies it cannot take and why
           (autotune.worker.allow).
 trial     refuse, probe, monitor, complete (autotune.worker.trial).
@@ -45,7 +46,7 @@ from autotune.worker.delivery import Deliveries
 from autotune.worker.detect import detect_hardware, start_fork_server
 from autotune.worker.gpus import DeviceGroup, plan_groups
 from autotune.worker.hardware import Hardware
-from autotune.worker.options import WorkerOptions, default_worker_id
+from autotune.worker.options import WorkerOptions, default_worker_id, service_retry_s
 from autotune.worker.results import TrialRun
 from autotune.worker.spool import Spool, default_spool_dir, services_named, spool_command, unauthorized_hint
 from autotune.worker.trial import TrialRunner
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 IDLE_BACKOFF_START_S = 0.5
 IDLE_BACKOFF_CAP_S = 5.0
 # One lease call retries this long; the loop calls again (counting --idle-exit meanwhile).
+# $AUTOTUNE_WORKER_RETRY_S overrides it (autotune.worker.options.service_retry_s).
 LEASE_RETRY_S = 10.0
 UNREACHABLE_EXIT = 3  # --idle-exit ran out while the service could not be reached
 # An idle worker rereads the studies this often to name the running ones it cannot take.
@@ -190,7 +192,7 @@ class Worker:
                     return 0
                 if unreachable_since is None:  # a service that does not answer is not asked twice per round
                     self.deliveries.deliver_spool()
-                budget = LEASE_RETRY_S
+                budget = service_retry_s(LEASE_RETRY_S)
                 if self.options.idle_exit_s is not None:
                     idle = 0.0 if idle_since is None else time.monotonic() - idle_since
                     budget = min(budget, max(0.5, self.options.idle_exit_s - idle))
@@ -313,7 +315,9 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
     with several, each runs on its own thread (worker id suffixed with its group), the main
     thread forwarding SIGINT/SIGTERM to all of them. Each loop counts its own --max-trials and
     --idle-exit. Exit status: the first non-zero loop status, else 0. Raises ValueError when a
-    device cannot be used or the devices do not split into groups."""
+    device cannot be used, the devices do not split into groups or $AUTOTUNE_WORKER_RETRY_S is
+    not a number of seconds."""
+    service_retry_s(LEASE_RETRY_S)  # a bad value is refused before anything starts
     groups = plan_groups(options.device, options.gpus_per_trial)
     cpu_share = claim_cpu_share(options)  # --device cpu without --threads: this worker's share of the host's cores
     server = start_fork_server(options)  # from the main thread, which lives as long as the worker

@@ -18,6 +18,26 @@ from autotune.engine.fork_server import without_secrets
 from autotune.worker.client import DEFAULT_API
 
 CHILD_MODULE = "autotune.engine.probe_child"
+RETRY_ENV = "AUTOTUNE_WORKER_RETRY_S"
+
+
+def service_retry_s(default: float) -> float:
+    """How long one lease call or complete retries a service that does not answer before the
+    worker moves on (a lease call: the worker says the service does not answer and asks again;
+    a complete: its result waits in the spool, delivered when the service answers):
+    $AUTOTUNE_WORKER_RETRY_S seconds when set, else `default` (10 s for both). Shorter: a
+    restarted service is seen sooner; longer: fewer lines on a network that drops out for a
+    while. A signal's last complete keeps its own budget. ValueError unless a positive number."""
+    value = os.environ.get(RETRY_ENV, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"${RETRY_ENV} must be a positive number of seconds, not {value!r}")
+    return seconds
 
 
 def hard_timeout_grace_s(timeout_s: float) -> float:

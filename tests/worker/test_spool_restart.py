@@ -32,6 +32,10 @@ from live_service import (
 from autotune.api.backup import backup_sqlite
 from autotune.worker.spool import Spool
 
+# The worker's calls give up on the killed service after 2 s instead of 10 (AUTOTUNE_WORKER_RETRY_S): the
+# complete keeps its result in the spool, the lease call says the service does not answer; the same steps, sooner
+WORKER_ENV = {"COLUMNS": "400", "AUTOTUNE_WORKER_RETRY_S": "2"}
+
 
 def kill(service: LiveService) -> None:
     assert service.proc is not None
@@ -74,7 +78,7 @@ def kept_mid_probe(processes: Processes, tmp_path: Path, a_db: Path, b_db: Path,
     service.submit(small_spec("rel", samples=600, n_trials=1, probe={"windows": 8}, pruning={"enabled": False}))
     spool = tmp_path / "spool"
     worker = start_worker(processes, service.url, "--spool-dir", str(spool), "--worker-id", "w",
-                          env={"COLUMNS": "400"})
+                          env=WORKER_ENV)
     wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
     wait_until(lambda: reports_stored(a_db) >= 1, 60, "the first timed window's report")
     kill(service)  # mid-probe: the result cannot go in
@@ -160,7 +164,7 @@ def test_after_a_restart_the_delivered_trial_is_not_run_again(processes: Process
     service.submit(small_spec("again", n_trials=2, samples=600, probe={"windows": 8}, pruning={"enabled": False}))
     spool = tmp_path / "spool"
     worker = start_worker(processes, service.url, "--study", "again", "--max-trials", "2", "--spool-dir", str(spool),
-                          *(["--cold-start"] if start == "cold" else []), env={"COLUMNS": "400"})
+                          *(["--cold-start"] if start == "cold" else []), env=WORKER_ENV)
     wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
     wait_until(lambda: reports_stored(db) >= 1, 60, "the first timed window's report")
     kill(service)

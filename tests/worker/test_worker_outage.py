@@ -40,8 +40,9 @@ from autotune.contract.views import TrialInfo, TrialList
 from autotune.worker import courier as courier_module
 from autotune.worker.client import Client, Conflict, ServiceUnavailable
 from autotune.worker.courier import MAX_PENDING_REPORTS
-from autotune.worker.loop import UNREACHABLE_EXIT, Worker
-from autotune.worker.options import WorkerOptions
+from autotune.worker.delivery import COMPLETE_RETRY_S
+from autotune.worker.loop import LEASE_RETRY_S, UNREACHABLE_EXIT, Worker
+from autotune.worker.options import RETRY_ENV, WorkerOptions, service_retry_s
 from autotune.worker.spool import Spool, SpoolEntry
 
 RESULT = {"workload": "ups", "preset": "tiny", "config": {"batch_size": 4}, "device": "cpu", "torch_version": "x",
@@ -344,6 +345,27 @@ def test_the_worker_command_exits_non_zero_when_no_service_answers(tmp_path: Pat
     assert f"spool    {tmp_path / 'spool'}" in done.stdout
 
 
+def test_the_worker_retry_budget_comes_from_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$AUTOTUNE_WORKER_RETRY_S sets how long one lease call or complete retries a service that
+    does not answer (the default otherwise); a value that is not a positive number is refused."""
+    monkeypatch.delenv(RETRY_ENV, raising=False)
+    assert service_retry_s(LEASE_RETRY_S) == LEASE_RETRY_S == 10.0 and service_retry_s(COMPLETE_RETRY_S) == 10.0
+    monkeypatch.setenv(RETRY_ENV, " 2.5 ")
+    assert service_retry_s(LEASE_RETRY_S) == service_retry_s(COMPLETE_RETRY_S) == 2.5
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv(RETRY_ENV, bad)
+        with pytest.raises(ValueError, match=RETRY_ENV):
+            service_retry_s(LEASE_RETRY_S)
+
+
+def test_the_worker_command_refuses_a_bad_retry_budget(tmp_path: Path) -> None:
+    done = subprocess.run([*CLI, "worker", "--api", f"http://127.0.0.1:{free_port()}", "--idle-exit", "1",
+                           "--spool-dir", str(tmp_path / "spool")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "300", RETRY_ENV: "soon"}, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"${RETRY_ENV} must be a positive number of seconds, not 'soon'" in done.stderr
+
+
 # --- the real service, killed mid-probe ---------------------------------------------------------------
 
 
@@ -368,7 +390,9 @@ def test_a_service_killed_mid_probe_gets_the_result_from_the_spool(processes: Pr
                               pruning={"enabled": False}))
     spool = tmp_path / "spool"
     worker = start_worker(processes, service.url, "--study", "outage", "--max-trials", "1", "--spool-dir", str(spool),
-                          "--worker-id", "outage-w", env={"COLUMNS": "300"})
+                          "--worker-id", "outage-w",
+                          # its complete gives up on the killed service after 2 s, not 10: the same spooling, sooner
+                          env={"COLUMNS": "300", "AUTOTUNE_WORKER_RETRY_S": "2"})
     wait_until(lambda: probe_children(worker.pid), 60, "a probe child")
     wait_until(lambda: reports_stored(db) >= 1, 60, "the first timed window's report")
     assert service.proc is not None
