@@ -36,6 +36,8 @@ from autotune.engine.knobs import Trainer, build_optimizer
 
 torch.set_num_threads(1)  # should torch have been imported before this file (a plugin)
 
+pytest_plugins = ("cpu_by_module",)  # --cpu-by-module PATH: the CPU seconds of each test module
+
 
 @pytest.fixture(scope="session", autouse=True)
 def autotune_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
