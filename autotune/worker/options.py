@@ -36,7 +36,8 @@ def service_retry_s(default: float) -> float:
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"${RETRY_ENV} must be a positive number of seconds, not {value!r}")
+        raise ValueError(f"${RETRY_ENV} must be a positive number of seconds, not {value!r}: set it to e.g. "
+                         f"{default:g}, or unset it for the default")
     return seconds
 
 
