@@ -228,6 +228,10 @@ def study_spec(args: argparse.Namespace, hardware: str, job: Job | None = None) 
         space["params"].pop("compile")
         if "step_graph" in space["params"]:
             space["params"]["step_graph"].pop("when", None)
+    if getattr(args, "lm_knobs", False):  # issue 40's knobs in the job's space (bench/lm_space_study.py's widening)
+        from lm_space_study import widened
+
+        space = widened(space, args.device, hf=job.key == "hf_causal_lm")
     probe: dict[str, Any] = {"samples": args.samples, "windows": args.windows, "timeout_s": args.probe_timeout_s}
     if args.warmup_steps:
         probe["warmup_steps"] = args.warmup_steps
@@ -1071,6 +1075,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--max-rounds", type=int, default=4)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-compile", action="store_true", help="keep compile modes out of the space")
+    r.add_argument("--lm-knobs", action="store_true", help="add the LM knobs to the job's space: attention_backend, "
+                   "inductor_tuning, lr_scaling (+ hf_attn_implementation, liger_kernels for the HF job)")
     r.add_argument("--study-budget-s", type=float, default=420.0, help="the study's most wall time")
     r.add_argument("--loop-reserve-s", type=float, default=90.0, help="kept for the loop timings at least")
     r.add_argument("--copy-db", default=None, help="copy the study's SQLite file here")

@@ -60,3 +60,20 @@ def test_the_anytime_curve_counts_feasible_search_trials_against_gpu_seconds() -
     assert bench.best_at(curve, 14.0) is None
     assert bench.best_at(curve, 39.0) == 300.0
     assert bench.best_at(curve, 40.0) == 500.0
+
+
+def test_the_outside_jobs_study_takes_the_lm_knobs_on_request() -> None:
+    import argparse
+
+    import gpt_script_verdict
+
+    args = argparse.Namespace(job="hf_causal_lm", device="cuda", study="hf-lm", preset=None, samples=4096, windows=8,
+                              warmup_steps=None, probe_timeout_s=120.0, n_trials=6, top_k=1, max_rounds=3, seed=0,
+                              no_compile=False, lm_knobs=False)
+    plain = gpt_script_verdict.study_spec(args, "NVIDIA H200")["space"]
+    args.lm_knobs = True
+    wide = gpt_script_verdict.study_spec(args, "NVIDIA H200")["space"]
+    assert set(wide["params"]) - set(plain["params"]) == {"attention_backend", "inductor_tuning", "lr_scaling",
+                                                         "hf_attn_implementation", "liger_kernels"}
+    assert wide["fixed"] == plain["fixed"] == {"precision": "bf16"}
+    parse_space(wide)
