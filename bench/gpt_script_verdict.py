@@ -424,9 +424,11 @@ class LoopClock:
     def traced(self, name: str) -> Any:
         """A named range for the trace (autotune.step, autotune.data: bench/trace_summary.py reads
         them), or nothing while no profiler runs."""
+        if self.profiler is None:
+            return contextlib.nullcontext()
         import torch
 
-        return torch.profiler.record_function(name) if self.profiler is not None else contextlib.nullcontext()
+        return torch.profiler.record_function(name)
 
     def _trace(self, it: float) -> None:
         """With --trace: profile iterations [k0 - 2 - n, k0 - 2), the warm-up's last but two."""

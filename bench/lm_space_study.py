@@ -216,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
     order = GROUPS if args.order == "plain-first" else GROUPS[::-1]
     db_url = f"sqlite:///{work / 'tune' / 'autotune.db'}"
     for g in order:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor-{g}")  # the study's own compiles
-        ran = tune(specs[g], work, budget)
+        ran = tune(specs[g], work, budget,  # the study's own compiles
+                   env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{g}")})
         try:
             doc["studies"][g] = summarize(read_study(db_url, specs[g]["name"]), ran, mfu)
         except Exception as e:  # the study was never created (its tune failed at once)

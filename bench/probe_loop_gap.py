@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
 import shutil
 import statistics
@@ -42,12 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gpt_script_verdict import JOBS, registration
+from gpt_script_verdict import JOBS, loop_ratio, registration
 from resultfiles import load
 from studylib import code_version, environment, run_cli
 from trace_summary import summarize
-
-from autotune.contract.verdict import Sample, welch
 
 HERE = Path(__file__).resolve().parent
 
@@ -112,11 +109,10 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for v, row in out.items():
         row["over_loop"] = row["median"] / loop if loop else None
         if v != "loop" and len(row["runs"]) > 1 and len(by.get("loop", [])) > 1:
-            # the ratio of geometric means with its 95 % interval (Welch on log throughputs, each
-            # side its own run-to-run spread: the verdict's speed test, autotune/contract/verdict.py)
-            diff = welch(Sample.of([math.log(x) for x in row["runs"]]), Sample.of([math.log(x) for x in by["loop"]]))
-            low, high = diff.bounds(0.025)
-            row.update(geomean_over_loop=math.exp(diff.value), ci95=[math.exp(low), math.exp(high)])
+            # the ratio of geometric means with its 95 % interval: the verdict's speed test, as
+            # gpt_script_verdict.py compares a pick's loop with the baseline's
+            ratio = loop_ratio(row["runs"], by["loop"])
+            row.update(geomean_over_loop=ratio["speedup"], ci95=[ratio["ci_low"], ratio["ci_high"]])
     return out
 
 

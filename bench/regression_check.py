@@ -62,13 +62,14 @@ class Done:
 
 
 def run_bounded(argv: list[str], timeout_s: float | None = None, cwd: Path | None = None,
-                stop: signal.Signals = signal.SIGTERM, grace_s: float = 30.0) -> Done:
-    """Run `argv` in its own process group; past `timeout_s` send it `stop` (autotune tune and
-    check clean up on SIGTERM: workers, service, probe children), then after `grace_s` SIGKILL
-    its group. Output is captured (text)."""
+                stop: signal.Signals = signal.SIGTERM, grace_s: float = 30.0,
+                env: dict[str, str] | None = None) -> Done:
+    """Run `argv` in its own process group (in `env`, else this process's environment); past
+    `timeout_s` send it `stop` (autotune tune and check clean up on SIGTERM: workers, service,
+    probe children), then after `grace_s` SIGKILL its group. Output is captured (text)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env=env)
     timed_out = False
     try:
         out, err = proc.communicate(timeout=timeout_s)

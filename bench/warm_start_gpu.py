@@ -138,14 +138,15 @@ def study_spec(base: dict[str, Any], name: str, seed: int, warm_start: Any, args
     return spec
 
 
-def tune(spec: dict[str, Any], work: Path, budget_s: float) -> dict[str, Any]:
-    """`autotune tune` one study in `work` (its database shared by every study), bounded by `budget_s`."""
+def tune(spec: dict[str, Any], work: Path, budget_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`autotune tune` one study in `work` (its database shared by every study), bounded by `budget_s`
+    (in `env`, else this process's environment)."""
     name = spec["name"]
     (work / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     best = work / f"{name}.best.yaml"
     argv = [*CLI, "tune", f"{name}.yaml", "--workdir", str(work / "tune"), "--out", best.name, "--workers", "1"]
     _log(f"tune {name} (at most {budget_s:.0f} s)")
-    done = run_bounded(argv, budget_s, cwd=work, grace_s=40.0)
+    done = run_bounded(argv, budget_s, cwd=work, grace_s=40.0, env=env)
     (work / f"{name}.tune.log").write_text(done.stdout + ("\n--- stderr ---\n" + done.stderr if done.stderr else ""))
     out: dict[str, Any] = {"exit_code": done.returncode, "wall_s": done.wall_s, "timed_out": done.timed_out,
                            "verdict_line": next((ln for ln in done.stdout.splitlines() if ln.startswith("verdict")),
