@@ -94,6 +94,9 @@ RULES: dict[str, Rule] = {
     "cpu_demo_win.json": Rule(PROBE_RAW | {"runs"}),
     "gpt_script_verdict_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
     "hf_causal_lm_verdict_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
+    "hf_causal_lm_lm_knobs_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
+    # lm_knobs.py: each run's probe document (the table is built from "summary")
+    "lm_knobs_*.json": Rule(frozenset({"runs"}), indent=None),
     # tuning.py analyze: each strategy's trial rows and the fidelity pairs (its command writes them again
     # from the studies' archives and the fidelity files, in a minute; kept all the same)
     "tuning_h100*.json": Rule(frozenset({"rows", "fidelity"})),

@@ -8,7 +8,9 @@ space (`auto_points`):
 1. the baseline with compile default and the whole step as one CUDA graph (``step_graph``),
    bf16 (else tf32), fused AdamW, ``compile_optimizer``, cudnn benchmark, no activation
    checkpointing, persistent DataLoader workers, accumulation folded into the micro-batch
-   (the effective batch kept) and the inverse loss every 4th step;
+   (the effective batch kept; where the space cannot draw it, the largest one below it: at
+   the same samples a smaller batch takes more optimizer steps, a larger one fewer, and the
+   gate rejects what ends worse) and the inverse loss every 4th step;
 2. the same with compile reduce-overhead instead of the step graph;
 3. that with the baseline's inverse-loss frequency, in case skipping it costs quality;
 4. the first with no CUDA graph at all, in case graphs break this model.
@@ -66,7 +68,11 @@ def _prefer(space: Space, point: dict[str, Any], knob: str, preferred: Sequence[
 
 
 def _fold_accumulation(space: Space, point: dict[str, Any], baseline: Mapping[str, Any]) -> None:
-    """batch × accum → the largest micro-batch the space has with the same product."""
+    """batch × accum → the largest micro-batch the space has with the same product; where no
+    pair of the space's values makes that product, the pair with the largest product below it
+    (the least accumulation first). A 16 × 2 baseline in a space of micro-batches 12, 24, 48, …
+    thus starts at 24 × 1: on a GPU every starting point of such a study once drew its batch
+    at random, 48 to 384, and failed the gate (bench/README.md, language-model knobs)."""
     batch, accum = baseline.get("batch_size"), baseline.get("accum_steps", 1)
     if not isinstance(batch, int) or not isinstance(accum, int) or "batch_size" not in space.params:
         return
@@ -75,12 +81,18 @@ def _fold_accumulation(space: Space, point: dict[str, Any], baseline: Mapping[st
     candidates = [accum]
     if accum_param is not None and accum_param.choices is not None:
         candidates = sorted(accum_param.values())
-    for a in candidates:
-        if effective % a == 0 and _can_take(space.params["batch_size"], effective // a):
-            point["batch_size"] = effective // a
-            if accum_param is not None:
-                point["accum_steps"] = a
-            return
+    batch_param = space.params["batch_size"]
+    pairs = [(effective // a, a) for a in candidates if effective % a == 0 and _can_take(batch_param, effective // a)]
+    if not pairs and batch_param.choices is not None:
+        below = [(b * a, -a, b) for a in candidates for b in batch_param.values()
+                 if isinstance(b, int) and b * a <= effective]
+        if below:
+            _, neg_accum, micro = max(below)
+            pairs = [(micro, -neg_accum)]
+    if pairs:
+        point["batch_size"], a = pairs[0]
+        if accum_param is not None:
+            point["accum_steps"] = a
 
 
 def auto_points(space: Space, baseline: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -50,6 +50,27 @@ def test_accumulation_folds_into_the_micro_batch(batch: int, accum: int, want: t
     assert {(p["batch_size"], p["accum_steps"]) for p in points} == {want}
 
 
+@pytest.mark.parametrize(("batch", "accum", "want"), [
+    (16, 2, (24, 1)),  # 32 is no product of 12, 24, 48 and 1, 2: the largest below it, least accumulation
+    (10, 1, None),  # nothing at or below 10: the sampler draws the batch (the baseline's accumulation kept)
+])
+def test_an_effective_batch_the_space_cannot_make_folds_below_it(batch: int, accum: int,
+                                                                  want: tuple[int, int] | None) -> None:
+    space = parse_space({"name": "s", "params": {
+        "batch_size": {"choices": [12, 24, 48]}, "accum_steps": {"choices": [1, 2]},
+        "compile": {"choices": ["none", "default"]}}})
+    points = auto_points(space, {"batch_size": batch, "accum_steps": accum, "compile": "none"})
+    assert points
+    got = {(p.get("batch_size"), p.get("accum_steps")) for p in points}
+    assert got == {want if want else (None, accum)}
+
+
+def test_the_h100_space_keeps_the_gpt_full_baselines_batch() -> None:
+    # the gpt full preset's 16 × 2: its fast stack runs 32 × 1, the baseline's effective batch
+    points = auto_points(load_space("h100"), {**UPS_FULL_BASELINE, "batch_size": 16, "accum_steps": 2})
+    assert {(p["batch_size"], p["accum_steps"]) for p in points} == {(32, 1)}
+
+
 def test_values_the_space_lacks_are_left_to_the_sampler() -> None:
     space = parse_space({"name": "s", "params": {
         "batch_size": {"choices": [16, 32]}, "compile": {"choices": ["none", "default"]},
@@ -80,7 +101,7 @@ def test_auto_only_for_gpu_studies_with_a_model_based_sampler() -> None:
 @pytest.mark.parametrize(("points", "field", "fix"), [
     ({"compile": "default"}, "starting_points", "a list"),
     ([{"lr": 0.001}], "starting_points[0].lr", "not a parameter of the space"),
-    ([{"compile": "default"}, {"batch_size": 100}], "starting_points[1].batch_size", "use one of [12, 24"),
+    ([{"compile": "default"}, {"batch_size": 100}], "starting_points[1].batch_size", "use one of [12, 16, 24"),
     ([{}], "starting_points[0]", "non-empty mapping"),
     ([{"persistent_workers": True}], "starting_points[0].persistent_workers", "num_workers"),
     ([{"compile": "default"}] * (MAX_POINTS + 1), "starting_points", f"at most {MAX_POINTS}"),
