@@ -53,6 +53,22 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def cpu_list(text: str) -> set[int]:
+    """"2-5" or "2,3,7" (taskset's list form) as a set of CPU numbers; SystemExit naming the fix
+    when it names none or a CPU this host lacks."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.strip().partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise SystemExit(f"--cpus {text!r}: expected CPU numbers like 2-5 or 2,3") from None
+    have = os.sched_getaffinity(0)
+    if not cpus or not cpus <= have:
+        raise SystemExit(f"--cpus {text!r}: this process may run on CPUs {sorted(have)}; name some of those")
+    return cpus
+
+
 def probe_run(args: argparse.Namespace, variant: str, config: Path, env: dict[str, str],
               trace: Path | None) -> dict[str, Any]:
     samples = args.samples * (args.long_factor if variant == "probe-long" else 1)
@@ -164,9 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=150.0)
     p.add_argument("--deadline-s", type=float, default=540.0)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--cpus", default=None,
+                   help="run this process and every probe and loop it starts on these CPUs only (e.g. 2-5 or "
+                        "2,3): a host-bound config's speed moves with the cores a process lands on")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     t_begin = time.time()
+    if args.cpus:
+        os.sched_setaffinity(0, cpu_list(args.cpus))  # inherited by the fork server, its probes and the loops
     job = JOBS[args.job]
     args.workload = job.workload
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gap-"))
@@ -198,10 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     traces = {"probe": work / "probe.trace.json", "loop": work / "loop.trace.json"}
     doc: dict[str, Any] = {"benchmark": "probe_loop_gap", "job": args.job, "argv": sys.argv[1:],
                            "config_source": source, "config": config, "registration": how,
-                           "settings": {k: getattr(args, k) for k in ("preset", "samples", "windows", "warmup_steps",
-                                                                        "long_factor", "long_warmup", "trace_warmup",
-                                                                        "trace_steps", "repeats", "loop_iters",
-                                                                        "loop_warmup_iters")},
+                           "settings": {**{k: getattr(args, k) for k in ("preset", "samples", "windows", "warmup_steps",
+                                                                           "long_factor", "long_warmup", "trace_warmup",
+                                                                           "trace_steps", "repeats", "loop_iters",
+                                                                           "loop_warmup_iters")},
+                                        "cpus": sorted(os.sched_getaffinity(0)) if args.cpus else None},
                            "environment": environment(args.device), "code": code_version(), "runs": []}
     out = Path(args.out)
     failed = False

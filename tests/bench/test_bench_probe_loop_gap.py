@@ -26,7 +26,7 @@ def test_probe_and_loop_are_timed_and_both_traces_summarized(tmp_path: Path) -> 
          "--config", str(config), "--samples", "256", "--variants", "probe,loop", "--repeats", "1",
          "--loop-iters", "40", "--loop-warmup-iters", "12", "--trace-warmup", "8", "--trace-steps", "3",
          "--timeout", "120", "--workdir", str(tmp_path / "work"), "--trace-dir", str(tmp_path / "traces"),
-         "--out", str(out)],
+         "--cpus", "0", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -36,6 +36,7 @@ def test_probe_and_loop_are_timed_and_both_traces_summarized(tmp_path: Path) -> 
     assert len(runs["probe-traced"]["window_throughputs"]) >= 5
     # the script keeps its samples under a config: batch 8 against its own 16 runs twice the iterations
     assert runs["loop"]["iterations"] == 80 and runs["loop"]["per_iteration_ms"]["apply_step"] > 0
+    assert doc["settings"]["cpus"] == [0]  # the harness, its fork server and the loop ran on CPU 0 only
     assert doc["summary"]["loop"]["over_loop"] == 1.0
     assert doc["summary"]["probe-traced"]["over_loop"] > 0
     # the loop traced 3 warm-up iterations with the probe's range names: one reader for both
@@ -55,3 +56,15 @@ def test_the_ratio_to_the_loop_has_its_interval_once_both_sides_have_two_runs() 
     assert abs(summary["probe"]["geomean_over_loop"] - (100 * 104) ** 0.5 / (98 * 102) ** 0.5) < 1e-9
     assert "ci95" not in summary["probe-long"]  # one run: no spread of its own
     assert summary["probe-long"]["over_loop"] == 90.0 / 100.0
+
+
+def test_cpus_take_tasksets_list_form_and_refuse_what_the_host_lacks() -> None:
+    assert gap.cpu_list("0") == {0}
+    assert gap.cpu_list("0-0,0") == {0}
+    for bad, says in (("a-b", "expected CPU numbers"), ("100000", "name some of those")):
+        try:
+            gap.cpu_list(bad)
+        except SystemExit as exc:
+            assert says in str(exc)
+        else:
+            raise AssertionError(f"--cpus {bad} was taken")
