@@ -66,7 +66,12 @@ class Processes:
 
     def start(self, name: str, argv: list[str], log_path: Path,
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        with open(log_path, "wb") as log:  # the child keeps its own handle
+        """`argv` in a process group of its own, its output appended to `log_path` after a line
+        naming the run: a resumed `autotune tune` keeps the interrupted run's log above its own."""
+        with open(log_path, "ab") as log:  # the child keeps its own handle
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            log.write(f"--- {name} started {stamp}: {' '.join(argv)}\n".encode())
+            log.flush()
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

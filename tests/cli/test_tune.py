@@ -73,7 +73,9 @@ def test_tune_runs_is_interrupted_resumes_and_answers(tmp_path: Path) -> None:
     assert code == (0 if certified else 1), out  # 0 only for a certified pick
     assert ("CERTIFIED" in best.splitlines()[0]) == certified
     leases = _leased(workdir)
+    assert leases[:len(leased_before)] == leased_before  # the interrupted run's log is kept above the resumed one's
     assert len(leases) > len(leased_before)  # the resumed run ran the rest
+    assert (workdir / "worker-1.log").read_text().count("--- worker-1 started ") == 2
     ids = [re.search(r"\(id (\d+)\)", line).group(1) for line in leases]  # type: ignore[union-attr]
     interrupted = len(ids) - len(set(ids))
     assert interrupted <= 1, leases  # only a trial interrupted by the Ctrl-C runs again (as its retry, a new id)
