@@ -25,8 +25,16 @@ sequence length ÷ the GPU's bf16 dense peak (lm_knobs.peak_of).
     python bench/lm_space_study.py --device cpu --out /tmp/lm_space_cpu.json                 # the CPU smoke run
     python bench/lm_space_study.py --report lm_space_study_h200.json                         # the table again
 
+A study that needs more than half of one bounded run (a lent GPU's 600 s a command) runs alone:
+`--only plain`, then `--only widened` with the same --out. The second run adds its study to the
+first's JSON, refused unless the settings (device, workload, preset, samples, n_trials, seed, budget,
+spaces) and the GPU are the same; the two are compared once both are there.
+
+    python bench/lm_space_study.py --device cuda --only plain --study-budget-s 540 --out lm_space_study_h200.json
+    python bench/lm_space_study.py --device cuda --only widened --study-budget-s 540 --out lm_space_study_h200.json
+
 Writes --out (JSON, rewritten after each study) and prints a table. Exit status: 0 when both
-studies finished, 1 otherwise.
+studies (with --only: that study) finished, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -181,6 +189,36 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SAME_SETTINGS = ("device", "workload", "preset", "samples", "n_trials", "seed", "study_budget_s", "spaces")
+
+
+def earlier_studies(doc: dict[str, Any], out: Path, only: str) -> dict[str, Any]:
+    """With --only: the other study from an earlier run's --out, when its settings and GPU are this
+    run's (else SystemExit naming the difference); {} when there is no earlier file."""
+    if not out.exists():
+        return {}
+    prev = json.loads(out.read_text())
+    for key in SAME_SETTINGS:
+        if prev.get("settings", {}).get(key) != doc["settings"][key]:
+            raise SystemExit(f"{out}: its {key} is {prev.get('settings', {}).get(key)!r}, this run's "
+                             f"{doc['settings'][key]!r}; the two studies are compared only at the same settings: "
+                             f"give the same options, or another --out")
+    if prev.get("environment", {}).get("gpu") != doc["environment"].get("gpu"):
+        raise SystemExit(f"{out}: its study ran on {prev.get('environment', {}).get('gpu')!r}, this one on "
+                         f"{doc['environment'].get('gpu')!r}: compare studies on one kind of GPU (or another --out)")
+    doc["earlier_argv"] = prev.get("argv")
+    return {g: r for g, r in (prev.get("studies") or {}).items() if g != only}
+
+
+def compare(doc: dict[str, Any]) -> None:
+    """Both studies' best feasible search throughput at the GPU-seconds both spent."""
+    rows = [r for r in doc["studies"].values() if "anytime" in r]
+    if len(rows) == len(GROUPS):
+        doc["equal_gpu_s"] = min(r["gpu_s"] for r in rows)
+        for r in rows:
+            r["best_at_equal_gpu_s"] = best_at(r["anytime"], doc["equal_gpu_s"])
+
+
 def run(args: argparse.Namespace) -> int:
     from autotune.contract.registry import get_workload
     from autotune.engine.hf_checkpointing import hf_models
@@ -213,7 +251,10 @@ def run(args: argparse.Namespace) -> int:
         "studies": {}}
     mfu = mfu_of(args.workload, preset, env.get("gpu"), args.device)
     out = Path(args.out)
-    order = GROUPS if args.order == "plain-first" else GROUPS[::-1]
+    order: tuple[str, ...] = GROUPS if args.order == "plain-first" else GROUPS[::-1]
+    if args.only:
+        doc["studies"] = earlier_studies(doc, out, args.only)
+        order = (args.only,)
     db_url = f"sqlite:///{work / 'tune' / 'autotune.db'}"
     for g in order:
         ran = tune(specs[g], work, budget,  # the study's own compiles
@@ -223,14 +264,12 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # the study was never created (its tune failed at once)
             doc["studies"][g] = {"tune": ran, "error": f"{type(e).__name__}: {e}"[:500], "finished": False}
         write(doc, out)
-    rows = [r for r in doc["studies"].values() if "anytime" in r]
-    if len(rows) == len(GROUPS):
-        doc["equal_gpu_s"] = min(r["gpu_s"] for r in rows)
-        for r in rows:
-            r["best_at_equal_gpu_s"] = best_at(r["anytime"], doc["equal_gpu_s"])
+    compare(doc)
     doc["wall_s"] = round(time.monotonic() - t0, 1)
     write(doc, out)
     print(table(doc))
+    if args.only:
+        return 0 if doc["studies"][args.only].get("finished") else 1
     return 0 if all(r.get("finished") for r in doc["studies"].values()) and len(doc["studies"]) == 2 else 1
 
 
@@ -246,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-timeout-s", type=float, default=180.0)
     p.add_argument("--order", choices=("plain-first", "widened-first"), default="plain-first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=GROUPS, default=None,
+                   help="run this study alone; an --out holding the other (same settings) gets this one added")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--report", type=Path, default=None, help="print a finished run's table again")

@@ -5,8 +5,12 @@ are read from the trials' lease-to-complete times."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
+from typing import Any
 
+import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -77,3 +81,30 @@ def test_the_outside_jobs_study_takes_the_lm_knobs_on_request() -> None:
                                                          "hf_attn_implementation", "liger_kernels"}
     assert wide["fixed"] == plain["fixed"] == {"precision": "bf16"}
     parse_space(wide)
+
+
+def _doc(gpu: str = "NVIDIA H200", samples: int = 6144) -> dict[str, Any]:
+    settings = {"device": "cuda", "workload": "gpt", "preset": "full", "samples": samples, "n_trials": 14, "seed": 0,
+                "study_budget_s": 540.0, "spaces": {"plain": "h100", "widened": {"name": "h100-lm"}}}
+    return {"argv": ["--only", "plain"], "environment": {"gpu": gpu}, "settings": settings, "studies": {}}
+
+
+def test_a_study_run_alone_joins_the_other_from_the_same_settings_and_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "lm.json"
+    assert bench.earlier_studies(_doc(), out, "plain") == {}  # no earlier run: this study alone
+    first = _doc()
+    first["studies"] = {"plain": {"anytime": [[10.0, 300.0], [50.0, 500.0]], "gpu_s": 60.0, "finished": True}}
+    out.write_text(json.dumps(first))
+    second = _doc()
+    second["studies"] = bench.earlier_studies(second, out, "widened")
+    assert set(second["studies"]) == {"plain"} and second["earlier_argv"] == ["--only", "plain"]
+    second["studies"]["widened"] = {"anytime": [[20.0, 800.0]], "gpu_s": 45.0, "finished": True}
+    bench.compare(second)
+    assert second["equal_gpu_s"] == 45.0
+    assert second["studies"]["plain"]["best_at_equal_gpu_s"] == 300.0
+    assert second["studies"]["widened"]["best_at_equal_gpu_s"] == 800.0
+    assert set(bench.earlier_studies(_doc(), out, "plain")) == set()  # running plain again replaces it
+    for other, says in ((_doc(samples=8192), "its samples is 6144"),
+                        (_doc(gpu="NVIDIA H100 80GB HBM3"), "one kind of GPU")):
+        with pytest.raises(SystemExit, match=says):
+            bench.earlier_studies(other, out, "widened")
