@@ -33,6 +33,13 @@ spaces) and the GPU are the same; the two are compared once both are there.
     python bench/lm_space_study.py --device cuda --only plain --study-budget-s 540 --out lm_space_study_h200.json
     python bench/lm_space_study.py --device cuda --only widened --study-budget-s 540 --out lm_space_study_h200.json
 
+--spec FILE (YAML) overrides keys of both studies' spec (a `baseline`, `remeasure`, `sampler`, `probe`, …); a
+`space` in it is the plain study's (the widened one adds the knobs to it). So one study of a chosen space
+against a chosen baseline (the batch arm as a study: bench/configs/lm_batch_gpt_full.yaml):
+
+    python bench/lm_space_study.py --device cuda --only plain --spec bench/configs/lm_batch_gpt_full.yaml \
+        --study-budget-s 520 --out lm_batch_study_h200.json
+
 Writes --out (JSON, rewritten after each study) and prints a table. Exit status: 0 when both
 studies (with --only: that study) finished, 1 otherwise.
 """
@@ -189,7 +196,26 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-SAME_SETTINGS = ("device", "workload", "preset", "samples", "n_trials", "seed", "study_budget_s", "spaces")
+SAME_SETTINGS = ("device", "workload", "preset", "samples", "n_trials", "seed", "study_budget_s", "spaces", "spec")
+
+
+def load_overrides(path: str | None) -> dict[str, Any]:
+    """--spec: a YAML mapping of study-spec keys ({} without one); SystemExit naming the fix otherwise."""
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SystemExit(f"--spec {path}: cannot read it ({e}); give a YAML file of study-spec keys") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"--spec {path}: a mapping of study-spec keys (baseline, remeasure, space, …) is needed, "
+                         f"not {type(data).__name__}")
+    for key in ("name", "workload", "preset"):
+        if key in data:
+            raise SystemExit(f"--spec {path}: {key!r} is the benchmark's own (use --workload/--preset); remove it")
+    return data
 
 
 def earlier_studies(doc: dict[str, Any], out: Path, only: str) -> dict[str, Any]:
@@ -228,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     d = DEFAULTS[kind]
     preset, samples = args.preset or d["preset"], args.samples or d["samples"]
     n_trials, budget = args.n_trials or d["n_trials"], args.study_budget_s or d["study_budget_s"]
-    space = args.space or d["space"]
+    overrides = load_overrides(args.spec)
+    space = overrides.pop("space", None) or args.space or d["space"]
     hf = bool(hf_models(get_workload(args.workload, preset).build_model()))
     spaces = {"plain": space, "widened": widened(space, args.device, hf)}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="lm-space-")).resolve()
@@ -241,11 +268,15 @@ def run(args: argparse.Namespace) -> int:
         "starting_points": "auto", "warm_start": "none"}
     if kind == "cpu":
         base_spec["hardware"] = "cpu"
+    for key, value in overrides.items():  # a mapping (probe, gate, remeasure, …) is merged into the default's
+        default = base_spec.get(key)
+        base_spec[key] = default | value if isinstance(default, dict) and isinstance(value, dict) else value
     specs = {g: base_spec | {"name": f"lm-{tag}-{g}", "space": spaces[g]} for g in GROUPS}
     doc: dict[str, Any] = {
         "benchmark": "lm_space_study", "argv": sys.argv[1:], "environment": env | code_version(),
-        "settings": {"device": args.device, "workload": args.workload, "preset": preset, "samples": samples,
-                     "n_trials": n_trials, "study_budget_s": budget, "order": args.order, "seed": args.seed,
+        "settings": {"device": args.device, "workload": args.workload, "preset": preset,
+                     "samples": base_spec["probe"]["samples"], "n_trials": base_spec["n_trials"],
+                     "study_budget_s": budget, "spec": overrides, "order": args.order, "seed": args.seed,
                      "spaces": spaces, "space_sizes": {g: combinations(spaces[g]) for g in GROUPS},
                      "workdir": str(work)},
         "studies": {}}
@@ -279,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="gpt")
     p.add_argument("--preset", default=None, help="default: full on a GPU, tiny on a CPU")
     p.add_argument("--space", default=None, help="the plain space's name (default: h100 on a GPU)")
+    p.add_argument("--spec", default=None, help="a YAML file of study-spec keys for both studies (its space: "
+                                                 "the plain study's)")
     p.add_argument("--samples", type=int, default=None, help="probe samples (default: cuda 6144, cpu 512)")
     p.add_argument("--n-trials", type=int, default=None, help="each study's (default: cuda 14, cpu 6)")
     p.add_argument("--study-budget-s", type=float, default=None, help="each study's wall limit (cuda 270, cpu 240)")
