@@ -225,10 +225,11 @@ def earlier_studies(doc: dict[str, Any], out: Path, only: str) -> dict[str, Any]
         return {}
     prev = json.loads(out.read_text())
     for key in SAME_SETTINGS:
-        if prev.get("settings", {}).get(key) != doc["settings"][key]:
-            raise SystemExit(f"{out}: its {key} is {prev.get('settings', {}).get(key)!r}, this run's "
-                             f"{doc['settings'][key]!r}; the two studies are compared only at the same settings: "
-                             f"give the same options, or another --out")
+        # a file written before --spec existed has no "spec": it ran without one
+        before, now = (d.get("settings", {}).get(key, {} if key == "spec" else None) for d in (prev, doc))
+        if before != now:
+            raise SystemExit(f"{out}: its {key} is {before!r}, this run's {now!r}; the two studies are compared "
+                             f"only at the same settings: give the same options, or another --out")
     if prev.get("environment", {}).get("gpu") != doc["environment"].get("gpu"):
         raise SystemExit(f"{out}: its study ran on {prev.get('environment', {}).get('gpu')!r}, this one on "
                          f"{doc['environment'].get('gpu')!r}: compare studies on one kind of GPU (or another --out)")

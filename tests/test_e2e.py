@@ -202,3 +202,23 @@ def test_the_demo_runs_a_study_and_stops_everything_it_started(tmp_path: Path, t
     leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                  if f"127.0.0.1:{port}" in cmdline(pid) or str(workdir) in cmdline(pid)]
     assert leftovers == []
+
+
+def test_the_summary_names_the_studys_own_metric_and_says_when_its_front_is_empty(service: LiveService) -> None:
+    """`autotune tune`/`demo`'s summary of a language-model study: its front is titled with val_loss (it
+    said "val NRMSE" over a val_loss column), and a front with no trial in it says so instead of
+    printing an empty table (a study whose every search trial was pruned)."""
+    from rich.console import Console
+
+    from autotune.cli.demo import report
+    from autotune.worker.client import Client
+
+    service.submit({"name": "lm-summary", "workload": "gpt", "preset": "tiny", "hardware": "cpu", "n_trials": 2})
+    console = Console(record=True, width=200)
+    with Client(service.url, service.admin_token) as client:
+        code = report(client, client.get_study("lm-summary"), Path("autotune.db"), 1.0, console)
+    text = console.export_text()
+    assert "Pareto front: throughput (higher is better) vs val_loss (lower is better): empty, no search trial " \
+           "completed inside the quality gate" in text, text
+    assert "NRMSE" not in text and "┏" not in text.split("no verdict")[0], text  # no table before the verdict line
+    assert code == 1  # a study that has not finished is no answer

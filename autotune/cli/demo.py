@@ -34,7 +34,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune.cli.tables import recommendation_table, trials_table, verdict_table
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
-from autotune.contract.views import StudyInfo
+from autotune.contract.registry import registered_workloads
+from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
 from autotune.worker.cpu_share import omp_threads_cap
 
@@ -289,6 +290,18 @@ def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess
             time.sleep(POLL_S)
 
 
+def quality_of(info: StudyInfo, trials: list[TrialInfo], rec: Recommendation | None) -> tuple[str, str]:
+    """The study's quality metric and direction: its spec's, else what its results or verdict name,
+    else its workload's (a built-in's is known before any result), else NRMSE's."""
+    spec = info.spec.quality
+    entry = registered_workloads().get(info.spec.workload)
+    metric = ((spec.metric if spec else None) or next((t.quality_metric for t in trials if t.quality_metric), None)
+              or (rec.quality_metric if rec else None) or (entry.quality_metric if entry else None) or "val_nrmse")
+    direction = ((spec.direction if spec else None) or (rec.quality_direction if rec else None)
+                 or (entry.quality_direction if entry else None) or "minimize")
+    return metric, direction
+
+
 def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, console: Console) -> int:
     """Print the Pareto front, the recommendation and the dashboard command."""
     c = info.counts
@@ -298,11 +311,21 @@ def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, con
                   + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else ""))
     pareto = client.pareto(info.name).data
     pareto.sort(key=lambda t: -(t.throughput_samples_per_s or 0.0))
-    console.print(trials_table(pareto, "Pareto front: throughput (higher is better) vs val NRMSE (lower is better)"))
+    rec: Recommendation | None
     try:
-        rec = client.best(info.name)
+        rec, missing = client.best(info.name), None
     except NotFound as e:  # the study has no verdict (its baseline failed)
-        console.print(f"[yellow]no verdict:[/] {e.message}")
+        rec, missing = None, e.message
+    metric, direction = quality_of(info, pareto, rec)
+    quality = "val NRMSE" if metric == "val_nrmse" else metric  # a language model's loss is not an NRMSE
+    better = "higher" if direction == "maximize" else "lower"
+    title = f"Pareto front: throughput (higher is better) vs {quality} ({better} is better)"
+    if pareto:
+        console.print(trials_table(pareto, title))
+    else:
+        console.print(f"{title}: empty, no search trial completed inside the quality gate")
+    if rec is None:
+        console.print(f"[yellow]no verdict:[/] {missing}")
     else:
         console.print(verdict_table(rec))
         console.print(recommendation_table(rec))

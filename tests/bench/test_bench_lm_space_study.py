@@ -108,3 +108,44 @@ def test_a_study_run_alone_joins_the_other_from_the_same_settings_and_gpu(tmp_pa
                         (_doc(gpu="NVIDIA H100 80GB HBM3"), "one kind of GPU")):
         with pytest.raises(SystemExit, match=says):
             bench.earlier_studies(other, out, "widened")
+
+
+@pytest.mark.parametrize("name", ["lm_batch_gpt_full.yaml", "lm_graph_gpt_full.yaml"])
+def test_the_committed_spec_files_make_valid_studies_of_their_space_and_baseline(name: str) -> None:
+    """--spec FILE: its keys go into both studies' spec (mappings merged into the defaults), its space is
+    the plain study's; the committed files make a study the service takes, on a GPU's hardware class."""
+    from autotune.contract.protocol import StudySpec
+
+    overrides = bench.load_overrides(str(ROOT / "bench" / "configs" / name))
+    space = overrides.pop("space")
+    spec = {"name": "s", "workload": "gpt", "preset": "full", "hardware": "NVIDIA H200", "space": space,
+            "probe": {"samples": 6144, "timeout_s": 180.0}}
+    for key, value in overrides.items():
+        spec[key] = spec[key] | value if isinstance(spec.get(key), dict) and isinstance(value, dict) else value
+    study = StudySpec.model_validate(spec)
+    assert study.baseline_config()["batch_size"] == 32 and study.sampler == "grid"
+    assert study.probe.timeout_s == 180.0  # merged, not replaced
+    assert study.n_trials == study.baseline_seeds + bench.combinations(space)  # the grid, and no more
+
+
+@pytest.mark.parametrize(("text", "fix"), [("- a list", "a mapping of study-spec keys"),
+                                           ("name: x", "'name' is the benchmark's own"),
+                                           ("a: [", "cannot read it")])
+def test_a_spec_file_that_cannot_be_used_is_refused_with_the_fix(tmp_path: Path, text: str, fix: str) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=fix):
+        bench.load_overrides(str(path))
+
+
+def test_studies_of_different_spec_files_are_not_compared(tmp_path: Path) -> None:
+    out = tmp_path / "lm.json"
+    first = _doc()  # written before --spec existed: no "spec" in its settings, the same as an empty one
+    first["studies"] = {"plain": {"anytime": [], "gpu_s": 1.0, "finished": True}}
+    out.write_text(json.dumps(first))
+    assert set(bench.earlier_studies(_doc() | {"settings": _doc()["settings"] | {"spec": {}}}, out, "widened")) \
+        == {"plain"}
+    other = _doc()
+    other["settings"]["spec"] = {"sampler": "grid"}
+    with pytest.raises(SystemExit, match=r"its spec is \{\}"):
+        bench.earlier_studies(other, out, "widened")
