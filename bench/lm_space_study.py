@@ -178,7 +178,8 @@ def table(doc: dict[str, Any]) -> str:
              f"{doc['settings']['preset']}, n_trials {doc['settings']['n_trials']}, "
              f"{doc['settings']['samples']} samples/probe, {doc['settings']['study_budget_s']:.0f} s a study", "",
              f"| study | combinations (≤) | trials (failed/pruned) | GPU-s | best search samples/s at "
-             f"{equal or 0:.0f} GPU-s | certified | pick | speedup [95 % CI] | MFU |",
+             f"{f'{equal:.0f} GPU-s' if equal else 'equal GPU-s (both studies needed)'} | certified | pick | "
+             f"speedup [95 % CI] | MFU |",
              "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     for g in GROUPS:
         r = rows.get(g)
