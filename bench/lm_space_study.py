@@ -219,6 +219,16 @@ def load_overrides(path: str | None) -> dict[str, Any]:
     return data
 
 
+def merged(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`spec` with --spec's keys: a mapping (probe, gate, remeasure, …) merged into the default's, the rest
+    replaced."""
+    out = dict(spec)
+    for key, value in overrides.items():
+        default = out.get(key)
+        out[key] = default | value if isinstance(default, dict) and isinstance(value, dict) else value
+    return out
+
+
 def earlier_studies(doc: dict[str, Any], out: Path, only: str) -> dict[str, Any]:
     """With --only: the other study from an earlier run's --out, when its settings and GPU are this
     run's (else SystemExit naming the difference); {} when there is no earlier file."""
@@ -270,9 +280,7 @@ def run(args: argparse.Namespace) -> int:
         "starting_points": "auto", "warm_start": "none"}
     if kind == "cpu":
         base_spec["hardware"] = "cpu"
-    for key, value in overrides.items():  # a mapping (probe, gate, remeasure, …) is merged into the default's
-        default = base_spec.get(key)
-        base_spec[key] = default | value if isinstance(default, dict) and isinstance(value, dict) else value
+    base_spec = merged(base_spec, overrides)
     specs = {g: base_spec | {"name": f"lm-{tag}-{g}", "space": spaces[g]} for g in GROUPS}
     doc: dict[str, Any] = {
         "benchmark": "lm_space_study", "argv": sys.argv[1:], "environment": env | code_version(),

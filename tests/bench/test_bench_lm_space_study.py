@@ -118,10 +118,8 @@ def test_the_committed_spec_files_make_valid_studies_of_their_space_and_baseline
 
     overrides = bench.load_overrides(str(ROOT / "bench" / "configs" / name))
     space = overrides.pop("space")
-    spec = {"name": "s", "workload": "gpt", "preset": "full", "hardware": "NVIDIA H200", "space": space,
-            "probe": {"samples": 6144, "timeout_s": 180.0}}
-    for key, value in overrides.items():
-        spec[key] = spec[key] | value if isinstance(spec.get(key), dict) and isinstance(value, dict) else value
+    spec = bench.merged({"name": "s", "workload": "gpt", "preset": "full", "hardware": "NVIDIA H200", "space": space,
+                         "probe": {"samples": 6144, "timeout_s": 180.0}}, overrides)
     study = StudySpec.model_validate(spec)
     assert study.baseline_config()["batch_size"] == 32 and study.sampler == "grid"
     assert study.probe.timeout_s == 180.0  # merged, not replaced
