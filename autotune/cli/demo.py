@@ -32,10 +32,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from autotune.cli.report_data import quality_label
 from autotune.cli.tables import recommendation_table, trials_table, verdict_table
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
-from autotune.contract.registry import registered_workloads
-from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
+from autotune.contract.views import Recommendation, StudyInfo
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
 from autotune.worker.cpu_share import omp_threads_cap
 
@@ -290,18 +290,6 @@ def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess
             time.sleep(POLL_S)
 
 
-def quality_of(info: StudyInfo, trials: list[TrialInfo], rec: Recommendation | None) -> tuple[str, str]:
-    """The study's quality metric and direction: its spec's, else what its results or verdict name,
-    else its workload's (a built-in's is known before any result), else NRMSE's."""
-    spec = info.spec.quality
-    entry = registered_workloads().get(info.spec.workload)
-    metric = ((spec.metric if spec else None) or next((t.quality_metric for t in trials if t.quality_metric), None)
-              or (rec.quality_metric if rec else None) or (entry.quality_metric if entry else None) or "val_nrmse")
-    direction = ((spec.direction if spec else None) or (rec.quality_direction if rec else None)
-                 or (entry.quality_direction if entry else None) or "minimize")
-    return metric, direction
-
-
 def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, console: Console) -> int:
     """Print the Pareto front, the recommendation and the dashboard command."""
     c = info.counts
@@ -316,9 +304,9 @@ def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, con
         rec, missing = client.best(info.name), None
     except NotFound as e:  # the study has no verdict (its baseline failed)
         rec, missing = None, e.message
-    metric, direction = quality_of(info, pareto, rec)
-    quality = "val NRMSE" if metric == "val_nrmse" else metric  # a language model's loss is not an NRMSE
-    better = "higher" if direction == "maximize" else "lower"
+    label = quality_label(info, pareto)  # a language model's loss is not an NRMSE
+    quality = "val NRMSE" if label == "NRMSE" else label
+    better = "higher" if info.spec.quality_direction == "maximize" else "lower"
     title = f"Pareto front: throughput (higher is better) vs {quality} ({better} is better)"
     if pareto:
         console.print(trials_table(pareto, title))
