@@ -564,21 +564,29 @@ def instrument_hf_causal_lm(script: Any, clock: LoopClock) -> None:
                                                                                  timed_val_loss)
 
 
-def loop_child(args: argparse.Namespace) -> None:
-    """In a fresh process: the script's main() with timing wrapped around its own functions."""
+# the script's module-level names each instrument_* function wraps (time_loop puts them back)
+INSTRUMENTED = {"gpt_script": ("get_lr", "get_batch", "estimate_loss"),
+                "hf_causal_lm": ("get_linear_schedule_with_warmup", "get_batch", "val_loss")}
+
+
+def time_loop(job: Job, preset: str, max_iters: int, warmup_iters: int, config: str | None = None,
+              trace: str | None = None, trace_iters: int = 8) -> dict[str, Any]:
+    """One timed run of the script's main(), its functions wrapped for the run and restored after it:
+    a process may time the loop again (bench/probe_loop_gap.py --same-process alternates it with
+    probes)."""
     import torch
 
-    job = JOBS[args.job]
+    from autotune.engine.apply import Prepared
+
     script = importlib.import_module(job.script)
     cuda = script.device == "cuda"
-    clock = LoopClock(args.warmup_iters, cuda)
-    clock.trace_path, clock.trace_iters = args.trace, args.trace_iters
+    clock = LoopClock(warmup_iters, cuda)
+    clock.trace_path, clock.trace_iters = trace, trace_iters
+    originals = {name: getattr(script, name) for name in INSTRUMENTED[job.key]}
+    step = Prepared.step
     t_start = time.perf_counter()
     globals()[job.instrument](script, clock)
-    if args.config:  # the host time of autotune.apply's step (the script as written never imports autotune)
-        from autotune.engine.apply import Prepared
-
-        step = Prepared.step
+    if config:  # the host time of autotune.apply's step (the script as written never imports autotune)
 
         def timed_step(self: Any, batch: Any) -> Any:
             if not clock.inside:
@@ -590,9 +598,14 @@ def loop_child(args: argparse.Namespace) -> None:
             return out
 
         Prepared.step = timed_step  # type: ignore[method-assign]
-    argv = [job.steps_flag, str(args.max_iters), *job.loop_argv(args.preset)]
-    argv += ["--config", args.config] if args.config else []
-    val_loss = script.main(argv)
+    argv = [job.steps_flag, str(max_iters), *job.loop_argv(preset)]
+    argv += ["--config", config] if config else []
+    try:
+        val_loss = script.main(argv)
+    finally:
+        for name, fn in originals.items():
+            setattr(script, name, fn)
+        Prepared.step = step  # type: ignore[method-assign]
     total_s = time.perf_counter() - t_start
     k0, mid, end = clock.k0, clock.mid, clock.iters
     assert end is not None, f"{job.script}.main() never reached the instrumented iteration count"
@@ -602,9 +615,9 @@ def loop_child(args: argparse.Namespace) -> None:
     first = (m[mid] - m[k0]) - clock.half_eval_s
     second = (m[end] - m[mid]) - (clock.eval_s - clock.half_eval_s)
     second_samples = clock.samples - clock.half_samples
-    result = {
+    return {
         "job": job.key, "argv": argv,
-        "config": args.config, "max_iters_arg": args.max_iters, "iterations": end, "warmup_iterations": k0,
+        "config": config, "max_iters_arg": max_iters, "iterations": end, "warmup_iterations": k0,
         "timed_iterations": end - k0, "samples": clock.samples, "window_s": window, "eval_s": clock.eval_s,
         "train_s": train_s, "train_samples_per_s": clock.samples / train_s,
         "loop_samples_per_s": clock.samples / window,
@@ -616,10 +629,16 @@ def loop_child(args: argparse.Namespace) -> None:
         "per_iteration_ms": {
             "get_batch_host": 1e3 * clock.batch_host_s / (end - k0),
             "get_batch_copy": 1e3 * clock.batch_copy_s / (end - k0),
-            "apply_step": 1e3 * clock.step_s / (end - k0) if args.config else None,
+            "apply_step": 1e3 * clock.step_s / (end - k0) if config else None,
             "rest": 1e3 * (train_s - clock.batch_host_s - clock.batch_copy_s - clock.step_s) / (end - k0),
             "total": 1e3 * train_s / (end - k0)},
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+
+
+def loop_child(args: argparse.Namespace) -> None:
+    """In a fresh process: the script's main() with timing wrapped around its own functions."""
+    result = time_loop(JOBS[args.job], args.preset, args.max_iters, args.warmup_iters, args.config, args.trace,
+                       args.trace_iters)
     Path(args.result).write_text(json.dumps(result))
 
 

@@ -20,6 +20,13 @@ runtime calls per step, syncs, the GPU's kernel time and busy fraction, the heav
     python bench/probe_loop_gap.py --job hf_causal_lm --from bench/results/hf_causal_lm_verdict_h200.json \\
         --device cuda --out gap_hf.json --trace-dir traces/
 
+--same-process: one process runs both sides in turn, --repeats pairs (probe then loop, then loop
+then probe, ...), each probe run_probe in-process as `autotune probe` runs it and each loop the
+script's main() as above. Fresh processes land at different speeds on a shared host (the picks'
+loop alone spread ±20 % across processes); a pair shares its process, so its ratio leaves that
+out. The summary adds the pairs' ratio: the geometric mean of probe/loop over the pairs with a
+paired-t 95 % interval (autotune.contract.verdict.paired, on the logs).
+
 The config: the run's certified pick (`comparison.pick.config`), or --config FILE; the samples,
 windows and warm-up: the run's study's, unless given. Writes --out (JSON, rewritten after each
 run) and prints a table. Exit 1 when a run failed.
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import shutil
 import statistics
@@ -41,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gpt_script_verdict import JOBS, loop_ratio, registration
+from gpt_script_verdict import JOBS, loop_ratio, registration, time_loop
 from resultfiles import load
 from studylib import code_version, environment, run_cli
 from trace_summary import summarize
@@ -115,6 +123,93 @@ def loop_run(args: argparse.Namespace, config: Path, env: dict[str, str], work: 
     return run
 
 
+def paired_child(args: argparse.Namespace) -> None:
+    """In one process: --repeats pairs of a probe and a loop run, in alternating order; each run
+    appended to --result as one JSON line as it ends (a parent that times the child out keeps
+    what finished)."""
+    import gc
+
+    import torch
+
+    from autotune.contract.config import parse_config
+    from autotune.engine.probe import ProbeSettings, run_probe
+
+    job = JOBS[args.job]
+    cfg = parse_config(yaml.safe_load(Path(args.config).read_text()))
+    settings = ProbeSettings(samples=args.samples, windows=args.windows, warmup_steps=args.warmup_steps,
+                             timeout_s=args.timeout)
+    result = Path(args.result)
+    for r in range(args.repeats):
+        for side in ("probe", "loop") if r % 2 == 0 else ("loop", "probe"):
+            run: dict[str, Any] = {"variant": side, "repeat": r}
+            t0 = time.time()
+            if side == "probe":
+                res = run_probe(job.workload, cfg, preset=args.preset, device=args.device,
+                                settings=settings).to_dict()  # what `autotune probe --json` prints
+                run.update({k: res.get(k) for k in ("window_throughputs", "steps", "failure", "notes")})
+                run.update(samples=args.samples, warmup_steps=args.warmup_steps,
+                           throughput=res.get("throughput_samples_per_s"))
+            else:
+                got = time_loop(job, args.preset, args.loop_iters, args.loop_warmup_iters, args.config)
+                run.update({k: got.get(k) for k in ("train_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
+                                                    "iterations", "warmup_iterations", "final_val_loss")})
+                run["throughput"] = got["train_samples_per_s"]
+            run["wall_s"] = time.time() - t0
+            with result.open("a") as f:
+                f.write(json.dumps(run, default=str) + "\n")
+            # dynamo's compiled frames go with the run (each run compiles its own model; past its
+            # recompile limit dynamo would run the same forward eager), then the run's model,
+            # optimizer and graphs before the next one builds its own
+            torch._dynamo.reset()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def paired_runs(args: argparse.Namespace, config: Path, env: dict[str, str], work: Path,
+                deadline: float) -> list[dict[str, Any]]:
+    """paired_child in a subprocess until it ends or the deadline; the runs it finished."""
+    result = work / "paired.jsonl"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_paired", "--job", args.job, "--preset", args.preset,
+           "--device", args.device, "--config", str(config), "--samples", str(args.samples), "--windows",
+           str(args.windows), "--warmup-steps", str(args.warmup_steps), "--timeout", str(args.timeout),
+           "--loop-iters", str(args.loop_iters), "--loop-warmup-iters", str(args.loop_warmup_iters),
+           "--repeats", str(args.repeats), "--result", str(result)]
+    failure = None
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(work),
+                              timeout=max(10.0, deadline - time.time()))
+        if proc.returncode != 0:
+            failure = f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    except subprocess.TimeoutExpired:
+        failure = "timed out (the deadline): the pairs it finished are kept"
+    runs = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []
+    for run in runs:
+        run["process"] = "same"
+    if failure:
+        runs.append({"variant": "paired", "failure": failure})
+    return runs
+
+
+def pair_ratio(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """probe/loop within each repeat that has both: their geometric mean with a paired-t 95 %
+    interval on the logs; None without two pairs."""
+    from autotune.contract.verdict import paired
+
+    sides: dict[int, dict[str, float]] = {}
+    for run in runs:
+        if run.get("throughput") and run.get("variant") in ("probe", "loop"):
+            sides.setdefault(run["repeat"], {})[run["variant"]] = run["throughput"]
+    ratios = [s["probe"] / s["loop"] for _, s in sorted(sides.items()) if len(s) == 2]
+    if len(ratios) < 2:
+        return None
+    d = paired([math.log(x) for x in ratios])
+    low, high = d.bounds(0.025)
+    return {"pairs": len(ratios), "ratios": ratios, "geomean": math.exp(d.value), "ci95": [math.exp(low),
+                                                                                            math.exp(high)]}
+
+
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     by: dict[str, list[float]] = {}
     for run in runs:
@@ -129,6 +224,10 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             # gpt_script_verdict.py compares a pick's loop with the baseline's
             ratio = loop_ratio(row["runs"], by["loop"])
             row.update(geomean_over_loop=ratio["speedup"], ci95=[ratio["ci_low"], ratio["ci_high"]])
+    if runs and all(run.get("process") == "same" for run in runs if run.get("throughput")):
+        pairs = pair_ratio(runs)
+        if pairs:
+            out["pairs"] = pairs
     return out
 
 
@@ -137,10 +236,16 @@ def table(doc: dict[str, Any]) -> str:
              f"{doc['config_source']}", "", "| run | samples/s (median) | runs | / loop (median; geomean [95 % CI]) |",
              "|---|---:|---:|---:|"]
     for v, row in doc["summary"].items():
+        if v == "pairs":
+            continue
         ratio = f"{row['over_loop']:.3f}" if row.get("over_loop") else "–"
         if row.get("ci95"):
             ratio += f" (geomean {row['geomean_over_loop']:.3f} [{row['ci95'][0]:.3f}–{row['ci95'][1]:.3f}])"
         lines.append(f"| {v} | {row['median']:,.0f} | {len(row['runs'])} | {ratio} |")
+    pairs = doc["summary"].get("pairs")
+    if pairs:
+        lines.append(f"\nprobe / loop within a process, {pairs['pairs']} pairs: geomean {pairs['geomean']:.3f} "
+                     f"[{pairs['ci95'][0]:.3f}–{pairs['ci95'][1]:.3f}] (paired t, 95 %)")
     for side, tr in doc.get("traces", {}).items():
         if "error" in tr:
             lines.append(f"\n{side} trace: {tr['error']}")
@@ -156,7 +261,22 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def child_main(argv: list[str]) -> None:
+    c = argparse.ArgumentParser(prog="probe_loop_gap.py _paired")
+    c.add_argument("--job", choices=JOBS, required=True)
+    for name in ("--preset", "--device", "--config", "--result"):
+        c.add_argument(name, required=True)
+    for name in ("--samples", "--windows", "--warmup-steps", "--loop-iters", "--loop-warmup-iters", "--repeats"):
+        c.add_argument(name, type=int, required=True)
+    c.add_argument("--timeout", type=float, required=True)
+    paired_child(c.parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_paired"]:  # the child of --same-process
+        child_main(argv[1:])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", choices=JOBS, required=True)
     p.add_argument("--from", dest="source", default=None, help="a gpt_script_verdict.py JSON: its pick and study")
@@ -183,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpus", default=None,
                    help="run this process and every probe and loop it starts on these CPUs only (e.g. 2-5 or "
                         "2,3): a host-bound config's speed moves with the cores a process lands on")
+    p.add_argument("--same-process", action="store_true",
+                   help="one process runs --repeats pairs of probe and loop (module docstring); no traces")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     t_begin = time.time()
@@ -227,6 +349,14 @@ def main(argv: list[str] | None = None) -> None:
                            "environment": environment(args.device), "code": code_version(), "runs": []}
     out = Path(args.out)
     failed = False
+    if args.same_process:
+        doc["settings"]["same_process"] = True
+        doc["runs"] = paired_runs(args, path, env, work, t_begin + args.deadline_s - 15)
+        for run in doc["runs"]:
+            failed |= bool(run.get("failure"))
+            _log(f"{run['variant']} {run.get('repeat', '')}: {run.get('throughput') or 0:,.0f} samples/s"
+                 + (f" FAILED {str(run['failure'])[-300:]}" if run.get("failure") else ""))
+        args.repeats, args.no_trace = 0, True  # the pairs were the repeats; nothing was traced
     for r in range(args.repeats):
         order = [v for v in ("probe", "probe-long", "loop") if v in args.variants]
         for variant in order if r % 2 == 0 else order[::-1]:

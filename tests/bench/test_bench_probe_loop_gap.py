@@ -68,3 +68,53 @@ def test_cpus_take_tasksets_list_form_and_refuse_what_the_host_lacks() -> None:
             assert says in str(exc)
         else:
             raise AssertionError(f"--cpus {bad} was taken")
+
+
+def test_same_process_pairs_alternate_and_the_loop_leaves_the_script_as_it_found_it(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("batch_size: 8\naccum_steps: 1\n")
+    out = tmp_path / "gap.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "probe_loop_gap.py"), "--job", "gpt_script", "--device", "cpu",
+         "--config", str(config), "--samples", "128", "--repeats", "2", "--loop-iters", "24",
+         "--loop-warmup-iters", "8", "--timeout", "120", "--workdir", str(tmp_path / "work"), "--same-process",
+         "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [(r["variant"], r["repeat"]) for r in doc["runs"]] == [("probe", 0), ("loop", 0), ("loop", 1), ("probe", 1)]
+    assert {r["process"] for r in doc["runs"]} == {"same"} and doc["settings"]["same_process"]
+    loops = [r for r in doc["runs"] if r["variant"] == "loop"]
+    assert [r["iterations"] for r in loops] == [48, 48]  # the second loop counted its own iterations, once
+    pairs = doc["summary"]["pairs"]
+    ratios = [p["throughput"] / q["throughput"] for p, q in ((doc["runs"][0], doc["runs"][1]),
+                                                               (doc["runs"][3], doc["runs"][2]))]
+    assert pairs["pairs"] == 2 and pairs["ratios"] == ratios
+    assert pairs["ci95"][0] < pairs["geomean"] < pairs["ci95"][1]
+    assert "probe / loop within a process, 2 pairs" in done.stdout
+
+
+def test_time_loop_puts_back_the_functions_it_wrapped(monkeypatch) -> None:
+    import gpt_script_verdict as verdict
+
+    from autotune.engine.apply import Prepared
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "gpt_script"))
+    try:
+        _time_loop_twice(verdict, Prepared, monkeypatch)
+    finally:  # imported here, gone after: registration()'s find_spec must not find the package in later tests
+        for name in ("gpt_script.train", "gpt_script"):
+            sys.modules.pop(name, None)
+
+
+def _time_loop_twice(verdict, Prepared, monkeypatch) -> None:
+    import gpt_script.train as script
+
+    job = verdict.JOBS["gpt_script"]
+    before = {name: getattr(script, name) for name in verdict.INSTRUMENTED["gpt_script"]}
+    step = Prepared.step
+    monkeypatch.setattr(script, "device", "cpu")
+    for _ in range(2):
+        got = verdict.time_loop(job, "tiny", 24, 8)
+        assert got["iterations"] == 24 and got["samples"] == 16 * (24 - got["warmup_iterations"])
+        assert {name: getattr(script, name) for name in before} == before and Prepared.step is step
