@@ -70,6 +70,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -403,10 +404,22 @@ class LoopClock:
     first and the last; the evaluations' time inside that window; the host time of the batches'
     sampling, of their copies to the device and of autotune.apply's step."""
 
-    def __init__(self, warmup_iters: int, cuda: bool) -> None:
+    def __init__(self, warmup_iters: int, cuda: bool, windows: int = 0,
+                 handoff: Callable[[], None] | None = None) -> None:
         import torch
 
         self.warmup_iters = warmup_iters
+        # windows > 0: the timed iterations also in that many equal windows, each timed between
+        # synchronized marks; handoff() runs at every window edge but the last, between one
+        # window's end mark and the next one's start (bench/probe_loop_gap.py --same-process
+        # hands the GPU to a probe there), so the time it takes is in no window
+        self.windows, self.handoff = windows, handoff
+        self.edges: list[int] = []
+        self.window_s: list[float] = []
+        self.window_samples: list[int] = []
+        self.window_eval_s: list[float] = []
+        self._open: tuple[float, int, float] | None = None  # (start, samples, eval_s) of the open window
+        self.owner = threading.get_ident()  # the loop's thread: a probe in another thread calls the originals
         self.device = torch.device("cuda" if cuda else "cpu")
         self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
         self.marks: dict[int, float] = {}
@@ -420,6 +433,15 @@ class LoopClock:
         self.trace_path: str | None = None  # --trace: a Chrome trace of the warm-up's last iterations
         self.trace_iters = 0
         self.profiler: Any = None
+
+    def only_mine(self, original: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        """wrapper when the loop's thread calls, else the script's own function untouched (a probe
+        interleaved with the loop in one process imports the same module and calls its functions)."""
+
+        def dispatch(*a: Any, **kw: Any) -> Any:
+            return (wrapper if threading.get_ident() == self.owner else original)(*a, **kw)
+
+        return dispatch
 
     def traced(self, name: str) -> Any:
         """A named range for the trace (autotune.step, autotune.data: bench/trace_summary.py reads
@@ -450,6 +472,12 @@ class LoopClock:
         if self.iters is None:
             self.k0 = min(max(self.warmup_iters, iters // 5), iters - 2)
             self.iters, self.mid = iters, self.k0 + (iters - self.k0) // 2
+            if self.windows:
+                span = iters - self.k0
+                if span < self.windows:
+                    raise SystemExit(f"{span} timed iterations cannot make {self.windows} windows: "
+                                     "raise the iterations")
+                self.edges = [self.k0 + round(j * span / self.windows) for j in range(self.windows + 1)]
 
     def boundary(self, it: float) -> None:
         """Iteration boundary `it` (the script's own count): mark the clock at the three."""
@@ -463,6 +491,22 @@ class LoopClock:
                 self.half_samples, self.half_eval_s = self.samples, self.eval_s
             else:
                 self.inside = False
+        if it in self.edges:
+            self._window_edge(int(it))
+
+    def _window_edge(self, it: int) -> None:
+        self.sync()
+        now = time.perf_counter()
+        if self._open is not None:
+            t0, samples0, eval0 = self._open
+            self.window_s.append(now - t0 - (self.eval_s - eval0))  # evaluations left out, as in train_s
+            self.window_samples.append(self.samples - samples0)
+            self.window_eval_s.append(self.eval_s - eval0)
+            self._open = None
+        if it != self.edges[-1]:
+            if self.handoff is not None:
+                self.handoff()
+            self._open = (time.perf_counter(), self.samples, self.eval_s)
 
     def counting(self) -> bool:
         return self.inside and not self.evaluating
@@ -515,7 +559,9 @@ def instrument_gpt_script(script: Any, clock: LoopClock) -> None:
     def timed_estimate_loss(*a: Any, **kw: Any) -> float:
         return clock.evaluation(estimate_loss, *a, **kw)
 
-    script.get_lr, script.get_batch, script.estimate_loss = timed_get_lr, counted_get_batch, timed_estimate_loss
+    script.get_lr, script.get_batch, script.estimate_loss = (
+        clock.only_mine(get_lr, timed_get_lr), clock.only_mine(get_batch, counted_get_batch),
+        clock.only_mine(estimate_loss, timed_estimate_loss))
 
 
 def instrument_hf_causal_lm(script: Any, clock: LoopClock) -> None:
@@ -560,8 +606,9 @@ def instrument_hf_causal_lm(script: Any, clock: LoopClock) -> None:
     def timed_val_loss(*a: Any, **kw: Any) -> float:
         return clock.evaluation(val_loss, *a, **kw)
 
-    script.get_linear_schedule_with_warmup, script.get_batch, script.val_loss = (marked_factory, counted_get_batch,
-                                                                                 timed_val_loss)
+    script.get_linear_schedule_with_warmup, script.get_batch, script.val_loss = (
+        clock.only_mine(factory, marked_factory), clock.only_mine(get_batch, counted_get_batch),
+        clock.only_mine(val_loss, timed_val_loss))
 
 
 # the script's module-level names each instrument_* function wraps (time_loop puts them back)
@@ -570,17 +617,18 @@ INSTRUMENTED = {"gpt_script": ("get_lr", "get_batch", "estimate_loss"),
 
 
 def time_loop(job: Job, preset: str, max_iters: int, warmup_iters: int, config: str | None = None,
-              trace: str | None = None, trace_iters: int = 8) -> dict[str, Any]:
+              trace: str | None = None, trace_iters: int = 8, windows: int = 0,
+              handoff: Callable[[], None] | None = None) -> dict[str, Any]:
     """One timed run of the script's main(), its functions wrapped for the run and restored after it:
-    a process may time the loop again (bench/probe_loop_gap.py --same-process alternates it with
-    probes)."""
+    a process may time the loop again. windows, handoff: LoopClock's (bench/probe_loop_gap.py
+    --same-process interleaves the loop's windows with a probe's)."""
     import torch
 
     from autotune.engine.apply import Prepared
 
     script = importlib.import_module(job.script)
     cuda = script.device == "cuda"
-    clock = LoopClock(warmup_iters, cuda)
+    clock = LoopClock(warmup_iters, cuda, windows, handoff)
     clock.trace_path, clock.trace_iters = trace, trace_iters
     originals = {name: getattr(script, name) for name in INSTRUMENTED[job.key]}
     step = Prepared.step
@@ -597,7 +645,7 @@ def time_loop(job: Job, preset: str, max_iters: int, warmup_iters: int, config: 
             clock.step_s += time.perf_counter() - t0
             return out
 
-        Prepared.step = timed_step  # type: ignore[method-assign]
+        Prepared.step = clock.only_mine(step, timed_step)  # type: ignore[method-assign]
     argv = [job.steps_flag, str(max_iters), *job.loop_argv(preset)]
     argv += ["--config", config] if config else []
     try:
@@ -615,7 +663,16 @@ def time_loop(job: Job, preset: str, max_iters: int, warmup_iters: int, config: 
     first = (m[mid] - m[k0]) - clock.half_eval_s
     second = (m[end] - m[mid]) - (clock.eval_s - clock.half_eval_s)
     second_samples = clock.samples - clock.half_samples
-    return {
+    windowed: dict[str, Any] = {}
+    if clock.window_s:  # the marks span the handoffs too: the windows' own sums time the training
+        train_s = sum(clock.window_s)
+        window = train_s + clock.eval_s
+        half = len(clock.window_s) // 2
+        first, second = sum(clock.window_s[:half]), sum(clock.window_s[half:])
+        clock.samples, clock.half_samples = sum(clock.window_samples), sum(clock.window_samples[:half])
+        second_samples = clock.samples - clock.half_samples
+        windowed["window_samples_per_s"] = [n / t for n, t in zip(clock.window_samples, clock.window_s, strict=True)]
+    return {**windowed,
         "job": job.key, "argv": argv,
         "config": config, "max_iters_arg": max_iters, "iterations": end, "warmup_iterations": k0,
         "timed_iterations": end - k0, "samples": clock.samples, "window_s": window, "eval_s": clock.eval_s,

@@ -20,12 +20,14 @@ runtime calls per step, syncs, the GPU's kernel time and busy fraction, the heav
     python bench/probe_loop_gap.py --job hf_causal_lm --from bench/results/hf_causal_lm_verdict_h200.json \\
         --device cuda --out gap_hf.json --trace-dir traces/
 
---same-process: one process runs both sides in turn, --repeats pairs (probe then loop, then loop
-then probe, ...), each probe run_probe in-process as `autotune probe` runs it and each loop the
-script's main() as above. Fresh processes land at different speeds on a shared host (the picks'
-loop alone spread ±20 % across processes); a pair shares its process, so its ratio leaves that
-out. The summary adds the pairs' ratio: the geometric mean of probe/loop over the pairs with a
-paired-t 95 % interval (autotune.contract.verdict.paired, on the logs).
+--same-process: --repeats runs, each a probe and a loop in one process with their timed windows
+taking turns (loop window 1, probe window 1, loop window 2, ..., loop window n + 1; the loop in a
+thread, only the side holding the turn running). On a shared host the speed moves in spells of
+seconds (the picks' runs spread ±20 % across processes and across back-to-back runs in one
+process alike); windows a few tenths of a second apart share the spell, so each probe window is
+set against the two loop windows around it. The summary adds `pairs`: per run the geometric mean
+of those ratios, and over the runs their geometric mean with a paired-t 95 % interval
+(autotune.contract.verdict.paired on the logs). No traces in this mode.
 
 The config: the run's certified pick (`comparison.pick.config`), or --config FILE; the samples,
 windows and warm-up: the run's study's, unless given. Writes --out (JSON, rewritten after each
@@ -44,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -123,16 +126,77 @@ def loop_run(args: argparse.Namespace, config: Path, env: dict[str, str], work: 
     return run
 
 
+class Baton:
+    """Two threads taking turns on one GPU: pass_to hands the turn over and blocks until it comes
+    back, or until the other side has ended (then nothing waits for it)."""
+
+    def __init__(self, first: str) -> None:
+        self.turn = first
+        self.ended: set[str] = set()
+        self.cv = threading.Condition()
+
+    def wait(self, me: str, other: str) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == me or other in self.ended)
+
+    def pass_to(self, me: str, other: str) -> None:
+        with self.cv:
+            self.turn = other
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.turn == me or other in self.ended)
+
+    def end(self, me: str, other: str) -> None:
+        with self.cv:
+            self.ended.add(me)
+            self.turn = other
+            self.cv.notify_all()
+
+
+def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One probe and one loop run in one process, their timed windows taking turns: the loop warms
+    up, then the probe sets up and warms up, then loop window 1, probe window 1, loop window 2, ...,
+    probe window n, loop window n + 1 (each side's windows timed between its own synchronized
+    marks; the other side's turn falls between them). The loop runs in a thread, the probe in this
+    one; only the side holding the turn runs. Returns (the probe's result dict, the loop's)."""
+    from autotune.engine.probe import run_probe
+
+    baton = Baton("loop")
+    got: dict[str, Any] = {}
+
+    def loop_side() -> None:
+        try:
+            got["loop"] = time_loop(job, args.preset, args.loop_iters, args.loop_warmup_iters, args.config,
+                                    windows=args.windows + 1, handoff=lambda: baton.pass_to("loop", "probe"))
+        except BaseException as exc:  # reported with the run; the probe side goes on alone
+            got["loop_failure"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            baton.end("loop", "probe")
+
+    def turns(phase: str, info: dict[str, Any]) -> None:
+        if phase in ("timed windows", "window"):  # before the first window, after each (outside the timing)
+            baton.pass_to("probe", "loop")
+
+    thread = threading.Thread(target=loop_side, name="loop", daemon=True)
+    thread.start()
+    baton.wait("probe", "loop")  # the loop's warm-up first: one side compiles at a time
+    try:
+        probe = run_probe(job.workload, cfg, preset=args.preset, device=args.device, settings=settings,
+                          on_progress=turns).to_dict()  # what `autotune probe --json` prints
+    finally:
+        baton.end("probe", "loop")
+        thread.join()
+    return probe, got.get("loop") or {"failure": got.get("loop_failure", "no result")}
+
+
 def paired_child(args: argparse.Namespace) -> None:
-    """In one process: --repeats pairs of a probe and a loop run, in alternating order; each run
-    appended to --result as one JSON line as it ends (a parent that times the child out keeps
-    what finished)."""
+    """In one process: --repeats interleaved runs (interleaved()), each side appended to --result
+    as one JSON line as the run ends (a parent that times the child out keeps what finished)."""
     import gc
 
     import torch
 
     from autotune.contract.config import parse_config
-    from autotune.engine.probe import ProbeSettings, run_probe
+    from autotune.engine.probe import ProbeSettings
 
     job = JOBS[args.job]
     cfg = parse_config(yaml.safe_load(Path(args.config).read_text()))
@@ -140,30 +204,25 @@ def paired_child(args: argparse.Namespace) -> None:
                              timeout_s=args.timeout)
     result = Path(args.result)
     for r in range(args.repeats):
-        for side in ("probe", "loop") if r % 2 == 0 else ("loop", "probe"):
-            run: dict[str, Any] = {"variant": side, "repeat": r}
-            t0 = time.time()
-            if side == "probe":
-                res = run_probe(job.workload, cfg, preset=args.preset, device=args.device,
-                                settings=settings).to_dict()  # what `autotune probe --json` prints
-                run.update({k: res.get(k) for k in ("window_throughputs", "steps", "failure", "notes")})
-                run.update(samples=args.samples, warmup_steps=args.warmup_steps,
-                           throughput=res.get("throughput_samples_per_s"))
-            else:
-                got = time_loop(job, args.preset, args.loop_iters, args.loop_warmup_iters, args.config)
-                run.update({k: got.get(k) for k in ("train_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
-                                                    "iterations", "warmup_iterations", "final_val_loss")})
-                run["throughput"] = got["train_samples_per_s"]
-            run["wall_s"] = time.time() - t0
-            with result.open("a") as f:
-                f.write(json.dumps(run, default=str) + "\n")
-            # dynamo's compiled frames go with the run (each run compiles its own model; past its
-            # recompile limit dynamo would run the same forward eager), then the run's model,
-            # optimizer and graphs before the next one builds its own
-            torch._dynamo.reset()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        t0 = time.time()
+        probe, loop = interleaved(args, job, cfg, settings)
+        wall = time.time() - t0
+        runs = [{"variant": "probe", "samples": args.samples, "warmup_steps": args.warmup_steps,
+                 "throughput": probe.get("throughput_samples_per_s"),
+                 **{k: probe.get(k) for k in ("window_throughputs", "steps", "failure", "notes")}},
+                {"variant": "loop", "throughput": loop.get("train_samples_per_s"), "failure": loop.get("failure"),
+                 **{k: loop.get(k) for k in ("window_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
+                                             "iterations", "warmup_iterations", "final_val_loss")}}]
+        with result.open("a") as f:
+            for run in runs:
+                f.write(json.dumps({**run, "repeat": r, "wall_s": wall}, default=str) + "\n")
+        # dynamo's compiled frames go with the run (each run compiles its own models; past its
+        # recompile limit dynamo would run the same forward eager), then the run's models,
+        # optimizers and graphs before the next run builds its own
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def paired_runs(args: argparse.Namespace, config: Path, env: dict[str, str], work: Path,
@@ -193,21 +252,34 @@ def paired_runs(args: argparse.Namespace, config: Path, env: dict[str, str], wor
 
 
 def pair_ratio(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """probe/loop within each repeat that has both: their geometric mean with a paired-t 95 %
-    interval on the logs; None without two pairs."""
+    """The interleaved windows' ratio: each probe window against the two loop windows around it
+    (the geometric mean of loop windows i and i + 1: a drift linear in time cancels), per run the
+    geometric mean over its windows, and over the runs their geometric mean with a paired-t 95 %
+    interval on the logs (a run, not a window, is the unit: windows of one run share its state).
+    None without two runs that have both sides."""
     from autotune.contract.verdict import paired
 
-    sides: dict[int, dict[str, float]] = {}
+    sides: dict[int, dict[str, list[float]]] = {}
     for run in runs:
-        if run.get("throughput") and run.get("variant") in ("probe", "loop"):
-            sides.setdefault(run["repeat"], {})[run["variant"]] = run["throughput"]
-    ratios = [s["probe"] / s["loop"] for _, s in sorted(sides.items()) if len(s) == 2]
-    if len(ratios) < 2:
+        windows = run.get("window_throughputs") or run.get("window_samples_per_s")
+        if windows and not run.get("failure") and run.get("variant") in ("probe", "loop"):
+            sides.setdefault(run["repeat"], {})[run["variant"]] = windows
+    per_run: list[float] = []
+    window_ratios: list[list[float]] = []
+    for _, s in sorted(sides.items()):
+        if len(s) < 2:
+            continue
+        probe, loop = s["probe"], s["loop"]
+        ratios = [probe[i] / math.sqrt(loop[i] * loop[i + 1]) for i in range(min(len(probe), len(loop) - 1))]
+        if ratios:
+            window_ratios.append(ratios)
+            per_run.append(math.exp(statistics.fmean(math.log(x) for x in ratios)))
+    if len(per_run) < 2:
         return None
-    d = paired([math.log(x) for x in ratios])
+    d = paired([math.log(x) for x in per_run])
     low, high = d.bounds(0.025)
-    return {"pairs": len(ratios), "ratios": ratios, "geomean": math.exp(d.value), "ci95": [math.exp(low),
-                                                                                            math.exp(high)]}
+    return {"runs": len(per_run), "ratios": per_run, "window_ratios": window_ratios, "geomean": math.exp(d.value),
+            "ci95": [math.exp(low), math.exp(high)]}
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,8 +316,9 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"| {v} | {row['median']:,.0f} | {len(row['runs'])} | {ratio} |")
     pairs = doc["summary"].get("pairs")
     if pairs:
-        lines.append(f"\nprobe / loop within a process, {pairs['pairs']} pairs: geomean {pairs['geomean']:.3f} "
-                     f"[{pairs['ci95'][0]:.3f}–{pairs['ci95'][1]:.3f}] (paired t, 95 %)")
+        lines.append(f"\nprobe / loop, windows interleaved in one process, {pairs['runs']} runs: geomean "
+                     f"{pairs['geomean']:.3f} [{pairs['ci95'][0]:.3f}–{pairs['ci95'][1]:.3f}] (paired t over the runs, "
+                     f"95 %); per run {', '.join(f'{x:.3f}' for x in pairs['ratios'])}")
     for side, tr in doc.get("traces", {}).items():
         if "error" in tr:
             lines.append(f"\n{side} trace: {tr['error']}")
@@ -304,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="run this process and every probe and loop it starts on these CPUs only (e.g. 2-5 or "
                         "2,3): a host-bound config's speed moves with the cores a process lands on")
     p.add_argument("--same-process", action="store_true",
-                   help="one process runs --repeats pairs of probe and loop (module docstring); no traces")
+                   help="a probe and a loop in one process, their windows taking turns, --repeats times (module "
+                        "docstring); no traces")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     t_begin = time.time()

@@ -6,11 +6,14 @@ traces' summaries (the loop's steps named as the probe names them, so one reader
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -70,28 +73,56 @@ def test_cpus_take_tasksets_list_form_and_refuse_what_the_host_lacks() -> None:
             raise AssertionError(f"--cpus {bad} was taken")
 
 
-def test_same_process_pairs_alternate_and_the_loop_leaves_the_script_as_it_found_it(tmp_path: Path) -> None:
+def test_same_process_windows_take_turns_and_each_probe_window_meets_the_loop_windows_around_it(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("batch_size: 8\naccum_steps: 1\n")
     out = tmp_path / "gap.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "probe_loop_gap.py"), "--job", "gpt_script", "--device", "cpu",
-         "--config", str(config), "--samples", "128", "--repeats", "2", "--loop-iters", "24",
+         "--config", str(config), "--samples", "256", "--windows", "5", "--repeats", "2", "--loop-iters", "40",
          "--loop-warmup-iters", "8", "--timeout", "120", "--workdir", str(tmp_path / "work"), "--same-process",
          "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert [(r["variant"], r["repeat"]) for r in doc["runs"]] == [("probe", 0), ("loop", 0), ("loop", 1), ("probe", 1)]
+    assert [(r["variant"], r["repeat"]) for r in doc["runs"]] == [("probe", 0), ("loop", 0), ("probe", 1), ("loop", 1)]
     assert {r["process"] for r in doc["runs"]} == {"same"} and doc["settings"]["same_process"]
-    loops = [r for r in doc["runs"] if r["variant"] == "loop"]
-    assert [r["iterations"] for r in loops] == [48, 48]  # the second loop counted its own iterations, once
+    probes, loops = doc["runs"][0::2], doc["runs"][1::2]
+    # the loop ran its own iterations (batch 8 against its 16: twice 40), its windows one more than the probe's,
+    # and counted its own batches only (the probe in the other thread calls the same get_batch)
+    assert [r["iterations"] for r in loops] == [80, 80]
+    assert [len(r["window_samples_per_s"]) for r in loops] == [6, 6]
+    assert [len(r["window_throughputs"]) for r in probes] == [5, 5]
+    per_run = []
+    for probe, loop in zip(probes, loops, strict=True):
+        p, q = probe["window_throughputs"], loop["window_samples_per_s"]
+        ratios = [p[i] / math.sqrt(q[i] * q[i + 1]) for i in range(5)]
+        per_run.append(math.exp(sum(map(math.log, ratios)) / 5))
     pairs = doc["summary"]["pairs"]
-    ratios = [p["throughput"] / q["throughput"] for p, q in ((doc["runs"][0], doc["runs"][1]),
-                                                               (doc["runs"][3], doc["runs"][2]))]
-    assert pairs["pairs"] == 2 and pairs["ratios"] == ratios
+    assert pairs["runs"] == 2 and pairs["ratios"] == pytest.approx(per_run)
     assert pairs["ci95"][0] < pairs["geomean"] < pairs["ci95"][1]
-    assert "probe / loop within a process, 2 pairs" in done.stdout
+    assert "windows interleaved in one process, 2 runs" in done.stdout
+
+
+def test_the_baton_hands_the_turn_over_and_never_waits_on_a_side_that_ended() -> None:
+    baton, order = gap.Baton("loop"), []
+
+    def loop() -> None:
+        for i in range(3):
+            order.append(f"loop {i}")
+            baton.pass_to("loop", "probe")
+        baton.end("loop", "probe")
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    baton.wait("probe", "loop")
+    for i in range(5):  # two turns more than the loop takes: the last ones run alone
+        order.append(f"probe {i}")
+        baton.pass_to("probe", "loop")
+    baton.end("probe", "loop")
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert order == ["loop 0", "probe 0", "loop 1", "probe 1", "loop 2", "probe 2", "probe 3", "probe 4"]
 
 
 def test_time_loop_puts_back_the_functions_it_wrapped(monkeypatch) -> None:
