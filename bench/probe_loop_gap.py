@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import math
 import os
@@ -189,12 +190,7 @@ def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> 
 
 
 def paired_child(args: argparse.Namespace) -> None:
-    """In one process: --repeats interleaved runs (interleaved()), each side appended to --result
-    as one JSON line as the run ends (a parent that times the child out keeps what finished)."""
-    import gc
-
-    import torch
-
+    """In a fresh process: one interleaved run, both sides written to --result as JSON lines."""
     from autotune.contract.config import parse_config
     from autotune.engine.probe import ProbeSettings
 
@@ -202,61 +198,60 @@ def paired_child(args: argparse.Namespace) -> None:
     cfg = parse_config(yaml.safe_load(Path(args.config).read_text()))
     settings = ProbeSettings(samples=args.samples, windows=args.windows, warmup_steps=args.warmup_steps,
                              timeout_s=args.timeout)
-    result = Path(args.result)
-    for r in range(args.repeats):
-        t0 = time.time()
-        probe, loop = interleaved(args, job, cfg, settings)
-        wall = time.time() - t0
-        runs = [{"variant": "probe", "samples": args.samples, "warmup_steps": args.warmup_steps,
-                 "throughput": probe.get("throughput_samples_per_s"),
-                 **{k: probe.get(k) for k in ("window_throughputs", "steps", "failure", "notes")}},
-                {"variant": "loop", "throughput": loop.get("train_samples_per_s"), "failure": loop.get("failure"),
-                 **{k: loop.get(k) for k in ("window_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
-                                             "iterations", "warmup_iterations", "final_val_loss")}}]
-        with result.open("a") as f:
-            for run in runs:
-                f.write(json.dumps({**run, "repeat": r, "wall_s": wall}, default=str) + "\n")
-        # dynamo's compiled frames go with the run (each run compiles its own models; past its
-        # recompile limit dynamo would run the same forward eager), then the run's models,
-        # optimizers and graphs before the next run builds its own
-        torch._dynamo.reset()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    t0 = time.time()
+    probe, loop = interleaved(args, job, cfg, settings)
+    wall = time.time() - t0
+    runs = [{"variant": "probe", "samples": args.samples, "warmup_steps": args.warmup_steps,
+             "throughput": probe.get("throughput_samples_per_s"),
+             **{k: probe.get(k) for k in ("window_throughputs", "steps", "failure", "notes")}},
+            {"variant": "loop", "throughput": loop.get("train_samples_per_s"), "failure": loop.get("failure"),
+             **{k: loop.get(k) for k in ("window_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
+                                         "iterations", "warmup_iterations", "final_val_loss")}}]
+    Path(args.result).write_text("".join(json.dumps({**run, "wall_s": wall}, default=str) + "\n" for run in runs))
 
 
 def paired_runs(args: argparse.Namespace, config: Path, env: dict[str, str], work: Path,
                 deadline: float) -> list[dict[str, Any]]:
-    """paired_child in a subprocess until it ends or the deadline; the runs it finished."""
-    result = work / "paired.jsonl"
-    result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_paired", "--job", args.job, "--preset", args.preset,
-           "--device", args.device, "--config", str(config), "--samples", str(args.samples), "--windows",
-           str(args.windows), "--warmup-steps", str(args.warmup_steps), "--timeout", str(args.timeout),
-           "--loop-iters", str(args.loop_iters), "--loop-warmup-iters", str(args.loop_warmup_iters),
-           "--repeats", str(args.repeats), "--result", str(result)]
-    failure = None
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(work),
-                              timeout=max(10.0, deadline - time.time()))
-        if proc.returncode != 0:
-            failure = f"exit {proc.returncode}: {proc.stderr[-2000:]}"
-    except subprocess.TimeoutExpired:
-        failure = "timed out (the deadline): the pairs it finished are kept"
-    runs = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []
-    for run in runs:
-        run["process"] = "same"
-    if failure:
-        runs.append({"variant": "paired", "failure": failure})
+    """--repeats interleaved runs, each paired_child in a fresh process, until the deadline."""
+    runs: list[dict[str, Any]] = []
+    took = 0.0
+    for r in range(args.repeats):
+        if time.time() + took * 1.2 > deadline:
+            _log(f"interleaved run {r}: skipped, {deadline - time.time():.0f} s left (the last took {took:.0f})")
+            break
+        result = work / f"paired-{r}.jsonl"
+        result.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_paired", "--job", args.job, "--preset", args.preset,
+               "--device", args.device, "--config", str(config), "--samples", str(args.samples), "--windows",
+               str(args.windows), "--warmup-steps", str(args.warmup_steps), "--timeout", str(args.timeout),
+               "--loop-iters", str(args.loop_iters), "--loop-warmup-iters", str(args.loop_warmup_iters),
+               "--result", str(result)]
+        t0 = time.time()
+        failure = None
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(work),
+                                  timeout=max(10.0, deadline - time.time()))
+            if proc.returncode != 0:
+                failure = f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+        except subprocess.TimeoutExpired:
+            failure = "timed out (the deadline)"
+        took = time.time() - t0
+        got = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []
+        runs += [{**run, "repeat": r, "process": "same", "process_wall_s": took} for run in got]
+        if failure:
+            runs.append({"variant": "interleaved", "repeat": r, "failure": failure})
     return runs
 
 
-def pair_ratio(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The interleaved windows' ratio: each probe window against the two loop windows around it
-    (the geometric mean of loop windows i and i + 1: a drift linear in time cancels), per run the
-    geometric mean over its windows, and over the runs their geometric mean with a paired-t 95 %
-    interval on the logs (a run, not a window, is the unit: windows of one run share its state).
-    None without two runs that have both sides."""
+def pair_ratio(runs: list[dict[str, Any]], batch: int = 10) -> dict[str, Any] | None:
+    """The interleaved windows' ratio. Each probe window is set against the two loop windows around
+    it (the geometric mean of loop windows i and i + 1: a drift linear in time cancels). The
+    windows' log ratios are cut, run by run, into consecutive batches of `batch` (batch means: a
+    spell of the host's speed spans neighbouring windows, so single windows are not independent,
+    batches of them nearly are); the ratio is the geometric mean over the batches with a
+    one-sample t 95 % interval (autotune.contract.verdict.paired). Also: each run's geometric
+    mean and the lag-1 autocorrelation of the window log ratios (near 0: the batches are
+    independent enough). None without two batches."""
     from autotune.contract.verdict import paired
 
     sides: dict[int, dict[str, list[float]]] = {}
@@ -265,24 +260,32 @@ def pair_ratio(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         if windows and not run.get("failure") and run.get("variant") in ("probe", "loop"):
             sides.setdefault(run["repeat"], {})[run["variant"]] = windows
     per_run: list[float] = []
-    window_ratios: list[list[float]] = []
+    logs: list[list[float]] = []
     for _, s in sorted(sides.items()):
         if len(s) < 2:
             continue
         probe, loop = s["probe"], s["loop"]
-        ratios = [probe[i] / math.sqrt(loop[i] * loop[i + 1]) for i in range(min(len(probe), len(loop) - 1))]
-        if ratios:
-            window_ratios.append(ratios)
-            per_run.append(math.exp(statistics.fmean(math.log(x) for x in ratios)))
-    if len(per_run) < 2:
+        run_logs = [math.log(probe[i] / math.sqrt(loop[i] * loop[i + 1]))
+                    for i in range(min(len(probe), len(loop) - 1))]
+        if run_logs:
+            logs.append(run_logs)
+            per_run.append(math.exp(statistics.fmean(run_logs)))
+    means = [statistics.fmean(xs[i:i + batch]) for xs in logs for i in range(0, len(xs) - batch + 1, batch)]
+    if len(means) < 2:
         return None
-    d = paired([math.log(x) for x in per_run])
+    d = paired(means)
     low, high = d.bounds(0.025)
-    return {"runs": len(per_run), "ratios": per_run, "window_ratios": window_ratios, "geomean": math.exp(d.value),
-            "ci95": [math.exp(low), math.exp(high)]}
+    flat = [x for xs in logs for x in xs]
+    mean = statistics.fmean(flat)
+    spread = sum((x - mean) ** 2 for x in flat)
+    lag1 = sum((a - mean) * (b - mean) for xs in logs for a, b in itertools.pairwise(xs)) / spread if spread else 0.0
+    return {"runs": len(per_run), "windows": len(flat), "batch": batch, "batches": len(means),
+            "per_run": per_run, "geomean": math.exp(d.value), "ci95": [math.exp(low), math.exp(high)],
+            "window_log_sd": statistics.stdev(flat), "lag1_autocorrelation": lag1,
+            "window_ratios": [[math.exp(x) for x in xs] for xs in logs]}
 
 
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(runs: list[dict[str, Any]], batch: int = 10) -> dict[str, Any]:
     by: dict[str, list[float]] = {}
     for run in runs:
         if run.get("throughput"):
@@ -297,7 +300,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             ratio = loop_ratio(row["runs"], by["loop"])
             row.update(geomean_over_loop=ratio["speedup"], ci95=[ratio["ci_low"], ratio["ci_high"]])
     if runs and all(run.get("process") == "same" for run in runs if run.get("throughput")):
-        pairs = pair_ratio(runs)
+        pairs = pair_ratio(runs, batch)
         if pairs:
             out["pairs"] = pairs
     return out
@@ -316,9 +319,11 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"| {v} | {row['median']:,.0f} | {len(row['runs'])} | {ratio} |")
     pairs = doc["summary"].get("pairs")
     if pairs:
-        lines.append(f"\nprobe / loop, windows interleaved in one process, {pairs['runs']} runs: geomean "
-                     f"{pairs['geomean']:.3f} [{pairs['ci95'][0]:.3f}–{pairs['ci95'][1]:.3f}] (paired t over the runs, "
-                     f"95 %); per run {', '.join(f'{x:.3f}' for x in pairs['ratios'])}")
+        lines.append(f"\nprobe / loop, windows interleaved in one process ({pairs['runs']} runs, {pairs['windows']} "
+                     f"window pairs, {pairs['batches']} batches of {pairs['batch']}): geomean {pairs['geomean']:.3f} "
+                     f"[{pairs['ci95'][0]:.3f}–{pairs['ci95'][1]:.3f}] (t over the batch means, 95 %); per run "
+                     f"{', '.join(f'{x:.3f}' for x in pairs['per_run'])}; a window's log ratio sd "
+                     f"{pairs['window_log_sd']:.3f}, lag-1 autocorrelation {pairs['lag1_autocorrelation']:.2f}")
     for side, tr in doc.get("traces", {}).items():
         if "error" in tr:
             lines.append(f"\n{side} trace: {tr['error']}")
@@ -339,7 +344,7 @@ def child_main(argv: list[str]) -> None:
     c.add_argument("--job", choices=JOBS, required=True)
     for name in ("--preset", "--device", "--config", "--result"):
         c.add_argument(name, required=True)
-    for name in ("--samples", "--windows", "--warmup-steps", "--loop-iters", "--loop-warmup-iters", "--repeats"):
+    for name in ("--samples", "--windows", "--warmup-steps", "--loop-iters", "--loop-warmup-iters"):
         c.add_argument(name, type=int, required=True)
     c.add_argument("--timeout", type=float, required=True)
     paired_child(c.parse_args(argv))
@@ -379,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--same-process", action="store_true",
                    help="a probe and a loop in one process, their windows taking turns, --repeats times (module "
                         "docstring); no traces")
+    p.add_argument("--batch-windows", type=int, default=10,
+                   help="with --same-process: window ratios per batch mean (the interval's unit)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     t_begin = time.time()
@@ -415,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     traces = {"probe": work / "probe.trace.json", "loop": work / "loop.trace.json"}
     doc: dict[str, Any] = {"benchmark": "probe_loop_gap", "job": args.job, "argv": sys.argv[1:],
                            "config_source": source, "config": config, "registration": how,
-                           "settings": {**{k: getattr(args, k) for k in ("preset", "samples", "windows", "warmup_steps",
+                           "settings": {**{k: getattr(args, k) for k in ("preset", "samples", "windows", "batch_windows", "warmup_steps",
                                                                            "long_factor", "long_warmup", "trace_warmup",
                                                                            "trace_steps", "repeats", "loop_iters",
                                                                            "loop_warmup_iters")},
@@ -451,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
             _log(f"{run['variant']} {r}: {run.get('throughput') or 0:,.0f} samples/s"
                  + (f" FAILED {str(run['failure'])[-300:]}" if run.get("failure") else ""))
             doc["runs"].append(run)
-            doc["summary"] = summary(doc["runs"])
+            doc["summary"] = summary(doc["runs"], args.batch_windows)
             out.write_text(json.dumps(doc, indent=1, default=str))
     doc["traces"] = {}
     for side, tr in traces.items() if not args.no_trace else []:
@@ -463,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
             with tr.open("rb") as src, gzip.open(Path(args.trace_dir) / f"{args.job}_{tr.name}.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
-    doc["summary"] = summary(doc["runs"])
+    doc["summary"] = summary(doc["runs"], args.batch_windows)
     doc["wall_s"] = time.time() - t_begin
     out.write_text(json.dumps(doc, indent=1, default=str))
     print(table(doc))

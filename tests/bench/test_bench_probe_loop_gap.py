@@ -81,7 +81,7 @@ def test_same_process_windows_take_turns_and_each_probe_window_meets_the_loop_wi
         [sys.executable, str(ROOT / "bench" / "probe_loop_gap.py"), "--job", "gpt_script", "--device", "cpu",
          "--config", str(config), "--samples", "256", "--windows", "5", "--repeats", "2", "--loop-iters", "40",
          "--loop-warmup-iters", "8", "--timeout", "120", "--workdir", str(tmp_path / "work"), "--same-process",
-         "--out", str(out)],
+         "--batch-windows", "5", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -93,15 +93,30 @@ def test_same_process_windows_take_turns_and_each_probe_window_meets_the_loop_wi
     assert [r["iterations"] for r in loops] == [80, 80]
     assert [len(r["window_samples_per_s"]) for r in loops] == [6, 6]
     assert [len(r["window_throughputs"]) for r in probes] == [5, 5]
-    per_run = []
+    logs = []
     for probe, loop in zip(probes, loops, strict=True):
         p, q = probe["window_throughputs"], loop["window_samples_per_s"]
-        ratios = [p[i] / math.sqrt(q[i] * q[i + 1]) for i in range(5)]
-        per_run.append(math.exp(sum(map(math.log, ratios)) / 5))
+        logs.append([math.log(p[i] / math.sqrt(q[i] * q[i + 1])) for i in range(5)])
     pairs = doc["summary"]["pairs"]
-    assert pairs["runs"] == 2 and pairs["ratios"] == pytest.approx(per_run)
+    assert pairs["runs"] == 2 and pairs["windows"] == 10
+    assert pairs["per_run"] == pytest.approx([math.exp(sum(xs) / 5) for xs in logs])
     assert pairs["ci95"][0] < pairs["geomean"] < pairs["ci95"][1]
-    assert "windows interleaved in one process, 2 runs" in done.stdout
+    assert "windows interleaved in one process (2 runs, 10 window pairs" in done.stdout
+
+
+def test_batch_means_cut_each_runs_window_ratios_and_drop_a_short_tail() -> None:
+    def run(repeat: int, probe: list[float], loop: list[float]) -> list[dict]:
+        return [{"variant": "probe", "repeat": repeat, "window_throughputs": probe},
+                {"variant": "loop", "repeat": repeat, "window_samples_per_s": loop}]
+
+    # run 0: probe windows 2× the loop's, then 1×, 2×, 1×, 2× (a tail of one); run 1: 1× throughout
+    runs = run(0, [2, 1, 2, 1, 2], [1, 1, 1, 1, 1, 1]) + run(1, [3, 3, 3, 3], [3, 3, 3, 3, 3])
+    got = gap.pair_ratio(runs, batch=2)
+    assert got["windows"] == 9 and got["batches"] == 4  # 2 from run 0 (its fifth window is a short tail), 2 from run 1
+    assert got["geomean"] == pytest.approx(2 ** 0.25)  # batch means log2/2, log2/2, 0, 0
+    assert got["per_run"] == pytest.approx([2 ** 0.6, 1.0])
+    assert got["lag1_autocorrelation"] < 0  # run 0 alternates
+    assert gap.pair_ratio(run(0, [1, 1], [1, 1, 1]), batch=2) is None  # one batch: no interval
 
 
 def test_the_baton_hands_the_turn_over_and_never_waits_on_a_side_that_ended() -> None:
