@@ -405,7 +405,7 @@ class LoopClock:
     sampling, of their copies to the device and of autotune.apply's step."""
 
     def __init__(self, warmup_iters: int, cuda: bool, windows: int = 0,
-                 handoff: Callable[[], None] | None = None) -> None:
+                 handoff: Callable[[], None] | None = None, breakdown: bool = True) -> None:
         import torch
 
         self.warmup_iters = warmup_iters
@@ -415,6 +415,10 @@ class LoopClock:
         # hands the GPU to a probe there), so the time it takes is in no window
         self.windows, self.handoff = windows, handoff
         self.edges: list[int] = []
+        self.edge_set: frozenset[int] = frozenset()  # the check every iteration makes: O(1)
+        # breakdown: the host time of the batches' sampling, their copies and apply's step, each
+        # timed apart (a few clock reads an iteration); off, the loop runs the script's calls as written
+        self.breakdown = breakdown
         self.window_s: list[float] = []
         self.window_samples: list[int] = []
         self.window_eval_s: list[float] = []
@@ -478,6 +482,7 @@ class LoopClock:
                     raise SystemExit(f"{span} timed iterations cannot make {self.windows} windows: "
                                      "raise the iterations")
                 self.edges = [self.k0 + round(j * span / self.windows) for j in range(self.windows + 1)]
+                self.edge_set = frozenset(self.edges)
 
     def boundary(self, it: float) -> None:
         """Iteration boundary `it` (the script's own count): mark the clock at the three."""
@@ -491,7 +496,7 @@ class LoopClock:
                 self.half_samples, self.half_eval_s = self.samples, self.eval_s
             else:
                 self.inside = False
-        if it in self.edges:
+        if it in self.edge_set:
             self._window_edge(int(it))
 
     def _window_edge(self, it: int) -> None:
@@ -546,6 +551,9 @@ def instrument_gpt_script(script: Any, clock: LoopClock) -> None:
         if not (split == "train" and clock.counting()):
             with clock.traced(TRACE_DATA):
                 return get_batch(split, batch_size, device, generator)
+        if not clock.breakdown:
+            clock.count(batch_size, 0.0, 0.0)
+            return get_batch(split, batch_size, device, generator)
         # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
         # where its .to() is a no-op), then the script's own two copies, x.to(device), y.to(device)
         # (blocking: each waits for the work queued on the GPU before it)
@@ -589,6 +597,9 @@ def instrument_hf_causal_lm(script: Any, clock: LoopClock) -> None:
         if not clock.counting():
             with clock.traced(TRACE_DATA):
                 return get_batch(ids, n, block_size, generator, device)
+        if not clock.breakdown:
+            clock.count(n, 0.0, 0.0)
+            return get_batch(ids, n, block_size, generator, device)
         # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
         # where its .to() is a no-op), then its copy to the device (blocking: it waits for the work
         # queued on the GPU before it); a tensor the batch holds twice (labels = input_ids) moved once
@@ -618,7 +629,7 @@ INSTRUMENTED = {"gpt_script": ("get_lr", "get_batch", "estimate_loss"),
 
 def time_loop(job: Job, preset: str, max_iters: int, warmup_iters: int, config: str | None = None,
               trace: str | None = None, trace_iters: int = 8, windows: int = 0,
-              handoff: Callable[[], None] | None = None) -> dict[str, Any]:
+              handoff: Callable[[], None] | None = None, breakdown: bool = True) -> dict[str, Any]:
     """One timed run of the script's main(), its functions wrapped for the run and restored after it:
     a process may time the loop again. windows, handoff: LoopClock's (bench/probe_loop_gap.py
     --same-process interleaves the loop's windows with a probe's)."""
@@ -628,13 +639,13 @@ def time_loop(job: Job, preset: str, max_iters: int, warmup_iters: int, config: 
 
     script = importlib.import_module(job.script)
     cuda = script.device == "cuda"
-    clock = LoopClock(warmup_iters, cuda, windows, handoff)
+    clock = LoopClock(warmup_iters, cuda, windows, handoff, breakdown)
     clock.trace_path, clock.trace_iters = trace, trace_iters
     originals = {name: getattr(script, name) for name in INSTRUMENTED[job.key]}
     step = Prepared.step
     t_start = time.perf_counter()
     globals()[job.instrument](script, clock)
-    if config:  # the host time of autotune.apply's step (the script as written never imports autotune)
+    if config and breakdown:  # the host time of autotune.apply's step (the script as written never imports autotune)
 
         def timed_step(self: Any, batch: Any) -> Any:
             if not clock.inside:
@@ -686,7 +697,7 @@ def time_loop(job: Job, preset: str, max_iters: int, warmup_iters: int, config: 
         "per_iteration_ms": {
             "get_batch_host": 1e3 * clock.batch_host_s / (end - k0),
             "get_batch_copy": 1e3 * clock.batch_copy_s / (end - k0),
-            "apply_step": 1e3 * clock.step_s / (end - k0) if config else None,
+            "apply_step": 1e3 * clock.step_s / (end - k0) if config and breakdown else None,
             "rest": 1e3 * (train_s - clock.batch_host_s - clock.batch_copy_s - clock.step_s) / (end - k0),
             "total": 1e3 * train_s / (end - k0)},
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}

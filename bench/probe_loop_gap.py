@@ -153,6 +153,25 @@ class Baton:
             self.cv.notify_all()
 
 
+def cudagraph_trees_in_every_thread() -> None:
+    """Give this thread TorchInductor's CUDA-graph-tree registries: the module makes them for the
+    thread that imports it only, and a compile under mode="reduce-overhead" in another thread fails
+    `assert torch._C._is_key_in_tls(...)` (pytorch/pytorch#123177). Each thread gets its own, as the
+    module's threading.local intends; a bench-only workaround (torch's private module)."""
+    from collections import defaultdict
+
+    import torch
+    from torch._inductor import cudagraph_trees
+
+    local = cudagraph_trees.local
+    if not hasattr(local, "tree_manager_containers"):
+        # as the module does at import: the registries, and their TLS stash for autograd's threads
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = defaultdict(threading.Lock)
+        torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+        torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
+
+
 def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """One probe and one loop run in one process, their timed windows taking turns: the loop warms
     up, then the probe sets up and warms up, then loop window 1, probe window 1, loop window 2, ...,
@@ -165,9 +184,11 @@ def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> 
     got: dict[str, Any] = {}
 
     def loop_side() -> None:
+        cudagraph_trees_in_every_thread()
         try:
             got["loop"] = time_loop(job, args.preset, args.loop_iters, args.loop_warmup_iters, args.config,
-                                    windows=args.windows + 1, handoff=lambda: baton.pass_to("loop", "probe"))
+                                    windows=args.windows + 1, handoff=lambda: baton.pass_to("loop", "probe"),
+                                    breakdown=False)  # the script's calls as written: no clock reads inside them
         except BaseException as exc:  # reported with the run; the probe side goes on alone
             got["loop_failure"] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -177,6 +198,7 @@ def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> 
         if phase in ("timed windows", "window"):  # before the first window, after each (outside the timing)
             baton.pass_to("probe", "loop")
 
+    cudagraph_trees_in_every_thread()
     thread = threading.Thread(target=loop_side, name="loop", daemon=True)
     thread.start()
     baton.wait("probe", "loop")  # the loop's warm-up first: one side compiles at a time
@@ -422,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     traces = {"probe": work / "probe.trace.json", "loop": work / "loop.trace.json"}
     doc: dict[str, Any] = {"benchmark": "probe_loop_gap", "job": args.job, "argv": sys.argv[1:],
                            "config_source": source, "config": config, "registration": how,
-                           "settings": {**{k: getattr(args, k) for k in ("preset", "samples", "windows", "batch_windows", "warmup_steps",
+                           "settings": {**{k: getattr(args, k) for k in ("preset", "samples", "windows", "warmup_steps",
+                                                                           "batch_windows",
                                                                            "long_factor", "long_warmup", "trace_warmup",
                                                                            "trace_steps", "repeats", "loop_iters",
                                                                            "loop_warmup_iters")},
