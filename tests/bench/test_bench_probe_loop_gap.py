@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import probe_loop_gap as gap  # a bench script (bench/ is not a package)
 
 
+@pytest.mark.slow
 def test_probe_and_loop_are_timed_and_both_traces_summarized(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("batch_size: 8\naccum_steps: 1\nfused_optimizer: true\n")
@@ -73,6 +74,7 @@ def test_cpus_take_tasksets_list_form_and_refuse_what_the_host_lacks() -> None:
             raise AssertionError(f"--cpus {bad} was taken")
 
 
+@pytest.mark.slow
 def test_same_process_windows_take_turns_and_each_probe_window_meets_the_loop_windows_around_it(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("batch_size: 8\naccum_steps: 1\n")
