@@ -410,9 +410,9 @@ class LoopClock:
 
         self.warmup_iters = warmup_iters
         # windows > 0: the timed iterations also in that many equal windows, each timed between
-        # synchronized marks; handoff() runs at every window edge but the last, between one
-        # window's end mark and the next one's start (bench/probe_loop_gap.py --same-process
-        # hands the GPU to a probe there), so the time it takes is in no window
+        # synchronized marks; handoff() runs at every window edge, after one window's end mark and
+        # before the next one's start (bench/probe_loop_gap.py --same-process hands the GPU to a
+        # probe there), so the time it takes is in no window
         self.windows, self.handoff = windows, handoff
         self.edges: list[int] = []
         self.edge_set: frozenset[int] = frozenset()  # the check every iteration makes: O(1)
@@ -508,9 +508,9 @@ class LoopClock:
             self.window_samples.append(self.samples - samples0)
             self.window_eval_s.append(self.eval_s - eval0)
             self._open = None
+        if self.handoff is not None:
+            self.handoff()
         if it != self.edges[-1]:
-            if self.handoff is not None:
-                self.handoff()
             self._open = (time.perf_counter(), self.samples, self.eval_s)
 
     def counting(self) -> bool:

@@ -20,14 +20,15 @@ runtime calls per step, syncs, the GPU's kernel time and busy fraction, the heav
     python bench/probe_loop_gap.py --job hf_causal_lm --from bench/results/hf_causal_lm_verdict_h200.json \\
         --device cuda --out gap_hf.json --trace-dir traces/
 
---same-process: --repeats runs, each a probe and a loop in one process with their timed windows
-taking turns (loop window 1, probe window 1, loop window 2, ..., loop window n + 1; the loop in a
-thread, only the side holding the turn running). On a shared host the speed moves in spells of
-seconds (the picks' runs spread ±20 % across processes and across back-to-back runs in one
-process alike); windows a few tenths of a second apart share the spell, so each probe window is
-set against the two loop windows around it. The summary adds `pairs`: per run the geometric mean
-of those ratios, and over the runs their geometric mean with a paired-t 95 % interval
-(autotune.contract.verdict.paired on the logs). No traces in this mode.
+--same-process: --repeats runs, each a probe and a loop in one fresh process with their timed
+windows taking turns (loop window 1, probe window 1, loop window 2, ..., loop window n + 1; the
+loop in a thread, only the side holding the turn running; --sides probe,loop swaps the threads,
+--sides probe,probe is the harness's A/A run: two probes, whose ratio should be 1). On a shared
+host the speed moves in spells of a fraction of a second to seconds (the picks' runs spread ±20 %
+across processes and across back-to-back runs in one process alike); windows a few tenths of a
+second apart share more of a spell, so each window of the second side is set against the two
+windows of the first around it. The summary adds `pairs` (pair_ratio: batch means of the windows'
+log ratios, a t interval over them). No traces in this mode.
 
 The config: the run's certified pick (`comparison.pick.config`), or --config FILE; the samples,
 windows and warm-up: the run's study's, unless given. Writes --out (JSON, rewritten after each
@@ -172,43 +173,66 @@ def cudagraph_trees_in_every_thread() -> None:
         torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
-def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One probe and one loop run in one process, their timed windows taking turns: the loop warms
-    up, then the probe sets up and warms up, then loop window 1, probe window 1, loop window 2, ...,
-    probe window n, loop window n + 1 (each side's windows timed between its own synchronized
-    marks; the other side's turn falls between them). The loop runs in a thread, the probe in this
-    one; only the side holding the turn runs. Returns (the probe's result dict, the loop's)."""
+SIDES = ("loop,probe", "probe,loop", "probe,probe")  # --sides: the first side (in a thread), the second
+
+
+def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> list[dict[str, Any]]:
+    """Two runs in one process, their timed windows taking turns (--sides FIRST,SECOND). The first
+    runs in a thread and warms up first; then the second (in this thread) sets up and warms up; then
+    first window 1, second window 1, first window 2, ..., second window n, first window n + 1. Each
+    side times its windows between its own synchronized marks and hands the turn over between them
+    (at every window edge: a side that still holds a turn when the other has ended goes on alone);
+    only the side holding the turn runs. The default puts the loop first and the probe second;
+    probe,loop swaps their threads; probe,probe is the harness's A/A run. Returns a record per
+    side, first then second."""
+    import dataclasses
+
     from autotune.engine.probe import run_probe
 
-    baton = Baton("loop")
-    got: dict[str, Any] = {}
+    baton = Baton("first")
+    got: dict[str, dict[str, Any]] = {}
+    kinds = dict(zip(("first", "second"), args.sides.split(","), strict=True))
 
-    def loop_side() -> None:
-        cudagraph_trees_in_every_thread()
+    def run_side(me: str, other: str, windows: int) -> dict[str, Any]:
+        if kinds[me] == "loop":
+            loop = time_loop(job, args.preset, args.loop_iters, args.loop_warmup_iters, args.config, windows=windows,
+                             handoff=lambda: baton.pass_to(me, other),
+                             breakdown=False)  # the script's calls as written: no clock reads inside them
+            return {"variant": "loop", "throughput": loop["train_samples_per_s"],
+                    **{k: loop.get(k) for k in ("window_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
+                                                "iterations", "warmup_iterations", "final_val_loss")}}
+
+        def turns(phase: str, info: dict[str, Any]) -> None:
+            if phase in ("timed windows", "window"):  # before the first window, after each (outside the timing)
+                baton.pass_to(me, other)
+
+        # windows of the same length on both sides: n + 1 of them take proportionally more samples
+        mine = dataclasses.replace(settings, windows=windows, samples=settings.samples * windows // args.windows)
+        probe = run_probe(job.workload, cfg, preset=args.preset, device=args.device, settings=mine,
+                          on_progress=turns).to_dict()  # what `autotune probe --json` prints
+        return {"variant": "probe", "samples": mine.samples, "warmup_steps": mine.warmup_steps,
+                "throughput": probe.get("throughput_samples_per_s"),
+                **{k: probe.get(k) for k in ("window_throughputs", "steps", "failure", "notes")}}
+
+    def side(me: str, other: str, windows: int) -> None:
         try:
-            got["loop"] = time_loop(job, args.preset, args.loop_iters, args.loop_warmup_iters, args.config,
-                                    windows=args.windows + 1, handoff=lambda: baton.pass_to("loop", "probe"),
-                                    breakdown=False)  # the script's calls as written: no clock reads inside them
-        except BaseException as exc:  # reported with the run; the probe side goes on alone
-            got["loop_failure"] = f"{type(exc).__name__}: {exc}"
+            got[me] = run_side(me, other, windows)
+        except BaseException as exc:  # reported with the run; the other side goes on alone
+            got[me] = {"variant": kinds[me], "failure": f"{type(exc).__name__}: {exc}"}
         finally:
-            baton.end("loop", "probe")
+            baton.end(me, other)
 
-    def turns(phase: str, info: dict[str, Any]) -> None:
-        if phase in ("timed windows", "window"):  # before the first window, after each (outside the timing)
-            baton.pass_to("probe", "loop")
+    def first() -> None:
+        cudagraph_trees_in_every_thread()
+        side("first", "second", args.windows + 1)
 
     cudagraph_trees_in_every_thread()
-    thread = threading.Thread(target=loop_side, name="loop", daemon=True)
+    thread = threading.Thread(target=first, name="first", daemon=True)
     thread.start()
-    baton.wait("probe", "loop")  # the loop's warm-up first: one side compiles at a time
-    try:
-        probe = run_probe(job.workload, cfg, preset=args.preset, device=args.device, settings=settings,
-                          on_progress=turns).to_dict()  # what `autotune probe --json` prints
-    finally:
-        baton.end("probe", "loop")
-        thread.join()
-    return probe, got.get("loop") or {"failure": got.get("loop_failure", "no result")}
+    baton.wait("second", "first")  # the first side's warm-up first: one side compiles at a time
+    side("second", "first", args.windows)
+    thread.join()
+    return [{**got[me], "side": me} for me in ("first", "second")]
 
 
 def paired_child(args: argparse.Namespace) -> None:
@@ -221,14 +245,8 @@ def paired_child(args: argparse.Namespace) -> None:
     settings = ProbeSettings(samples=args.samples, windows=args.windows, warmup_steps=args.warmup_steps,
                              timeout_s=args.timeout)
     t0 = time.time()
-    probe, loop = interleaved(args, job, cfg, settings)
+    runs = interleaved(args, job, cfg, settings)
     wall = time.time() - t0
-    runs = [{"variant": "probe", "samples": args.samples, "warmup_steps": args.warmup_steps,
-             "throughput": probe.get("throughput_samples_per_s"),
-             **{k: probe.get(k) for k in ("window_throughputs", "steps", "failure", "notes")}},
-            {"variant": "loop", "throughput": loop.get("train_samples_per_s"), "failure": loop.get("failure"),
-             **{k: loop.get(k) for k in ("window_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
-                                         "iterations", "warmup_iterations", "final_val_loss")}}]
     Path(args.result).write_text("".join(json.dumps({**run, "wall_s": wall}, default=str) + "\n" for run in runs))
 
 
@@ -247,7 +265,7 @@ def paired_runs(args: argparse.Namespace, config: Path, env: dict[str, str], wor
                "--device", args.device, "--config", str(config), "--samples", str(args.samples), "--windows",
                str(args.windows), "--warmup-steps", str(args.warmup_steps), "--timeout", str(args.timeout),
                "--loop-iters", str(args.loop_iters), "--loop-warmup-iters", str(args.loop_warmup_iters),
-               "--result", str(result)]
+               "--sides", args.sides, "--result", str(result)]
         t0 = time.time()
         failure = None
         try:
@@ -266,29 +284,32 @@ def paired_runs(args: argparse.Namespace, config: Path, env: dict[str, str], wor
 
 
 def pair_ratio(runs: list[dict[str, Any]], batch: int = 10) -> dict[str, Any] | None:
-    """The interleaved windows' ratio. Each probe window is set against the two loop windows around
-    it (the geometric mean of loop windows i and i + 1: a drift linear in time cancels). The
-    windows' log ratios are cut, run by run, into consecutive batches of `batch` (batch means: a
-    spell of the host's speed spans neighbouring windows, so single windows are not independent,
-    batches of them nearly are); the ratio is the geometric mean over the batches with a
-    one-sample t 95 % interval (autotune.contract.verdict.paired). Also: each run's geometric
-    mean and the lag-1 autocorrelation of the window log ratios (near 0: the batches are
-    independent enough). None without two batches."""
+    """The interleaved windows' ratio, probe over loop (an A/A run: second probe over first). Each
+    window of the second side is set against the two first-side windows around it (their geometric
+    mean: a drift linear in time cancels). The windows' log ratios are cut, run by run, into
+    consecutive batches of `batch` (batch means: a spell of the host's speed spans neighbouring
+    windows, so single windows are not independent, batches of them nearly are); the ratio is the
+    geometric mean over the batches with a one-sample t 95 % interval
+    (autotune.contract.verdict.paired). Also: each run's geometric mean and the lag-1
+    autocorrelation of the window log ratios (near 0: the batches are independent enough). None
+    without two batches. Runs without a `side` are the loop first, the probe second."""
     from autotune.contract.verdict import paired
 
-    sides: dict[int, dict[str, list[float]]] = {}
+    sides: dict[int, dict[str, tuple[str, list[float]]]] = {}
     for run in runs:
         windows = run.get("window_throughputs") or run.get("window_samples_per_s")
         if windows and not run.get("failure") and run.get("variant") in ("probe", "loop"):
-            sides.setdefault(run["repeat"], {})[run["variant"]] = windows
+            me = run.get("side") or ("first" if run["variant"] == "loop" else "second")
+            sides.setdefault(run["repeat"], {})[me] = (run["variant"], windows)
     per_run: list[float] = []
     logs: list[list[float]] = []
     for _, s in sorted(sides.items()):
         if len(s) < 2:
             continue
-        probe, loop = s["probe"], s["loop"]
-        run_logs = [math.log(probe[i] / math.sqrt(loop[i] * loop[i + 1]))
-                    for i in range(min(len(probe), len(loop) - 1))]
+        (_, first), (second_kind, second) = s["first"], s["second"]
+        sign = -1.0 if second_kind == "loop" else 1.0  # probe over loop, whichever side the probe took
+        run_logs = [sign * math.log(second[i] / math.sqrt(first[i] * first[i + 1]))
+                    for i in range(min(len(second), len(first) - 1))]
         if run_logs:
             logs.append(run_logs)
             per_run.append(math.exp(statistics.fmean(run_logs)))
@@ -341,7 +362,8 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"| {v} | {row['median']:,.0f} | {len(row['runs'])} | {ratio} |")
     pairs = doc["summary"].get("pairs")
     if pairs:
-        lines.append(f"\nprobe / loop, windows interleaved in one process ({pairs['runs']} runs, {pairs['windows']} "
+        what = "second probe / first probe (A/A)" if doc["settings"].get("sides") == "probe,probe" else "probe / loop"
+        lines.append(f"\n{what}, windows interleaved in one process ({pairs['runs']} runs, {pairs['windows']} "
                      f"window pairs, {pairs['batches']} batches of {pairs['batch']}): geomean {pairs['geomean']:.3f} "
                      f"[{pairs['ci95'][0]:.3f}–{pairs['ci95'][1]:.3f}] (t over the batch means, 95 %); per run "
                      f"{', '.join(f'{x:.3f}' for x in pairs['per_run'])}; a window's log ratio sd "
@@ -369,6 +391,7 @@ def child_main(argv: list[str]) -> None:
     for name in ("--samples", "--windows", "--warmup-steps", "--loop-iters", "--loop-warmup-iters"):
         c.add_argument(name, type=int, required=True)
     c.add_argument("--timeout", type=float, required=True)
+    c.add_argument("--sides", choices=SIDES, default=SIDES[0])
     paired_child(c.parse_args(argv))
 
 
@@ -406,6 +429,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--same-process", action="store_true",
                    help="a probe and a loop in one process, their windows taking turns, --repeats times (module "
                         "docstring); no traces")
+    p.add_argument("--sides", choices=SIDES, default=SIDES[0],
+                   help="with --same-process: which side runs first, in a thread, and which second (module "
+                        "docstring); probe,probe is the harness's A/A run")
     p.add_argument("--batch-windows", type=int, default=10,
                    help="with --same-process: window ratios per batch mean (the interval's unit)")
     p.add_argument("--out", required=True)
@@ -445,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     doc: dict[str, Any] = {"benchmark": "probe_loop_gap", "job": args.job, "argv": sys.argv[1:],
                            "config_source": source, "config": config, "registration": how,
                            "settings": {**{k: getattr(args, k) for k in ("preset", "samples", "windows", "warmup_steps",
-                                                                           "batch_windows",
+                                                                           "batch_windows", "sides",
                                                                            "long_factor", "long_warmup", "trace_warmup",
                                                                            "trace_steps", "repeats", "loop_iters",
                                                                            "loop_warmup_iters")},

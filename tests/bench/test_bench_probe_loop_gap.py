@@ -75,35 +75,46 @@ def test_cpus_take_tasksets_list_form_and_refuse_what_the_host_lacks() -> None:
 
 
 @pytest.mark.slow
-def test_same_process_windows_take_turns_and_each_probe_window_meets_the_loop_windows_around_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sides", ["loop,probe", "probe,probe"])
+def test_same_process_windows_take_turns_and_each_second_side_window_meets_the_first_sides_around_it(
+        tmp_path: Path, sides: str) -> None:
+    repeats = 1
     config = tmp_path / "config.yaml"
     config.write_text("batch_size: 8\naccum_steps: 1\n")
     out = tmp_path / "gap.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "probe_loop_gap.py"), "--job", "gpt_script", "--device", "cpu",
-         "--config", str(config), "--samples", "256", "--windows", "5", "--repeats", "2", "--loop-iters", "40",
-         "--loop-warmup-iters", "8", "--timeout", "120", "--workdir", str(tmp_path / "work"), "--same-process",
-         "--batch-windows", "5", "--out", str(out)],
+         "--config", str(config), "--samples", "256", "--windows", "5", "--repeats", str(repeats), "--loop-iters",
+         "40", "--loop-warmup-iters", "8", "--timeout", "120", "--workdir", str(tmp_path / "work"),
+         "--same-process", "--sides", sides, "--batch-windows", "2", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert [(r["variant"], r["repeat"]) for r in doc["runs"]] == [("probe", 0), ("loop", 0), ("probe", 1), ("loop", 1)]
+    first, second = sides.split(",")
+    assert [(r["variant"], r["side"], r["repeat"]) for r in doc["runs"]] == [
+        x for r in range(repeats) for x in ((first, "first", r), (second, "second", r))]
     assert {r["process"] for r in doc["runs"]} == {"same"} and doc["settings"]["same_process"]
-    probes, loops = doc["runs"][0::2], doc["runs"][1::2]
-    # the loop ran its own iterations (batch 8 against its 16: twice 40), its windows one more than the probe's,
-    # and counted its own batches only (the probe in the other thread calls the same get_batch)
-    assert [r["iterations"] for r in loops] == [80, 80]
-    assert [len(r["window_samples_per_s"]) for r in loops] == [6, 6]
-    assert [len(r["window_throughputs"]) for r in probes] == [5, 5]
-    logs = []
-    for probe, loop in zip(probes, loops, strict=True):
-        p, q = probe["window_throughputs"], loop["window_samples_per_s"]
-        logs.append([math.log(p[i] / math.sqrt(q[i] * q[i + 1])) for i in range(5)])
+    firsts, seconds = doc["runs"][0::2], doc["runs"][1::2]
+
+    def windows(run: dict) -> list[float]:
+        return run.get("window_throughputs") or run["window_samples_per_s"]
+
+    # the first side times one window more than the second (which sits between them)
+    assert [len(windows(r)) for r in firsts] == [6] * repeats and [len(windows(r)) for r in seconds] == [5] * repeats
+    if first == "loop":
+        # the loop ran its own iterations (batch 8 against its 16: twice 40) and counted its own batches
+        # only (the probe in the other thread calls the same get_batch)
+        assert [r["iterations"] for r in firsts] == [80] * repeats
+    else:  # the first probe's windows as long as the second's: 6/5 of the samples
+        assert [r["samples"] for r in firsts] == [307] and [r["samples"] for r in seconds] == [256]
+    logs = [[math.log(windows(b)[i] / math.sqrt(windows(a)[i] * windows(a)[i + 1])) for i in range(5)]
+            for a, b in zip(firsts, seconds, strict=True)]
     pairs = doc["summary"]["pairs"]
-    assert pairs["runs"] == 2 and pairs["windows"] == 10
+    assert pairs["runs"] == repeats and pairs["windows"] == 5 * repeats and pairs["batches"] == 2 * repeats
     assert pairs["per_run"] == pytest.approx([math.exp(sum(xs) / 5) for xs in logs])
     assert pairs["ci95"][0] < pairs["geomean"] < pairs["ci95"][1]
-    assert "windows interleaved in one process (2 runs, 10 window pairs" in done.stdout
+    what = "second probe / first probe (A/A)" if sides == "probe,probe" else "probe / loop"
+    assert f"{what}, windows interleaved in one process ({repeats} runs, {5 * repeats} window pairs" in done.stdout
 
 
 def test_batch_means_cut_each_runs_window_ratios_and_drop_a_short_tail() -> None:
@@ -119,6 +130,12 @@ def test_batch_means_cut_each_runs_window_ratios_and_drop_a_short_tail() -> None
     assert got["per_run"] == pytest.approx([2 ** 0.6, 1.0])
     assert got["lag1_autocorrelation"] < 0  # run 0 alternates
     assert gap.pair_ratio(run(0, [1, 1], [1, 1, 1]), batch=2) is None  # one batch: no interval
+
+
+def test_with_the_loop_second_the_ratio_is_still_probe_over_loop() -> None:
+    runs = [{"variant": "probe", "side": "first", "repeat": 0, "window_throughputs": [2, 2, 2, 2, 2]},
+            {"variant": "loop", "side": "second", "repeat": 0, "window_samples_per_s": [1, 1, 1, 1]}]
+    assert gap.pair_ratio(runs, batch=2)["geomean"] == pytest.approx(2.0)
 
 
 def test_the_baton_hands_the_turn_over_and_never_waits_on_a_side_that_ended() -> None:
