@@ -421,7 +421,6 @@ class LoopClock:
         self.breakdown = breakdown
         self.window_s: list[float] = []
         self.window_samples: list[int] = []
-        self.window_eval_s: list[float] = []
         self._open: tuple[float, int, float] | None = None  # (start, samples, eval_s) of the open window
         self.owner = threading.get_ident()  # the loop's thread: a probe in another thread calls the originals
         self.device = torch.device("cuda" if cuda else "cpu")
@@ -506,7 +505,6 @@ class LoopClock:
             t0, samples0, eval0 = self._open
             self.window_s.append(now - t0 - (self.eval_s - eval0))  # evaluations left out, as in train_s
             self.window_samples.append(self.samples - samples0)
-            self.window_eval_s.append(self.eval_s - eval0)
             self._open = None
         if self.handoff is not None:
             self.handoff()
