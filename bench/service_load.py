@@ -966,6 +966,13 @@ def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, An
             if winner_lease and winner_lease["finished_at"] else None})
     discarded = discarded_measurements(trials, chaos.measurements)
     configs_check = config_checks(trials, chaos.lease_configs, chaos.mismatches)
+    # a trial no worker ever got a lease answer for (an orphan, or never leased) has no leased
+    # config to check; it must be one of those two and must not be COMPLETE (nobody ran it)
+    unseen = [t for tid, t in trials.items() if tid not in chaos.lease_configs]
+    explained = set(orphans) | {by_number[n]["trial_id"] for n in never_leased}
+    configs_check["trials_no_worker_saw"] = len(unseen)
+    configs_check["unseen_unexplained"] = sum(1 for t in unseen
+                                              if t["trial_id"] not in explained or t["state"] == "COMPLETE")
     server_errors = {k: v for k, v in chaos.errors.items() if k.rsplit(":", 1)[-1].startswith("5")}
     checks = {
         "trials": len(trials), "configurations": len(configs), "n_trials": n_trials,
@@ -1005,6 +1012,7 @@ def kill_checks(db: dict[str, Any], chaos: Chaos, n_trials: int) -> dict[str, An
                     and checks["kills_unrecovered"] == 0 and len(configs) == n_trials
                     and checks["still_active_leases"] == 0 and checks["measurements_discarded"] == 0
                     and checks["stored_config_differs_from_lease"] == 0 and checks["leased_trials_missing"] == 0
+                    and checks["unseen_unexplained"] == 0
                     and checks["mismatched_stored"] == 0 and checks["mismatched_accepted"] == 0
                     and checks["mismatched_unanswered"] == 0 and checks["server_errors_5xx"] == 0)
     return {"checks": checks, "recoveries": recoveries}

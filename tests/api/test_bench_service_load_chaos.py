@@ -50,7 +50,10 @@ def test_heartbeats_mismatches_and_a_service_kill_lose_duplicate_and_discard_not
     assert c["mismatched_sent"] >= 3 and c["mismatched_refused"] == c["mismatched_sent"], c
     assert set(c["mismatched_by_status"]) == {"422"} and c["mismatched_stored"] == 0, c
     assert "preset-left lr set" in c["mismatched_by_kind"], c
-    assert c["stored_config_differs_from_lease"] == 0 and c["configs_checked"] == c["trials"], c
+    # every trial a worker got a lease for holds the leased config; the rest (a lease answer that
+    # died with the service, or never leased) are orphans the reaper failed, never COMPLETE
+    assert c["stored_config_differs_from_lease"] == 0 and c["unseen_unexplained"] == 0, c
+    assert c["configs_checked"] + c["trials_no_worker_saw"] == c["trials"], c
     assert c["server_errors_5xx"] == 0 and run["server"]["log_tracebacks"] == 0
     # heartbeats were sent and answered; the service was killed once and came back
     assert run["heartbeats"]["answered"] > 0 and run["latency_ms"]["heartbeat"]["p50"] is not None
@@ -139,7 +142,17 @@ def test_an_orphan_lease_is_told_apart_from_a_trial_held_twice() -> None:
     c = kill_checks(db, chaos, n_trials=3)["checks"]
     assert c["orphan_leases"] == 1 and c["orphan_lease_overlaps"] == 1
     assert c["overlapping_leases_of_one_worker"] == 0 and c["duplicated"] == 0 and c["lost"] == 0, c
+    # the orphan's config was never seen by a worker: not checked, and explained
+    assert c["trials_no_worker_saw"] == 1 and c["configs_checked"] == 3 and c["unseen_unexplained"] == 0, c
     assert c["ok"], c
+
+
+def test_a_trial_no_worker_saw_is_explained_only_as_an_orphan_that_never_completed() -> None:
+    db, chaos = _world()
+    del chaos.lease_configs[2]  # the database holds trial 2 leased to w2 and COMPLETE; w2 never saw it
+    chaos.leases.pop(2)
+    c = kill_checks(db, chaos, n_trials=2)["checks"]
+    assert c["trials_no_worker_saw"] == 1 and c["unseen_unexplained"] == 1 and not c["ok"], c
 
 
 def test_a_trial_never_completed_is_lost() -> None:
