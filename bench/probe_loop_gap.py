@@ -399,7 +399,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_paired"]:  # the child of --same-process
         child_main(argv[1:])
-        return
+        # its result is written: leave without the interpreter's teardown, which on a loaded
+        # 2-core host aborted 2 of 8 CPU runs after both sides had finished ("terminate called
+        # without an active exception", exit -6) and so failed a finished run
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", choices=JOBS, required=True)
     p.add_argument("--from", dest="source", default=None, help="a gpt_script_verdict.py JSON: its pick and study")

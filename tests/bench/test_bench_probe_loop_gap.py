@@ -88,7 +88,7 @@ def test_same_process_windows_take_turns_and_each_second_side_window_meets_the_f
          "40", "--loop-warmup-iters", "8", "--timeout", "120", "--workdir", str(tmp_path / "work"),
          "--same-process", "--sides", sides, "--batch-windows", "2", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
     first, second = sides.split(",")
     assert [(r["variant"], r["side"], r["repeat"]) for r in doc["runs"]] == [
