@@ -91,3 +91,6 @@ def test_the_tutorial_commands_run_on_cpu(tmp_path: Path) -> None:
     assert "ScriptWorkload.lr_multiplier" in output
     assert "# autotune verdict for study gpt-script-study" in (work / "gpt-best.yaml").read_text()
     assert len(re.findall(r"parameters, vocab \d+, \d+ iterations of \d+ x \d+ sequences", output)) == 2, output[-3000:]
+    # the apply path timed the script's own loop and set the study's figure for the pick beside it
+    assert re.search(r"your loop: [\d,.]+ samples/s over optimizer steps 11-\d+ .*; the study's probe measured "
+                     r"[\d,.]+ for this config \([\d.]+x\)", output), output[-3000:]

@@ -16,6 +16,8 @@ Your objects are changed in place, never replaced (keep your references: your LR
 acting on them), and the learning rate stays yours unless ``use_config_lr=True``.
 `prepared.notes` says what every knob did; `apply` prints, once, each knob that could not act on
 your objects (``quiet=True`` to skip). What each knob does to your objects: docs/workloads.md.
+``print(prepared.loop_rate())`` at the end says how fast your own loop ran under the config, by
+the wall clock, beside what the study's probe measured for it (from a best.yaml's header).
 
 On a job of several ranks (torchrun, ``torch.distributed.init_process_group`` before `apply`)
 the distributed knobs act too (`distribute`): a plain model is wrapped in DistributedDataParallel
@@ -33,7 +35,9 @@ import contextlib
 import dataclasses
 import inspect
 import os
+import re
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -95,6 +99,55 @@ def load_config(source: str | Path | Mapping[str, Any] | TrainConfig) -> TrainCo
     return parse_config(load_config_arg(text))
 
 
+_PROBE_THROUGHPUT = re.compile(r"^# throughput: ([0-9][0-9.]*) samples/s", re.MULTILINE)
+
+
+def probe_throughput_of(source: str | Path | Mapping[str, Any] | TrainConfig) -> float | None:
+    """The throughput the study measured for this config (samples/s, the geometric mean over its
+    runs), from the ``# throughput:`` line of a best.yaml that ``autotune best --format yaml``
+    wrote; None for a config given any other way."""
+    if isinstance(source, (Mapping, TrainConfig)) or str(source).strip().startswith("{"):
+        return None
+    try:
+        found = _PROBE_THROUGHPUT.search(Path(source).read_text())
+    except (OSError, UnicodeDecodeError):
+        return None
+    return float(found.group(1)) if found else None
+
+
+LOOP_RATE_WARMUP_STEPS = 10  # optimizer steps left out of `Prepared.loop_rate`: compile, graph capture
+
+
+@dataclass(frozen=True)
+class LoopRate:
+    """Your loop's own speed under the config (`Prepared.loop_rate`), by the wall clock from the
+    end of optimizer step `first_step` - 1 to the end of step `last_step`: everything your loop
+    did between them (data, logging, evaluation) counts, as it does for your job."""
+
+    first_step: int
+    last_step: int
+    samples: int  # of every rank
+    seconds: float
+    probe_samples_per_s: float | None  # what the study measured for this config (a best.yaml's)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def over_probe(self) -> float | None:
+        """Your loop's rate over the probe's (1.0: the loop ran as fast as measured)."""
+        return self.samples_per_s / self.probe_samples_per_s if self.probe_samples_per_s else None
+
+    def __str__(self) -> str:
+        text = (f"your loop: {self.samples_per_s:,.1f} samples/s over optimizer steps {self.first_step}-"
+                f"{self.last_step} ({self.samples:,} samples in {self.seconds:.2f} s, wall clock)")
+        if self.over_probe is not None:
+            text += (f"; the study's probe measured {self.probe_samples_per_s:,.1f} for this config "
+                     f"({self.over_probe:.2f}x)")
+        return text
+
+
 @contextlib.contextmanager
 def _as_apply_error(knob: str) -> Iterator[None]:
     """The knob functions raise the probe's ProbeError (a failure kind); here it is the user's
@@ -148,7 +201,11 @@ class Prepared:
     parallel: nn.Module | None = None  # the DDP (or FSDP) module over the ranks; None in one process
     notes: Notes = field(default_factory=dict)
     check_batch_size: bool = False  # no loader was rebuilt: the first step checks the caller's micro-batches
+    probe_samples_per_s: float | None = None  # the study's measurement of this config (a best.yaml's)
     _pending: list[Any] = field(default_factory=list)
+    # the wall clock and sample count at the end of the warm-up's last step and of the latest step
+    _rate_start: tuple[float, int] | None = None
+    _rate_last: tuple[float, int, int] | None = None
 
     @property
     def optimizers(self) -> Optimizers:
@@ -192,7 +249,31 @@ class Prepared:
         if len(self._pending) < self.accum_steps:
             return None
         batches, self._pending = self._pending, []
-        return self.trainer.step(batches)
+        loss = self.trainer.step(batches)
+        self._clock_step()
+        return loss
+
+    def _clock_step(self) -> None:
+        """The host clock at the end of an optimizer step (no device sync: in a steady loop the
+        host runs the same distance ahead of the device at both ends of the span)."""
+        now, steps, samples = time.perf_counter(), self.trainer.step_index, self.trainer.samples_seen
+        if steps == LOOP_RATE_WARMUP_STEPS:
+            self._rate_start = (now, samples)
+        elif steps > LOOP_RATE_WARMUP_STEPS and self._rate_start is not None:
+            self._rate_last = (now, steps, samples)
+
+    def loop_rate(self) -> LoopRate | None:
+        """Your loop's samples per second under the config, by the wall clock over the optimizer
+        steps `step` ran after the first LOOP_RATE_WARMUP_STEPS (10: compile and CUDA-graph
+        capture happen there), with the study's own measurement of the config where the config
+        came from a best.yaml: ``print(prepared.loop_rate())`` at the end of training. None until
+        a step past the warm-up has run. Every rank's samples count (the probe's throughput is
+        global too); time your loop spends outside `step` counts as well, as it does for your job."""
+        if self._rate_start is None or self._rate_last is None:
+            return None
+        (t0, s0), (t1, steps, s1) = self._rate_start, self._rate_last
+        return LoopRate(first_step=LOOP_RATE_WARMUP_STEPS + 1, last_step=steps, samples=s1 - s0, seconds=t1 - t0,
+                        probe_samples_per_s=self.probe_samples_per_s)
 
 
 def _check_loss_fn(model: nn.Module, loss_fn: LossFn | None) -> LossFn:
@@ -530,7 +611,7 @@ def apply(config: str | Path | Mapping[str, Any] | TrainConfig, model: nn.Module
                           lambda message: ApplyError("attention_backend", message.removeprefix("attention_backend=")))
     prepared = Prepared(config=cfg, device=dev, model=compiled, module=plain, optimizer=held, trainer=trainer,
                         train_loader=loader, parallel=parallel.wrapper, notes=notes,
-                        check_batch_size=train_loader is None)
+                        check_batch_size=train_loader is None, probe_samples_per_s=probe_throughput_of(config))
     if not quiet:
         _print_inactive(notes, cfg)
     return prepared
@@ -545,4 +626,5 @@ class _CallableModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _CallableModule
 
-__all__ = ["ApplyError", "LossFn", "Prepared", "apply", "load_config", "rebuild_loader", "to_device"]
+__all__ = ["ApplyError", "LoopRate", "LossFn", "Prepared", "apply", "load_config", "probe_throughput_of",
+           "rebuild_loader", "to_device"]

@@ -50,6 +50,42 @@ def test_load_config_reads_the_best_yaml_with_its_comment_header(tmp_path: Path)
         load_config({"batchsize": 3})
 
 
+def test_loop_rate_counts_the_loops_own_wall_clock_after_the_warm_up_beside_the_studys_figure(
+        tmp_path: Path) -> None:
+    import time
+
+    from autotune.engine.apply import LOOP_RATE_WARMUP_STEPS
+
+    best = tmp_path / "best.yaml"
+    best.write_text("# autotune verdict for study s: CERTIFIED, trial 3\n"
+                    "# throughput: 1234.5 samples/s; baseline 600.0 samples/s (geometric means over their runs)\n"
+                    "batch_size: 4\naccum_steps: 2\n")
+    model, opt, loader = user_objects(n=200)
+    prepared = apply(best, model, optimizer=opt, train_loader=loader, loss_fn=mse)
+    assert prepared.probe_samples_per_s == 1234.5
+    batches = iter(prepared.train_loader or [])
+    pause = 0.02
+    for step in range(1, LOOP_RATE_WARMUP_STEPS + 6):
+        for _ in range(2):  # accum_steps 2: two micro-batches of 4 per optimizer step
+            prepared.step(next(batches))
+        if step <= LOOP_RATE_WARMUP_STEPS:
+            assert prepared.loop_rate() is None  # the warm-up's steps are left out
+        time.sleep(pause)  # the loop's own work outside `step` (logging, evaluation) counts
+    rate = prepared.loop_rate()
+    assert rate is not None
+    assert (rate.first_step, rate.last_step) == (LOOP_RATE_WARMUP_STEPS + 1, LOOP_RATE_WARMUP_STEPS + 5)
+    assert rate.samples == 5 * 2 * 4 and rate.seconds >= 5 * pause
+    assert rate.samples_per_s == rate.samples / rate.seconds and rate.over_probe == rate.samples_per_s / 1234.5
+    text = str(rate)
+    assert f"optimizer steps {LOOP_RATE_WARMUP_STEPS + 1}-{LOOP_RATE_WARMUP_STEPS + 5}" in text
+    assert "the study's probe measured 1,234.5 for this config" in text
+    # a config given as a mapping (or a best.yaml without its header) has no figure to set beside it
+    plain = apply({"batch_size": 4}, user_objects()[0], lr=1e-3, loss_fn=mse)
+    assert plain.probe_samples_per_s is None
+    best.write_text("batch_size: 4\n")
+    assert apply(best, user_objects()[0], lr=1e-3, loss_fn=mse).probe_samples_per_s is None
+
+
 def test_the_loader_is_rebuilt_with_the_data_pipeline_knobs() -> None:
     model, opt, loader = user_objects()
     prepared = apply({"batch_size": 8, "num_workers": 2, "prefetch_factor": 4, "persistent_workers": True,

@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> float:
             optimizer.zero_grad(set_to_none=True)
         if it % log_interval == 0:
             print(f"iter {it}: loss {loss.item():.4f}, lr {lr:.2e}")
+    if args.config:  # autotune
+        print(prepared.loop_rate() or "autotune: too few iterations to time this loop")  # autotune
     return val_loss
 
 
