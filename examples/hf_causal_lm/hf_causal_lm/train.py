@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> float:
         if step % size.eval_every == 0 or step == max_steps:
             loss = val_loss(model, val, size.block_size)
             print(f"step {step}: val loss {loss:.4f}, lr {scheduler.get_last_lr()[0]:.2e}")
+    if args.config:  # autotune
+        print(prepared.loop_rate() or "autotune: too few steps to time this loop")  # autotune
     return loss
 
 
