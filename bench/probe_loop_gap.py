@@ -23,12 +23,15 @@ runtime calls per step, syncs, the GPU's kernel time and busy fraction, the heav
 --same-process: --repeats runs, each a probe and a loop in one fresh process with their timed
 windows taking turns (loop window 1, probe window 1, loop window 2, ..., loop window n + 1; the
 loop in a thread, only the side holding the turn running; --sides probe,loop swaps the threads,
---sides probe,probe is the harness's A/A run: two probes, whose ratio should be 1). On a shared
-host the speed moves in spells of a fraction of a second to seconds (the picks' runs spread ±20 %
-across processes and across back-to-back runs in one process alike); windows a few tenths of a
-second apart share more of a spell, so each window of the second side is set against the two
-windows of the first around it. The summary adds `pairs` (pair_ratio: batch means of the windows'
-log ratios, a t interval over them). No traces in this mode.
+--sides probe,probe is the harness's A/A run: two probes, whose ratio should be 1; --sides
+loop,probe,probe takes three turns, the loop's and two probes' (each but the last side in a thread),
+so the probe against the loop and the A/A come from the same spells). On a shared host the speed
+moves in spells of a fraction of a second to seconds (the picks' runs spread ±20 % across processes
+and across back-to-back runs in one process alike); windows a few tenths of a second apart share
+more of a spell, so each window of a later side is set against the two windows of an earlier one
+around it. The summary adds `pairs` (pair_ratio: batch means of the windows' log ratios, a t
+interval over them; the second side against the first) and, with three sides, `pairs_all` (every
+pair of sides). No traces in this mode.
 
 The config: the run's certified pick (`comparison.pick.config`), or --config FILE; the samples,
 windows and warm-up: the run's study's, unless given. Writes --out (JSON, rewritten after each
@@ -129,28 +132,38 @@ def loop_run(args: argparse.Namespace, config: Path, env: dict[str, str], work: 
 
 
 class Baton:
-    """Two threads taking turns on one GPU: pass_to hands the turn over and blocks until it comes
-    back, or until the other side has ended (then nothing waits for it)."""
+    """Sides taking turns on one GPU, in the order given: pass_to hands the turn to the next side
+    that has not ended and blocks until the turn comes back (at once when no other side is left);
+    a side that ends hands the turn on and never waits again."""
 
-    def __init__(self, first: str) -> None:
-        self.turn = first
+    def __init__(self, order: list[str]) -> None:
+        self.order = list(order)
+        self.turn = self.order[0]
         self.ended: set[str] = set()
         self.cv = threading.Condition()
 
-    def wait(self, me: str, other: str) -> None:
-        with self.cv:
-            self.cv.wait_for(lambda: self.turn == me or other in self.ended)
+    def _next(self, me: str) -> str:
+        i = self.order.index(me)
+        for other in self.order[i + 1:] + self.order[:i]:
+            if other not in self.ended:
+                return other
+        return me
 
-    def pass_to(self, me: str, other: str) -> None:
+    def wait(self, me: str) -> None:
         with self.cv:
-            self.turn = other
+            self.cv.wait_for(lambda: self.turn == me)
+
+    def pass_to(self, me: str) -> None:
+        with self.cv:
+            self.turn = self._next(me)
             self.cv.notify_all()
-            self.cv.wait_for(lambda: self.turn == me or other in self.ended)
+            self.cv.wait_for(lambda: self.turn == me)
 
-    def end(self, me: str, other: str) -> None:
+    def end(self, me: str) -> None:
         with self.cv:
             self.ended.add(me)
-            self.turn = other
+            if self.turn == me:
+                self.turn = self._next(me)
             self.cv.notify_all()
 
 
@@ -173,30 +186,43 @@ def cudagraph_trees_in_every_thread() -> None:
         torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
-SIDES = ("loop,probe", "probe,loop", "probe,probe")  # --sides: the first side (in a thread), the second
+KINDS = ("loop", "probe")
+POSITIONS = ("first", "second", "third")
+
+
+def sides_arg(text: str) -> str:
+    """--sides: two or three of loop and probe, comma-separated (e.g. loop,probe or loop,probe,probe)."""
+    kinds = text.split(",")
+    if not 2 <= len(kinds) <= len(POSITIONS) or any(k not in KINDS for k in kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give two or three of loop and probe, comma-separated "
+                                         "(loop,probe; probe,loop; probe,probe; loop,probe,probe)")
+    return text
 
 
 def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> list[dict[str, Any]]:
-    """Two runs in one process, their timed windows taking turns (--sides FIRST,SECOND). The first
-    runs in a thread and warms up first; then the second (in this thread) sets up and warms up; then
-    first window 1, second window 1, first window 2, ..., second window n, first window n + 1. Each
-    side times its windows between its own synchronized marks and hands the turn over between them
-    (at every window edge: a side that still holds a turn when the other has ended goes on alone);
-    only the side holding the turn runs. The default puts the loop first and the probe second;
-    probe,loop swaps their threads; probe,probe is the harness's A/A run. Returns a record per
-    side, first then second."""
+    """Two or three runs in one process, their timed windows taking turns (--sides FIRST,SECOND[,THIRD]).
+    Every side but the last runs in a thread of its own; each sets up and warms up in turn (one
+    compiles at a time), the first first; then first window 1, second window 1, (third window 1,)
+    first window 2, ..., the last side's window n, first window n + 1, so that every window of a
+    later side sits between two windows of every earlier one. Each side times its windows between
+    its own synchronized marks and hands the turn on between them (at every window edge; a side
+    whose fellows have ended goes on alone); only the side holding the turn runs. The default
+    puts the loop first and the probe second; probe,loop swaps their threads; probe,probe is the
+    harness's A/A run; loop,probe,probe measures the probe against the loop and the harness's A/A
+    in the same spells. Returns a record per side, in order."""
     import dataclasses
 
     from autotune.engine.probe import run_probe
 
-    baton = Baton("first")
+    kinds = dict(zip(POSITIONS, args.sides.split(","), strict=False))
+    order = list(kinds)
+    baton = Baton(order)
     got: dict[str, dict[str, Any]] = {}
-    kinds = dict(zip(("first", "second"), args.sides.split(","), strict=True))
 
-    def run_side(me: str, other: str, windows: int) -> dict[str, Any]:
+    def run_side(me: str, windows: int) -> dict[str, Any]:
         if kinds[me] == "loop":
             loop = time_loop(job, args.preset, args.loop_iters, args.loop_warmup_iters, args.config, windows=windows,
-                             handoff=lambda: baton.pass_to(me, other),
+                             handoff=lambda: baton.pass_to(me),
                              breakdown=False)  # the script's calls as written: no clock reads inside them
             return {"variant": "loop", "throughput": loop["train_samples_per_s"],
                     **{k: loop.get(k) for k in ("window_samples_per_s", "halves_samples_per_s", "per_iteration_ms",
@@ -204,9 +230,9 @@ def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> 
 
         def turns(phase: str, info: dict[str, Any]) -> None:
             if phase in ("timed windows", "window"):  # before the first window, after each (outside the timing)
-                baton.pass_to(me, other)
+                baton.pass_to(me)
 
-        # windows of the same length on both sides: n + 1 of them take proportionally more samples
+        # windows of the same length on every side: n + 1 of them take proportionally more samples
         mine = dataclasses.replace(settings, windows=windows, samples=settings.samples * windows // args.windows)
         probe = run_probe(job.workload, cfg, preset=args.preset, device=args.device, settings=mine,
                           on_progress=turns).to_dict()  # what `autotune probe --json` prints
@@ -214,25 +240,25 @@ def interleaved(args: argparse.Namespace, job: Any, cfg: Any, settings: Any) -> 
                 "throughput": probe.get("throughput_samples_per_s"),
                 **{k: probe.get(k) for k in ("window_throughputs", "steps", "failure", "notes")}}
 
-    def side(me: str, other: str, windows: int) -> None:
+    def side(me: str) -> None:
+        if me != order[-1]:
+            cudagraph_trees_in_every_thread()
+        baton.wait(me)  # the earlier sides' set-ups and warm-ups first: one compiles at a time
         try:
-            got[me] = run_side(me, other, windows)
-        except BaseException as exc:  # reported with the run; the other side goes on alone
+            got[me] = run_side(me, args.windows + 1 if me == order[0] else args.windows)
+        except BaseException as exc:  # reported with the run; the other sides go on
             got[me] = {"variant": kinds[me], "failure": f"{type(exc).__name__}: {exc}"}
         finally:
-            baton.end(me, other)
-
-    def first() -> None:
-        cudagraph_trees_in_every_thread()
-        side("first", "second", args.windows + 1)
+            baton.end(me)
 
     cudagraph_trees_in_every_thread()
-    thread = threading.Thread(target=first, name="first", daemon=True)
-    thread.start()
-    baton.wait("second", "first")  # the first side's warm-up first: one side compiles at a time
-    side("second", "first", args.windows)
-    thread.join()
-    return [{**got[me], "side": me} for me in ("first", "second")]
+    threads = [threading.Thread(target=side, args=(me,), name=me, daemon=True) for me in order[:-1]]
+    for thread in threads:
+        thread.start()
+    side(order[-1])
+    for thread in threads:
+        thread.join()
+    return [{**got[me], "side": me} for me in order]
 
 
 def paired_child(args: argparse.Namespace) -> None:
@@ -283,38 +309,43 @@ def paired_runs(args: argparse.Namespace, config: Path, env: dict[str, str], wor
     return runs
 
 
-def pair_ratio(runs: list[dict[str, Any]], batch: int = 10) -> dict[str, Any] | None:
-    """The interleaved windows' ratio, probe over loop (an A/A run: second probe over first). Each
-    window of the second side is set against the two first-side windows around it (their geometric
-    mean: a drift linear in time cancels). The windows' log ratios are cut, run by run, into
-    consecutive batches of `batch` (batch means: a spell of the host's speed spans neighbouring
-    windows, so single windows are not independent, batches of them nearly are); the ratio is the
-    geometric mean over the batches with a one-sample t 95 % interval
-    (autotune.contract.verdict.paired). Also: each run's geometric mean and the lag-1
-    autocorrelation of the window log ratios (near 0: the batches are independent enough). None
-    without two batches. Runs without a `side` are the loop first, the probe second."""
+def pair_ratio(runs: list[dict[str, Any]], batch: int = 10, earlier: str = "first", later: str = "second",
+               named: bool = False) -> dict[str, Any] | None:
+    """The interleaved windows' ratio of two sides: probe over loop (two probes: the later over the
+    earlier, the harness's A/A). Each window of the `later` side is set against the two windows of
+    the `earlier` side around it (their geometric mean: a drift linear in time cancels). The
+    windows' log ratios are cut, run by run, into consecutive batches of `batch` (batch means: a
+    spell of the host's speed spans neighbouring windows, so single windows are not independent,
+    batches of them nearly are); the ratio is the geometric mean over the batches with a one-sample
+    t 95 % interval (autotune.contract.verdict.paired). Also: each run's geometric mean and the
+    lag-1 autocorrelation of the window log ratios (near 0: the batches are independent enough).
+    None without two batches. Runs without a `side` are the loop first, the probe second. `named`:
+    the ratio's name gives each side's position (runs of three sides)."""
     from autotune.contract.verdict import paired
 
     sides: dict[int, dict[str, tuple[str, list[float]]]] = {}
     for run in runs:
         windows = run.get("window_throughputs") or run.get("window_samples_per_s")
-        if windows and not run.get("failure") and run.get("variant") in ("probe", "loop"):
+        if windows and not run.get("failure") and run.get("variant") in KINDS:
             me = run.get("side") or ("first" if run["variant"] == "loop" else "second")
             sides.setdefault(run["repeat"], {})[me] = (run["variant"], windows)
     per_run: list[float] = []
     logs: list[list[float]] = []
+    kinds: tuple[str, str] | None = None
     for _, s in sorted(sides.items()):
-        if len(s) < 2:
+        if earlier not in s or later not in s:
             continue
-        (_, first), (second_kind, second) = s["first"], s["second"]
-        sign = -1.0 if second_kind == "loop" else 1.0  # probe over loop, whichever side the probe took
+        (first_kind, first), (second_kind, second) = s[earlier], s[later]
+        kinds = (first_kind, second_kind)
+        # probe over loop, whichever side the probe took
+        sign = -1.0 if second_kind == "loop" and first_kind == "probe" else 1.0
         run_logs = [sign * math.log(second[i] / math.sqrt(first[i] * first[i + 1]))
                     for i in range(min(len(second), len(first) - 1))]
         if run_logs:
             logs.append(run_logs)
             per_run.append(math.exp(statistics.fmean(run_logs)))
     means = [statistics.fmean(xs[i:i + batch]) for xs in logs for i in range(0, len(xs) - batch + 1, batch)]
-    if len(means) < 2:
+    if len(means) < 2 or kinds is None:
         return None
     d = paired(means)
     low, high = d.bounds(0.025)
@@ -322,10 +353,22 @@ def pair_ratio(runs: list[dict[str, Any]], batch: int = 10) -> dict[str, Any] | 
     mean = statistics.fmean(flat)
     spread = sum((x - mean) ** 2 for x in flat)
     lag1 = sum((a - mean) * (b - mean) for xs in logs for a, b in itertools.pairwise(xs)) / spread if spread else 0.0
-    return {"runs": len(per_run), "windows": len(flat), "batch": batch, "batches": len(means),
+    return {"what": ratio_name(kinds, (earlier, later), named), "sides": [earlier, later],
+            "runs": len(per_run), "windows": len(flat), "batch": batch, "batches": len(means),
             "per_run": per_run, "geomean": math.exp(d.value), "ci95": [math.exp(low), math.exp(high)],
             "window_log_sd": statistics.stdev(flat), "lag1_autocorrelation": lag1,
             "window_ratios": [[math.exp(x) for x in xs] for xs in logs]}
+
+
+def ratio_name(kinds: tuple[str, str], positions: tuple[str, str], named: bool = False) -> str:
+    """What pair_ratio's ratio is, in words: "probe / loop", "second probe / first probe (A/A)",
+    or `named`, with each side's position: "probe (third) / loop (first)"."""
+    (k1, k2), (p1, p2) = kinds, positions
+    if not named:
+        return f"{p2} {k2} / {p1} {k1} (A/A)" if k1 == k2 else "probe / loop"
+    if k1 == k2:
+        return f"{k2} ({p2}) / {k1} ({p1}) (A/A)"
+    return f"probe ({p2 if k2 == 'probe' else p1}) / loop ({p1 if k1 == 'loop' else p2})"
 
 
 def summary(runs: list[dict[str, Any]], batch: int = 10) -> dict[str, Any]:
@@ -346,6 +389,9 @@ def summary(runs: list[dict[str, Any]], batch: int = 10) -> dict[str, Any]:
         pairs = pair_ratio(runs, batch)
         if pairs:
             out["pairs"] = pairs
+        if any(run.get("side") == "third" for run in runs):  # three sides: every pair of them
+            more = [pair_ratio(runs, batch, a, b, named=True) for a, b in itertools.combinations(POSITIONS, 2)]
+            out["pairs_all"] = [x for x in more if x]
     return out
 
 
@@ -354,15 +400,16 @@ def table(doc: dict[str, Any]) -> str:
              f"{doc['config_source']}", "", "| run | samples/s (median) | runs | / loop (median; geomean [95 % CI]) |",
              "|---|---:|---:|---:|"]
     for v, row in doc["summary"].items():
-        if v == "pairs":
+        if v in ("pairs", "pairs_all"):
             continue
         ratio = f"{row['over_loop']:.3f}" if row.get("over_loop") else "–"
         if row.get("ci95"):
             ratio += f" (geomean {row['geomean_over_loop']:.3f} [{row['ci95'][0]:.3f}–{row['ci95'][1]:.3f}])"
         lines.append(f"| {v} | {row['median']:,.0f} | {len(row['runs'])} | {ratio} |")
-    pairs = doc["summary"].get("pairs")
-    if pairs:
-        what = "second probe / first probe (A/A)" if doc["settings"].get("sides") == "probe,probe" else "probe / loop"
+    summ = doc["summary"]
+    for pairs in summ.get("pairs_all") or ([summ["pairs"]] if summ.get("pairs") else []):
+        what = pairs.get("what") or ("second probe / first probe (A/A)" if doc["settings"].get("sides") == "probe,probe"
+                                     else "probe / loop")
         lines.append(f"\n{what}, windows interleaved in one process ({pairs['runs']} runs, {pairs['windows']} "
                      f"window pairs, {pairs['batches']} batches of {pairs['batch']}): geomean {pairs['geomean']:.3f} "
                      f"[{pairs['ci95'][0]:.3f}–{pairs['ci95'][1]:.3f}] (t over the batch means, 95 %); per run "
@@ -391,7 +438,7 @@ def child_main(argv: list[str]) -> None:
     for name in ("--samples", "--windows", "--warmup-steps", "--loop-iters", "--loop-warmup-iters"):
         c.add_argument(name, type=int, required=True)
     c.add_argument("--timeout", type=float, required=True)
-    c.add_argument("--sides", choices=SIDES, default=SIDES[0])
+    c.add_argument("--sides", type=sides_arg, default="loop,probe")
     paired_child(c.parse_args(argv))
 
 
@@ -434,9 +481,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--same-process", action="store_true",
                    help="a probe and a loop in one process, their windows taking turns, --repeats times (module "
                         "docstring); no traces")
-    p.add_argument("--sides", choices=SIDES, default=SIDES[0],
-                   help="with --same-process: which side runs first, in a thread, and which second (module "
-                        "docstring); probe,probe is the harness's A/A run")
+    p.add_argument("--sides", type=sides_arg, default="loop,probe",
+                   help="with --same-process: the sides in their turn order, each but the last in a thread "
+                        "(module docstring): loop,probe; probe,loop; probe,probe (the harness's A/A run); "
+                        "loop,probe,probe (both in the same spells)")
     p.add_argument("--batch-windows", type=int, default=10,
                    help="with --same-process: window ratios per batch mean (the interval's unit)")
     p.add_argument("--out", required=True)

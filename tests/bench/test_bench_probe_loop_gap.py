@@ -75,7 +75,7 @@ def test_cpus_take_tasksets_list_form_and_refuse_what_the_host_lacks() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sides", ["loop,probe", "probe,probe"])
+@pytest.mark.parametrize("sides", ["loop,probe", "loop,probe,probe"])
 def test_same_process_windows_take_turns_and_each_second_side_window_meets_the_first_sides_around_it(
         tmp_path: Path, sides: str) -> None:
     repeats = 1
@@ -90,31 +90,43 @@ def test_same_process_windows_take_turns_and_each_second_side_window_meets_the_f
         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
-    first, second = sides.split(",")
+    kinds = sides.split(",")
+    positions = ("first", "second", "third")[:len(kinds)]
     assert [(r["variant"], r["side"], r["repeat"]) for r in doc["runs"]] == [
-        x for r in range(repeats) for x in ((first, "first", r), (second, "second", r))]
+        x for r in range(repeats) for x in zip(kinds, positions, [r] * len(kinds), strict=True)]
     assert {r["process"] for r in doc["runs"]} == {"same"} and doc["settings"]["same_process"]
-    firsts, seconds = doc["runs"][0::2], doc["runs"][1::2]
+    by_side = {me: [r for r in doc["runs"] if r["side"] == me] for me in positions}
 
     def windows(run: dict) -> list[float]:
         return run.get("window_throughputs") or run["window_samples_per_s"]
 
-    # the first side times one window more than the second (which sits between them)
-    assert [len(windows(r)) for r in firsts] == [6] * repeats and [len(windows(r)) for r in seconds] == [5] * repeats
-    if first == "loop":
-        # the loop ran its own iterations (batch 8 against its 16: twice 40) and counted its own batches
-        # only (the probe in the other thread calls the same get_batch)
-        assert [r["iterations"] for r in firsts] == [80] * repeats
-    else:  # the first probe's windows as long as the second's: 6/5 of the samples
-        assert [r["samples"] for r in firsts] == [307] and [r["samples"] for r in seconds] == [256]
+    # the first side times one window more than the later ones (which sit between its windows)
+    assert [len(windows(r)) for r in by_side["first"]] == [6] * repeats
+    for me in positions[1:]:
+        assert [len(windows(r)) for r in by_side[me]] == [5] * repeats
+        assert [r["samples"] for r in by_side[me]] == [256] * repeats
+    # the loop ran its own iterations (batch 8 against its 16: twice 40) and counted its own batches
+    # only (a probe in another thread calls the same get_batch)
+    assert [r["iterations"] for r in by_side["first"]] == [80] * repeats
     logs = [[math.log(windows(b)[i] / math.sqrt(windows(a)[i] * windows(a)[i + 1])) for i in range(5)]
-            for a, b in zip(firsts, seconds, strict=True)]
+            for a, b in zip(by_side["first"], by_side["second"], strict=True)]
     pairs = doc["summary"]["pairs"]
     assert pairs["runs"] == repeats and pairs["windows"] == 5 * repeats and pairs["batches"] == 2 * repeats
     assert pairs["per_run"] == pytest.approx([math.exp(sum(xs) / 5) for xs in logs])
     assert pairs["ci95"][0] < pairs["geomean"] < pairs["ci95"][1]
-    what = "second probe / first probe (A/A)" if sides == "probe,probe" else "probe / loop"
-    assert f"{what}, windows interleaved in one process ({repeats} runs, {5 * repeats} window pairs" in done.stdout
+    if len(kinds) == 2:
+        assert "pairs_all" not in doc["summary"]
+        whats = ["probe / loop"]
+    else:  # every pair of sides, each window of the later side against the earlier one's around it
+        whats = ["probe (second) / loop (first)", "probe (third) / loop (first)",
+                 "probe (third) / probe (second) (A/A)"]
+        assert [x["what"] for x in doc["summary"]["pairs_all"]] == whats
+        a_a = doc["summary"]["pairs_all"][2]
+        logs = [[math.log(windows(b)[i] / math.sqrt(windows(a)[i] * windows(a)[i + 1])) for i in range(4)]
+                for a, b in zip(by_side["second"], by_side["third"], strict=True)]
+        assert a_a["windows"] == 4 * repeats and a_a["per_run"] == pytest.approx([math.exp(sum(xs) / 4) for xs in logs])
+    for what in whats:
+        assert f"{what}, windows interleaved in one process ({repeats} runs" in done.stdout
 
 
 def test_batch_means_cut_each_runs_window_ratios_and_drop_a_short_tail() -> None:
@@ -139,24 +151,70 @@ def test_with_the_loop_second_the_ratio_is_still_probe_over_loop() -> None:
 
 
 def test_the_baton_hands_the_turn_over_and_never_waits_on_a_side_that_ended() -> None:
-    baton, order = gap.Baton("loop"), []
+    baton, order = gap.Baton(["loop", "probe"]), []
 
     def loop() -> None:
         for i in range(3):
             order.append(f"loop {i}")
-            baton.pass_to("loop", "probe")
-        baton.end("loop", "probe")
+            baton.pass_to("loop")
+        baton.end("loop")
 
     thread = threading.Thread(target=loop)
     thread.start()
-    baton.wait("probe", "loop")
+    baton.wait("probe")
     for i in range(5):  # two turns more than the loop takes: the last ones run alone
         order.append(f"probe {i}")
-        baton.pass_to("probe", "loop")
-    baton.end("probe", "loop")
+        baton.pass_to("probe")
+    baton.end("probe")
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert order == ["loop 0", "probe 0", "loop 1", "probe 1", "loop 2", "probe 2", "probe 3", "probe 4"]
+
+
+def test_three_sides_take_turns_in_order_and_skip_those_that_ended() -> None:
+    baton, order = gap.Baton(["a", "b", "c"]), []
+    turns = {"a": 3, "b": 1, "c": 2}
+
+    def side(me: str) -> None:
+        baton.wait(me)
+        for i in range(turns[me]):
+            order.append(f"{me}{i}")
+            baton.pass_to(me)
+        baton.end(me)
+
+    threads = [threading.Thread(target=side, args=(me,)) for me in ("c", "b")]  # started out of turn order
+    for thread in threads:
+        thread.start()
+    side("a")
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    assert order == ["a0", "b0", "c0", "a1", "c1", "a2"]
+
+
+def test_three_sides_give_every_pair_its_ratio_named_by_position() -> None:
+    runs = [{"variant": "loop", "side": "first", "repeat": 0, "process": "same", "throughput": 1.0,
+             "window_samples_per_s": [1.0] * 6},
+            {"variant": "probe", "side": "second", "repeat": 0, "process": "same", "throughput": 2.0,
+             "window_throughputs": [2.0] * 5},
+            {"variant": "probe", "side": "third", "repeat": 0, "process": "same", "throughput": 3.0,
+             "window_throughputs": [3.0] * 5}]
+    got = gap.summary(runs, batch=2)
+    assert got["pairs"]["what"] == "probe / loop" and got["pairs"]["geomean"] == pytest.approx(2.0)
+    ratios = {x["what"]: x["geomean"] for x in got["pairs_all"]}
+    assert ratios == pytest.approx({"probe (second) / loop (first)": 2.0, "probe (third) / loop (first)": 3.0,
+                                    "probe (third) / probe (second) (A/A)": 1.5})
+    assert gap.ratio_name(("probe", "loop"), ("second", "third"), named=True) == "probe (second) / loop (third)"
+    assert "pairs_all" not in gap.summary(runs[:2], batch=2)
+
+
+def test_sides_are_two_or_three_of_loop_and_probe() -> None:
+    import argparse
+
+    assert gap.sides_arg("loop,probe,probe") == "loop,probe,probe"
+    for bad in ("probe", "loop,probe,probe,probe", "loop,prob"):
+        with pytest.raises(argparse.ArgumentTypeError, match="two or three of loop and probe"):
+            gap.sides_arg(bad)
 
 
 def test_time_loop_puts_back_the_functions_it_wrapped(monkeypatch) -> None:
