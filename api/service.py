@@ -53,6 +53,7 @@ from autotune.api.study import (
 )
 from autotune.api.study.prune_rules import Decision
 from autotune.api.study.pruning import StudySummary, TrialReports, curve_of, decide
+from autotune.api.study.trials import batch_per_step
 from autotune.contract.config import KNOBS
 from autotune.contract.protocol import ProbeSpec
 from autotune.contract.results import (
@@ -143,11 +144,22 @@ class TuningService(StudyService):
         curve = curve_of(trial.user_attrs.get("loss_curve"))
         if role(trial) == "baseline":
             samples = trial.user_attrs.get("samples_trained")
-            summary.add_baseline(curve, samples if isinstance(samples, int) else None)
+            summary.add_baseline(curve, samples if isinstance(samples, int) else None,
+                                 batch_per_step(trial.user_attrs.get("config")))
         elif role(trial) == "search" and is_feasible(trial, ctx.spec, gate):
             throughput = metric(trial, ctx.spec, "throughput_samples_per_s")
             if throughput is not None:
                 summary.add_feasible(throughput, curve, metric(trial, ctx.spec, "energy_j_per_sample"))
+
+    def _larger_batch(self, ctx: StudyContext, trial_id: int, summary: StudySummary) -> bool:
+        """Whether a running search trial's quality is judged at the re-measure budget
+        (remeasure.larger_batch_quality "remeasure"): its leased config's samples per optimizer step
+        (a knob left null: the preset's) above the baseline's (api.study.front.deferred_candidates)."""
+        if ctx.spec.remeasure.larger_batch_quality != "remeasure" or summary.baseline_batch is None:
+            return False
+        preset = preset_values(ctx.spec.workload, ctx.spec.preset) or self._preset_ran(ctx)
+        mine = batch_per_step(self._leased_config(trial_id), preset)
+        return mine is not None and mine > summary.baseline_batch
 
     def _role_of(self, trial_id: int) -> str:
         known = self._roles.get(trial_id)
@@ -332,9 +344,14 @@ class TuningService(StudyService):
             # the trial's own reports come from a per-trial cache; the study's side from the per-study
             # summary kept at complete time: no report of the study is read
             ctx = self._ctx(record)
-            reports = self._reports.setdefault(trial_id, TrialReports())
+            reports = self._reports.get(trial_id)
+            search = self._role_of(trial_id) == "search"
+            summary = self._summary(ctx) if search else None
+            if reports is None:
+                reports = self._reports.setdefault(trial_id, TrialReports(
+                    quality_deferred=summary is not None and self._larger_batch(ctx, trial_id, summary)))
             reports.add(request.step, request.metrics)
-            reference = self._summary(ctx).reference() if self._role_of(trial_id) == "search" else None
+            reference = summary.reference() if summary is not None else None
             decision = decide(reports, reference, ctx.spec)
             if decision.prune:
                 log.info("trial %d of %s: prune (%s)", trial_id, study_name, decision.reason)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from autotune.api.study.feasibility import is_feasible
+from autotune.api.study.feasibility import fits_memory, is_feasible
 from autotune.api.study.trials import (
     TrialRecord,
     baseline_repeat_of,
     baseline_target,
+    completed,
     first_attempts,
+    has_larger_batch,
     is_repeat,
     knob_config,
     metric,
@@ -64,23 +66,56 @@ def ranked_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
     return sorted(ranked, key=lambda c: (sign * c[0], c[1].number))
 
 
+def deferred_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None
+                        ) -> list[tuple[float, TrialRecord]]:
+    """(throughput, trial) of the search trials whose quality the study judges at the re-measure
+    budget instead (remeasure.larger_batch_quality "remeasure"), fastest first: completed, within
+    the memory limit, a larger effective batch than the baseline's (`has_larger_batch`), and
+    refused by the gate at the search's budget. Only those faster than every candidate are of use
+    (`remeasure_targets`). Empty under the default ("search")."""
+    if spec.remeasure.larger_batch_quality != "remeasure" or gate is None or chosen_by(spec) != "throughput":
+        return []
+    out = [(v, t) for t in trials
+           if role(t) == "search" and completed(t) and not is_repeat(t) and fits_memory(t, spec)
+           and is_feasible(t, spec, gate) is False and baseline_repeat_of(t, trials) is None
+           and has_larger_batch(t, trials) and (v := metric(t, spec, "throughput_samples_per_s")) is not None]
+    return sorted(out, key=lambda c: (-c[0], c[1].number))
+
+
+def is_deferred(trial: TrialRecord, spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> bool:
+    """`trial` is a re-measure target by `deferred_candidates` (its quality judged at the re-measure budget)."""
+    return any(t.number == trial.number for _, t in deferred_candidates(spec, trials, gate))
+
+
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
     """The configs to re-measure: the top_k *distinct* candidates by throughput, fastest first
     (by energy per sample, lowest first, where energy picks: `chosen_by`; a config drawn twice
-    is re-measured once, for its first trial), then the baseline (its first completed seed), so
-    that every re-measured config is compared with the baseline at the same sample budget, in
-    the same interleaved rounds. Nothing when no candidate is feasible."""
+    is re-measured once, for its first trial), then, under remeasure.larger_batch_quality
+    "remeasure", up to top_k distinct larger-batch configs the gate refused at the search's budget
+    that ran faster than the fastest candidate (`deferred_candidates`: their quality is judged at
+    the re-measure budget), then the baseline (its first completed seed), so that every
+    re-measured config is compared with the baseline at the same sample budget, in the same
+    interleaved rounds. Nothing when there is nothing to re-measure."""
     if spec.remeasure.top_k <= 0 or gate is None:
         return []
     targets: list[TrialRecord] = []
     seen: list[dict[str, Any] | None] = []
-    for _, t in ranked_candidates(spec, trials, gate):
-        config = knob_config(t)
-        if config is not None and config in seen:
-            continue
-        seen.append(config)
-        targets.append(t)
-        if len(targets) == spec.remeasure.top_k:
-            break
+
+    def take(pool: Sequence[tuple[float, TrialRecord]]) -> None:
+        taken = 0
+        for _, t in pool:
+            config = knob_config(t)
+            if config is not None and config in seen:
+                continue
+            seen.append(config)
+            targets.append(t)
+            taken += 1
+            if taken == spec.remeasure.top_k:
+                break
+
+    ranked = ranked_candidates(spec, trials, gate)
+    take(ranked)
+    fastest = ranked[0][0] if ranked else None
+    take([(v, t) for v, t in deferred_candidates(spec, trials, gate) if fastest is None or v > fastest])
     base = baseline_target(trials)
     return [*targets, base] if targets and base is not None else targets

@@ -7,6 +7,7 @@ in memory and updates when a trial completes: no report of the study is ever rea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -57,11 +58,14 @@ class StudySummary:
     lowest_feasible_energy: float | None = None
     lowest_energy_curve: list[tuple[float, float]] | None = None
     baseline_curves: list[list[tuple[float, float]]] = field(default_factory=list)
+    baseline_batch: int | None = None  # samples per optimizer step and GPU of the first baseline seed learned
     learned: set[int] = field(default_factory=set)
     finished: int = -1
     _baseline_mean: list[tuple[float, float]] | None = None
 
-    def add_baseline(self, curve: list[tuple[float, float]], samples: int | None) -> None:
+    def add_baseline(self, curve: list[tuple[float, float]], samples: int | None, batch: int | None = None) -> None:
+        if self.baseline_batch is None:
+            self.baseline_batch = batch
         if curve:
             self.baseline_curves.append(curve)
             self._baseline_mean = None
@@ -95,6 +99,9 @@ class TrialReports:
     curve: list[tuple[float, float]] = field(default_factory=list)
     throughputs: list[float] = field(default_factory=list)
     energy: float | None = None  # J/sample of the windows so far (GPU probes), as last reported
+    # its quality is judged at the re-measure budget, not by the search's gate (remeasure.larger_batch_quality
+    # "remeasure" and a larger effective batch than the baseline's): no prune for trailing the baseline's loss
+    quality_deferred: bool = False
 
     def add(self, step: int, metrics: Mapping[str, float]) -> None:
         loss = metrics.get("loss")
@@ -121,5 +128,7 @@ def decide(reports: TrialReports, reference: rules_.Reference | None, spec: Stud
     (baseline and re-measure runs are never pruned for being slow). Pure."""
     if not spec.pruning.enabled:
         return KEEP
-    return rules_.decide(reports.curve, reports.throughputs, reference or rules_.Reference(), rules_for(spec),
-                         reports.energy)
+    ref = reference or rules_.Reference()
+    if reports.quality_deferred:  # the loss-margin rule predicts a gate this trial is not judged by
+        ref = dataclasses.replace(ref, baseline_curve=None)
+    return rules_.decide(reports.curve, reports.throughputs, ref, rules_for(spec), reports.energy)

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 
 from autotune.api.study.feasibility import baseline_summary, gate_quality
-from autotune.api.study.front import chosen_by, ranked_candidates, search_done
+from autotune.api.study.front import RANK_METRIC, chosen_by, ranked_candidates, search_done
 from autotune.api.study.remeasure import (
     Remeasurement,
     geomean,
@@ -21,6 +21,7 @@ from autotune.api.study.trials import (
     TrialRecord,
     baseline_target,
     baselines,
+    batch_per_step,
     completed,
     knob_config,
     metric,
@@ -70,6 +71,11 @@ def _config_verdict(spec: StudySpec, target: TrialRecord, runs: Sequence[TrialRe
         alpha=j.alpha if j else None)
 
 
+# A deferred candidate's row (remeasure.larger_batch_quality "remeasure"; api.study.front.deferred_candidates)
+DEFERRED_NOTE = ("refused by the quality gate at the search's budget; a larger effective batch than the "
+                 "baseline's, so its quality is judged at the re-measure budget")
+
+
 def verdict_rows(spec: StudySpec, trials: Sequence[TrialRecord], rm: Remeasurement) -> list[ConfigVerdict]:
     """The decision rule's inputs, the baseline first, then the candidates in rank order."""
     rows = []
@@ -83,8 +89,10 @@ def verdict_rows(spec: StudySpec, trials: Sequence[TrialRecord], rm: Remeasureme
         status = rm.status.get(t.number, "undecided")
         why = rm.dropped.get(t.number, "") if status == "failed" else \
             ("slower than a certified config: no longer measured" if status == "stopped" else "")
-        rows.append(_config_verdict(spec, t, rm.runs.get(t.number, []), "candidate", status,
-                                    rm.judgements.get(t.number), why))
+        j = rm.judgements.get(t.number)
+        if t.number in rm.deferred:  # the reason says where its quality was judged
+            why = (f"{DEFERRED_NOTE}; " + (why or (j.reason if j else "not judged yet"))).rstrip("; ")
+        rows.append(_config_verdict(spec, t, rm.runs.get(t.number, []), "candidate", status, j, why))
     return rows
 
 
@@ -123,8 +131,9 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord], s
                                "(baseline seeds are the reference, never a recommendation)")
     rm = remeasurement(spec, trials, gate)
     qname = quality_name(spec, trials)
-    if scored_pool and rm.pending:
-        score0, first = scored_pool[0]
+    judged = [t for t in rm.targets if t.number != rm.baseline]  # the candidates the verdict measures again
+    if (scored_pool or judged) and rm.pending:
+        score0, first = scored_pool[0] if scored_pool else (metric(judged[0], spec, RANK_METRIC[by]) or 0.0, judged[0])
         so_far = (f"the fastest search trial so far is trial {first.number} at {score0:,.1f} samples/s"
                   if by == "throughput" else
                   f"the search trial with the lowest energy so far is trial {first.number} at {score0:.4g} J/sample")
@@ -150,7 +159,7 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord], s
             outcome = "not_judged"
             reason = ("nothing was judged: re-measurement is off (remeasure.top_k 0), so no config was shown faster "
                       "beyond the noise; keep the baseline config, or turn re-measurement on")
-        elif not scored_pool:
+        elif not scored_pool and not judged:
             outcome = "no_win"
             reason = (f"no search trial kept the baseline's {qname} (none passed the quality gate); keep the baseline "
                       "config, or widen the search")
@@ -199,6 +208,17 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord], s
     if provenance.mixed:
         caveats.append("mixed study: the pick's and the baseline's runs were measured in different environments ("
                        + "; ".join(provenance.mixed) + "), so the speedup compares unlike runs")
+    if pick_row is not None and chosen.number in rm.deferred:
+        q, b = metric(chosen, spec, "quality"), batch_per_step(chosen.user_attrs.get("config"))
+        caveats.append(
+            f"trial {chosen.number}'s quality was judged at the re-measure budget ({spec.remeasure.samples_factor:g}× "
+            f"the search's samples, remeasure.larger_batch_quality 'remeasure'): at the search's budget the quality "
+            f"gate refused it ({qname} {q:.4g} against {gate:.4g})" if q is not None and gate is not None else
+            f"trial {chosen.number}'s quality was judged at the re-measure budget (remeasure.larger_batch_quality "
+            "'remeasure'), not by the search's gate")
+        caveats.append(f"its effective batch ({b} samples a step) trains fewer optimizer steps over the same samples "
+                       "than the baseline's: its loss catches up with training length, and was shown as good at the "
+                       "re-measure budget; check it at your own run's length (`autotune check`, or a longer probe)")
     if spec.remeasure.top_k <= 0 and scored_pool:
         caveats.append("not re-measured (remeasure.top_k is 0): the search's own measurements, and the fastest of many "
                        "noisy measurements is flattered by its luck (winner's curse)")

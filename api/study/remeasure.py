@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.api.study.feasibility import fits_memory
-from autotune.api.study.front import RANK_METRIC, chosen_by, remeasure_key, remeasure_targets
+from autotune.api.study.front import RANK_METRIC, chosen_by, deferred_candidates, remeasure_key, remeasure_targets
 from autotune.api.study.trials import (
     TrialRecord,
     baseline_target,
@@ -58,6 +58,8 @@ class Remeasurement:
     round_limit: int
     next_round: list[TrialRecord]  # the targets of round `rounds_done`, in creation order (empty: finished)
     probes: int  # re-measure trials that ran (retries of lost ones not counted twice)
+    deferred: frozenset[int] = frozenset()  # candidates the gate refused at the search's budget, their
+    # quality judged at the re-measure budget (remeasure.larger_batch_quality "remeasure")
 
     def judged(self, spec: StudySpec, number: int) -> bool | None:
         """Whether target `number`'s quality held at the judged budget: False once its quality
@@ -137,6 +139,7 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
     (samples_factor 1), its seeds; quality is compared round by round (the rounds both
     completed: one probe seed each), the baseline's runs setting the margin."""
     targets = remeasure_targets(spec, trials, gate)
+    deferred = frozenset(t.number for _, t in deferred_candidates(spec, trials, gate)) & {t.number for t in targets}
     state = retries(spec, trials)
     rs = spec.remeasure
     limit = rs.round_limit(spec.n_trials)
@@ -214,7 +217,7 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
     pending = rs.top_k > 0 and (not targets or bool(next_round))
     return Remeasurement(targets=targets, runs=runs, dropped=dropped, pending=pending, baseline=base_number,
                          base_runs=base_runs, status=status, judgements=judgements, rounds_done=rounds_done,
-                         round_limit=limit, next_round=next_round, probes=probes)
+                         round_limit=limit, next_round=next_round, probes=probes, deferred=deferred)
 
 
 def pooled_energy(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:

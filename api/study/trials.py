@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -219,3 +219,26 @@ def baseline_repeat_of(trial: TrialRecord, trials: Sequence[TrialRecord]) -> int
     if base is None or config is None:
         return None
     return base.number if config == knob_config(base) else None
+
+
+def batch_per_step(config: Mapping[str, Any] | None, preset: Mapping[str, Any] | None = None) -> int | None:
+    """The samples one optimizer step trains on one GPU, batch_size × accum_steps, from a config
+    (a knob it leaves null: `preset`'s value); None when either is not known."""
+    if not isinstance(config, Mapping):
+        return None
+    values = [config.get(k) if config.get(k) is not None else (preset or {}).get(k)
+              for k in ("batch_size", "accum_steps")]
+    batch, accum = values
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        return None
+    assert isinstance(batch, int) and isinstance(accum, int)
+    return batch * accum
+
+
+def has_larger_batch(trial: TrialRecord, trials: Sequence[TrialRecord]) -> bool:
+    """`trial`'s effective batch (`batch_per_step` of the config it ran) is known and larger than
+    the baseline's (its first completed seed's): fewer optimizer steps over the same samples."""
+    base = baseline_target(trials)
+    mine = batch_per_step(trial.user_attrs.get("config"))
+    theirs = batch_per_step(base.user_attrs.get("config")) if base is not None else None
+    return mine is not None and theirs is not None and mine > theirs

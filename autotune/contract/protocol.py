@@ -146,6 +146,23 @@ class RemeasureSpec(Strict):
     confidence: Number = Field(0.95, ge=0.5, le=0.999, description="1 − the chance of certifying a config that is not "
                               "faster or not as good, over every config and round: split evenly between the "
                               "speed and the quality test")
+    larger_batch_quality: Literal["search", "remeasure"] = Field(
+        "search", description="where a config whose effective batch (batch_size × accum_steps) is larger than the "
+        "baseline's is judged on quality: 'search' (the default), by the gate at the search's budget like every "
+        "config; 'remeasure', at the re-measurement's longer budget (samples_factor ≥ 2): such a config that the "
+        "gate refused (or that trailed the baseline's loss) at the search's budget is re-measured beside the top_k "
+        "when it was faster, since a larger batch takes fewer optimizer steps over the same samples and catches up "
+        "with training length")
+
+    @model_validator(mode="after")
+    def _larger_batch_quality(self) -> RemeasureSpec:
+        if self.larger_batch_quality == "remeasure" and (self.samples_factor < 2 or self.top_k == 0):
+            raise ValueError("larger_batch_quality 'remeasure' judges a larger batch's quality at the re-measure "
+                             f"budget, which needs re-measurement on (top_k ≥ 1, here {self.top_k}) at a longer "
+                             f"budget than the search's (samples_factor ≥ 2, here {self.samples_factor:g}): set "
+                             "samples_factor to 8 or more (a larger batch's loss catches up over more steps), or "
+                             "leave larger_batch_quality 'search'")
+        return self
 
     def round_limit(self, n_trials: int) -> int:
         """The most rounds a study runs (`max_rounds`, else derived from the study's size)."""
