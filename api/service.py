@@ -53,7 +53,7 @@ from autotune.api.study import (
 )
 from autotune.api.study.prune_rules import Decision
 from autotune.api.study.pruning import StudySummary, TrialReports, curve_of, decide
-from autotune.api.study.trials import batch_per_step
+from autotune.api.study.trials import baseline_batch, batch_per_step
 from autotune.contract.config import KNOBS
 from autotune.contract.protocol import ProbeSpec
 from autotune.contract.results import (
@@ -144,8 +144,7 @@ class TuningService(StudyService):
         curve = curve_of(trial.user_attrs.get("loss_curve"))
         if role(trial) == "baseline":
             samples = trial.user_attrs.get("samples_trained")
-            summary.add_baseline(curve, samples if isinstance(samples, int) else None,
-                                 batch_per_step(trial.user_attrs.get("config")))
+            summary.add_baseline(curve, samples if isinstance(samples, int) else None, baseline_batch(trial))
         elif role(trial) == "search" and is_feasible(trial, ctx.spec, gate):
             throughput = metric(trial, ctx.spec, "throughput_samples_per_s")
             if throughput is not None:

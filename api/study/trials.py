@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from autotune.api.outcome import attempt, lost, retriable
+from autotune.api.outcome import PRESET_RAN_ATTR, attempt, lost, retriable
 from autotune.contract.config import normalised
 from autotune.contract.protocol import OBJECTIVES, StudySpec
 
@@ -240,5 +240,13 @@ def has_larger_batch(trial: TrialRecord, trials: Sequence[TrialRecord]) -> bool:
     the baseline's (its first completed seed's): fewer optimizer steps over the same samples."""
     base = baseline_target(trials)
     mine = batch_per_step(trial.user_attrs.get("config"))
-    theirs = batch_per_step(base.user_attrs.get("config")) if base is not None else None
-    return mine is not None and theirs is not None and mine > theirs
+    return mine is not None and (theirs := baseline_batch(base)) is not None and mine > theirs
+
+
+def baseline_batch(base: TrialRecord | None) -> int | None:
+    """A completed baseline seed's samples per optimizer step and GPU: its config's, the preset's
+    knobs from what it reported running (a plugin workload's first seed: PRESET_RAN_ATTR)."""
+    if base is None:
+        return None
+    ran = base.user_attrs.get(PRESET_RAN_ATTR)
+    return batch_per_step(base.user_attrs.get("config"), ran if isinstance(ran, Mapping) else None)
