@@ -82,11 +82,6 @@ def deferred_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: fl
     return sorted(out, key=lambda c: (-c[0], c[1].number))
 
 
-def is_deferred(trial: TrialRecord, spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> bool:
-    """`trial` is a re-measure target by `deferred_candidates` (its quality judged at the re-measure budget)."""
-    return any(t.number == trial.number for _, t in deferred_candidates(spec, trials, gate))
-
-
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
     """The configs to re-measure: the top_k *distinct* candidates by throughput, fastest first
     (by energy per sample, lowest first, where energy picks: `chosen_by`; a config drawn twice
