@@ -210,12 +210,11 @@ def recommend(study_name: str, spec: StudySpec, trials: Sequence[TrialRecord], s
                        + "; ".join(provenance.mixed) + "), so the speedup compares unlike runs")
     if pick_row is not None and chosen.number in rm.deferred:
         q, b = metric(chosen, spec, "quality"), batch_per_step(chosen.user_attrs.get("config"))
-        caveats.append(
-            f"trial {chosen.number}'s quality was judged at the re-measure budget ({spec.remeasure.samples_factor:g}× "
-            f"the search's samples, remeasure.larger_batch_quality 'remeasure'): at the search's budget the quality "
-            f"gate refused it ({qname} {q:.4g} against {gate:.4g})" if q is not None and gate is not None else
-            f"trial {chosen.number}'s quality was judged at the re-measure budget (remeasure.larger_batch_quality "
-            "'remeasure'), not by the search's gate")
+        refused = (f"at the search's budget the quality gate refused it ({qname} {q:.4g} against {gate:.4g})"
+                   if q is not None and gate is not None else "not by the search's gate")
+        caveats.append(f"trial {chosen.number}'s quality was judged at the re-measure budget "
+                       f"({spec.remeasure.samples_factor:g}× the search's samples, remeasure.larger_batch_quality "
+                       f"'remeasure'): {refused}")
         caveats.append(f"its effective batch ({b} samples a step) trains fewer optimizer steps over the same samples "
                        "than the baseline's: its loss catches up with training length, and was shown as good at the "
                        "re-measure budget; check it at your own run's length (`autotune check`, or a longer probe)")

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.api.study.feasibility import fits_memory
-from autotune.api.study.front import RANK_METRIC, chosen_by, deferred_candidates, remeasure_key, remeasure_targets
+from autotune.api.study.feasibility import fits_memory, is_feasible
+from autotune.api.study.front import RANK_METRIC, chosen_by, remeasure_key, remeasure_targets
 from autotune.api.study.trials import (
     TrialRecord,
     baseline_target,
@@ -139,13 +139,14 @@ def remeasurement(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | 
     (samples_factor 1), its seeds; quality is compared round by round (the rounds both
     completed: one probe seed each), the baseline's runs setting the margin."""
     targets = remeasure_targets(spec, trials, gate)
-    deferred = frozenset(t.number for _, t in deferred_candidates(spec, trials, gate)) & {t.number for t in targets}
     state = retries(spec, trials)
     rs = spec.remeasure
     limit = rs.round_limit(spec.n_trials)
     base = baseline_target(trials)
     base_number = base.number if base is not None and any(t.number == base.number for t in targets) else None
     cands = [t for t in targets if t.number != base_number]
+    # a target the gate refused can only be a deferred larger batch (front.deferred_candidates)
+    deferred = frozenset(c.number for c in cands if is_feasible(c, spec, gate) is False)
     settled: dict[tuple[int, int], TrialRecord] = {}
     probes = 0
     for t in trials:

@@ -226,13 +226,13 @@ def batch_per_step(config: Mapping[str, Any] | None, preset: Mapping[str, Any] |
     (a knob it leaves null: `preset`'s value); None when either is not known."""
     if not isinstance(config, Mapping):
         return None
-    values = [config.get(k) if config.get(k) is not None else (preset or {}).get(k)
-              for k in ("batch_size", "accum_steps")]
-    batch, accum = values
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        return None
-    assert isinstance(batch, int) and isinstance(accum, int)
-    return batch * accum
+
+    def count(name: str) -> int | None:
+        v = config.get(name) if config.get(name) is not None else (preset or {}).get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+    batch, accum = count("batch_size"), count("accum_steps")
+    return batch * accum if batch is not None and accum is not None else None
 
 
 def has_larger_batch(trial: TrialRecord, trials: Sequence[TrialRecord]) -> bool:
