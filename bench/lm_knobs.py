@@ -629,7 +629,9 @@ def report(doc: dict[str, Any], png: Path | None) -> None:
     print()
     print(table(doc))
     if doc.get("combined"):
-        print("\ncombined:", json.dumps(doc["combined"]["changes"]), "·", " · ".join(doc["combined"]["why"]))
+        # chosen after round 0 (one run a config): its ratios are that round's, not the table's medians
+        print("\ncombined (chosen after round 0, from that round's ratios):", json.dumps(doc["combined"]["changes"]),
+              "·", " · ".join(doc["combined"]["why"]))
     if png:
         try:
             plot(doc, png)
