@@ -82,13 +82,36 @@ def deferred_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: fl
     return sorted(out, key=lambda c: (-c[0], c[1].number))
 
 
+SPEED_TIE = 0.02  # deferred configs within 2 % of the fastest one's search throughput count as equally fast
+
+
+def deferred_order(spec: StudySpec, deferred: Sequence[tuple[float, TrialRecord]]
+                   ) -> list[tuple[float, TrialRecord]]:
+    """The order in which deferred configs are re-measured: those within SPEED_TIE of the fastest
+    one first, the one whose search quality came closest to the gate leading (two lr rules on one
+    larger batch run at one speed, and the one nearer the gate is the likelier to pass it at the
+    re-measure budget); then the rest, fastest first. `deferred`: fastest first."""
+    if not deferred:
+        return []
+    floor = deferred[0][0] * (1 - SPEED_TIE)
+    sign = 1.0 if spec.quality_direction == "minimize" else -1.0
+
+    def closeness(c: tuple[float, TrialRecord]) -> float:
+        quality = metric(c[1], spec, "quality")
+        return sign * quality if quality is not None else float("inf")
+
+    tied = sorted((c for c in deferred if c[0] >= floor), key=lambda c: (closeness(c), -c[0], c[1].number))
+    return tied + [c for c in deferred if c[0] < floor]
+
+
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
     """The configs to re-measure: the top_k *distinct* candidates by throughput, fastest first
     (by energy per sample, lowest first, where energy picks: `chosen_by`; a config drawn twice
     is re-measured once, for its first trial), then, under remeasure.larger_batch_quality
     "remeasure", up to top_k distinct larger-batch configs the gate refused at the search's budget
     that ran faster than the fastest candidate (`deferred_candidates`: their quality is judged at
-    the re-measure budget), then the baseline (its first completed seed), so that every
+    the re-measure budget; among equally fast ones the nearest the gate first: `deferred_order`),
+    then the baseline (its first completed seed), so that every
     re-measured config is compared with the baseline at the same sample budget, in the same
     interleaved rounds. Nothing when there is nothing to re-measure."""
     if spec.remeasure.top_k <= 0 or gate is None:
@@ -111,6 +134,7 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
     ranked = ranked_candidates(spec, trials, gate)
     take(ranked)
     fastest = ranked[0][0] if ranked else None
-    take([(v, t) for v, t in deferred_candidates(spec, trials, gate) if fastest is None or v > fastest])
+    take(deferred_order(spec, [(v, t) for v, t in deferred_candidates(spec, trials, gate)
+                               if fastest is None or v > fastest]))
     base = baseline_target(trials)
     return [*targets, base] if targets and base is not None else targets

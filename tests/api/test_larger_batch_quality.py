@@ -137,3 +137,34 @@ def test_samples_per_step_come_from_the_config_or_the_preset() -> None:
         lambda: batch_per_step({"batch_size": 16}), lambda: batch_per_step(None),
         lambda: batch_per_step({"batch_size": True, "accum_steps": 1})]
     assert [f() for f in unknown] == [None, None, None]
+
+
+@pytest.mark.parametrize(("sqrt_speedup", "remeasured"), [(2.02, "linear"), (2.4, "sqrt")])
+def test_of_two_equally_fast_deferred_configs_the_one_nearer_the_gate_is_remeasured(
+        client: TestClient, make_study: StudyFactory, sqrt_speedup: float, remeasured: str) -> None:
+    """Two lr rules on one larger batch (top_k 1): the sqrt one measures 1 % faster but its search loss
+    is further from the gate; within api.study.front.SPEED_TIE the linear one, nearer the gate, is
+    re-measured. Clearly faster (20 %), the sqrt one is, whatever its search loss."""
+    space = {"params": {"batch_size": {"choices": [8, 32]}, "lr_scaling": {"choices": ["linear", "sqrt"]}},
+             "fixed": {"accum_steps": 1}}
+    make_study("s", n_trials=7, baseline_seeds=3, seed=0, space=space,
+               baseline={"batch_size": 8, "accum_steps": 1, "lr_scaling": "linear"}, starting_points="none",
+               sampler="grid", probe={"samples": SAMPLES},
+               remeasure={"top_k": 1, "samples_factor": FACTOR, "max_rounds": 2, "larger_batch_quality": "remeasure"})
+    noise = itertools.cycle([-1.0, 1.0, 0.3, -0.3])
+    leases = []
+    for i in itertools.count():
+        assert i < 60, "the study did not finish"
+        got = lease(client, f"w{i}")
+        if got is None:
+            if client.get("/v1/studies/s").json()["state"] == "finished":
+                break
+            continue
+        z, cfg = next(noise), got["config"]
+        big, rule = cfg["batch_size"] == 32, cfg.get("lr_scaling")
+        speed = (sqrt_speedup if rule == "sqrt" else 2.0) if big else 1.0
+        gap = ((0.3 if rule == "sqrt" else 0.1) if got["probe"]["samples"] == SAMPLES else 0.0) if big else 0.0
+        complete(client, got, f"w{i}", throughput=100.0 * speed * math.exp(0.005 * z), nrmse=0.1 + 0.002 * z + gap)
+        leases.append(got)
+    again = {g["config"]["lr_scaling"] for g in leases if g["role"] == "remeasure" and g["config"]["batch_size"] == 32}
+    assert again == {remeasured}
