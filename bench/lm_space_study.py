@@ -2,7 +2,7 @@
 space against the same study without them, at equal GPU time, on one host.
 
 Two studies of one workload through `autotune tune` (bench/warm_start_gpu.py's `tune`: one worker,
-bounded in wall seconds), the same spec but for the space:
+or --workers N, one per GPU, bounded in wall seconds), the same spec but for the space:
 
   plain     --space as shipped (default: h100 on a GPU; on a CPU a small inline space);
   widened   the same + attention_backend (every backend the device runs), inductor_tuning (none and
@@ -286,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": "lm_space_study", "argv": sys.argv[1:], "environment": env | code_version(),
         "settings": {"device": args.device, "workload": args.workload, "preset": preset,
                      "samples": base_spec["probe"]["samples"], "n_trials": base_spec["n_trials"],
-                     "study_budget_s": budget, "spec": overrides, "order": args.order, "seed": args.seed,
+                     "study_budget_s": budget, "workers": args.workers, "spec": overrides, "order": args.order,
+                     "seed": args.seed,
                      "spaces": spaces, "space_sizes": {g: combinations(spaces[g]) for g in GROUPS},
                      "workdir": str(work)},
         "studies": {}}
@@ -299,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     db_url = f"sqlite:///{work / 'tune' / 'autotune.db'}"
     for g in order:
         ran = tune(specs[g], work, budget,  # the study's own compiles
-                   env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{g}")})
+                   env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{g}")}, workers=args.workers)
         try:
             doc["studies"][g] = summarize(read_study(db_url, specs[g]["name"]), ran, mfu)
         except Exception as e:  # the study was never created (its tune failed at once)
@@ -326,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-trials", type=int, default=None, help="each study's (default: cuda 14, cpu 6)")
     p.add_argument("--study-budget-s", type=float, default=None, help="each study's wall limit (cuda 270, cpu 240)")
     p.add_argument("--probe-timeout-s", type=float, default=180.0)
+    p.add_argument("--workers", type=int, default=1, help="local workers per study (on a GPU host at most one "
+                                                          "per GPU: each runs its probes on a GPU of its own)")
     p.add_argument("--order", choices=("plain-first", "widened-first"), default="plain-first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=GROUPS, default=None,

@@ -138,13 +138,16 @@ def study_spec(base: dict[str, Any], name: str, seed: int, warm_start: Any, args
     return spec
 
 
-def tune(spec: dict[str, Any], work: Path, budget_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+def tune(spec: dict[str, Any], work: Path, budget_s: float, env: dict[str, str] | None = None,
+         workers: int = 1) -> dict[str, Any]:
     """`autotune tune` one study in `work` (its database shared by every study), bounded by `budget_s`
-    (in `env`, else this process's environment)."""
+    (in `env`, else this process's environment), with `workers` local workers (`tune` gives each a
+    GPU of its own where there are that many)."""
     name = spec["name"]
     (work / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     best = work / f"{name}.best.yaml"
-    argv = [*CLI, "tune", f"{name}.yaml", "--workdir", str(work / "tune"), "--out", best.name, "--workers", "1"]
+    argv = [*CLI, "tune", f"{name}.yaml", "--workdir", str(work / "tune"), "--out", best.name,
+            "--workers", str(workers)]
     _log(f"tune {name} (at most {budget_s:.0f} s)")
     done = run_bounded(argv, budget_s, cwd=work, grace_s=40.0, env=env)
     (work / f"{name}.tune.log").write_text(done.stdout + ("\n--- stderr ---\n" + done.stderr if done.stderr else ""))
