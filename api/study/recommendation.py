@@ -373,6 +373,11 @@ def undecided_reason(rows: list[ConfigVerdict], rounds: int, limit: int, quality
                      if top.quality_diff is not None else "widen gate.abs_tol")
     half = ("neither its speed nor its quality was decided" if speed_open and quality_open else
             "its speed was not shown beyond the noise" if speed_open else f"its {quality} was not shown no worse")
+    details, where = top.reason, ""
+    if details.startswith(DEFERRED_NOTE):  # said once, as its own sentence, not nested in the details
+        details = details.removeprefix(DEFERRED_NOTE).lstrip("; ")
+        where = (" Its quality was judged at the re-measure budget: a larger effective batch than the baseline's, "
+                 "refused by the quality gate at the search's budget.")
     return (f"no config was certified within the re-measure budget ({rounds} round{'s' if rounds != 1 else ''} of at "
-            f"most {limit}): for the fastest undecided, trial {top.trial_number}, {half} ({top.reason}); keep the "
-            "baseline config, or " + ", or ".join(fixes))
+            f"most {limit}). The fastest undecided, trial {top.trial_number}: {half}"
+            + (f"; {details}" if details else "") + f".{where} Keep the baseline config, or " + ", or ".join(fixes))

@@ -95,6 +95,21 @@ def test_a_larger_batch_still_worse_at_the_remeasure_budget_is_rejected(
     assert row["reason"].startswith(DEFERRED_NOTE) and "quality worse" in row["reason"]
 
 
+def test_a_larger_batch_left_undecided_says_where_its_quality_was_judged_once_and_what_would_decide_it(
+        client: TestClient, make_study: StudyFactory) -> None:
+    _study(make_study, "remeasure")
+    _drive(client, long_quality_gap=0.004)  # inside the margin 0.01 on average, not yet bounded there in 4 rounds
+    best = client.get("/v1/studies/s/best").json()
+    assert best["outcome"] == "undecided" and best["config"]["batch_size"] == 8
+    reason = best["reason"]
+    assert reason.startswith("no config was certified within the re-measure budget (4 rounds of at most 4). "
+                             "The fastest undecided, trial "), reason
+    assert ": its val_nrmse was not shown no worse; speedup 2." in reason, reason
+    assert reason.count("judged at the re-measure budget") == 1 and "(refused" not in reason, reason
+    assert reason.endswith("Keep the baseline config, or raise remeasure.max_rounds, or widen gate.abs_tol if a "
+                           "val_nrmse difference of +0.0053 is acceptable to you"), reason
+
+
 def _report(client: TestClient, got: dict[str, Any], worker: str, step: int, samples: float, loss: float) -> bool:
     body = {"worker_id": worker, "step": step, "metrics": {"samples": samples, "loss": loss, "throughput": 200.0}}
     r = client.post(f"/v1/trials/{got['trial_id']}/report", content=json.dumps(body),

@@ -307,5 +307,6 @@ def test_an_undecided_verdict_names_the_half_left_open_and_its_fix(client: TestC
     assert row["speedup_ci_low"] > 2.0  # the speed is decided
     assert row["quality_diff_ci_high"] > row["quality_margin"]  # the quality is not
     verdict = best["verdict"]
-    assert f"trial {search[0]}, its val_nrmse was not shown no worse" in verdict, verdict
+    assert f"The fastest undecided, trial {search[0]}: its val_nrmse was not shown no worse; speedup " in verdict, \
+        verdict
     assert "remeasure.max_rounds" in verdict and "widen gate.abs_tol" in verdict and "quieter host" not in verdict
