@@ -97,6 +97,42 @@ LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_c
                  "cross_entropy": False}
 
 
+def addmm_out_dtype_traces(device: torch.device) -> str | None:
+    """None when torch.compile's fake-tensor pass can trace ``torch.addmm(..., out_dtype=float32,
+    out=...)`` with bf16 operands on `device`, else why not. Liger's fused linear cross-entropy
+    makes that call inside its forward under autocast with fp32 weights (liger-kernel 0.8.5); torch
+    2.11's fake-tensor pass sends it to the plain addmm decomposition, which takes the dtype for
+    ``beta`` (a TypeError: the compiled probe fails). Tried on fake tensors: nothing runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode():
+            acc = torch.empty(4, 8, device=device)
+            a, b = (torch.empty(shape, dtype=torch.bfloat16, device=device) for shape in ((4, 16), (16, 8)))
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except Exception as e:  # the failure is the answer; it never leaves this check
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return None
+
+
+def liger_kernels_for(config: TrainConfig, device: torch.device, accepted: Iterable[str]
+                      ) -> tuple[dict[str, bool], str]:
+    """The kernels to ask Liger's apply function for (those of LIGER_KERNELS it takes), and a note:
+    under torch.compile, where this torch cannot trace the fused linear cross-entropy's addmm
+    (`addmm_out_dtype_traces`), Liger's cross-entropy kernel instead of the fused one."""
+    kwargs = {k: v for k, v in LIGER_KERNELS.items() if k in accepted}
+    if config.compile == "none" or not kwargs.get("fused_linear_cross_entropy"):
+        return kwargs, ""
+    why = addmm_out_dtype_traces(device)
+    if why is None:
+        return kwargs, ""
+    kwargs["fused_linear_cross_entropy"] = False
+    if "cross_entropy" in kwargs:
+        kwargs["cross_entropy"] = True
+    return kwargs, (f" (fused_linear_cross_entropy left out under compile={config.compile}: torch "
+                    f"{torch.__version__} cannot trace its addmm(out_dtype=float32) on fake tensors ({why}))")
+
+
 def liger_table() -> tuple[dict[str, Callable[..., Any]] | None, str]:
     """Liger's model type → apply function, or None and why it cannot be had (not installed, or
     its import fails: Triton missing, ...)."""
@@ -145,13 +181,12 @@ def apply_liger_kernels(model: nn.Module, config: TrainConfig, device: torch.dev
             parts.append(f"inactive on {type(hf).__name__}: Liger has no kernels for model type {model_type!r} "
                          f"(it has {listed})")
             continue
-        accepted = inspect.signature(apply_fn).parameters
-        kwargs = {k: v for k, v in LIGER_KERNELS.items() if k in accepted}
+        kwargs, left_out = liger_kernels_for(config, device, inspect.signature(apply_fn).parameters)
         apply_fn(model=hf, **kwargs)
         n = liger_modules(hf)
         swapped += n
         parts.append(f"{type(hf).__name__} ({model_type}): {', '.join(k for k, v in kwargs.items() if v)}; "
-                     f"{n} modules run Liger's forward")
+                     f"{n} modules run Liger's forward{left_out}")
     notes[knob] = "; ".join(parts)
     return swapped
 

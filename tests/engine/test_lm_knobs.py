@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from autotune.contract.config import INDUCTOR_TUNINGS, TrainConfig
 from autotune.contract.errors import ProbeError
 from autotune.contract.registry import Workload
+from autotune.engine import lm_knobs
 from autotune.engine.apply import ApplyError, apply
 from autotune.engine.knobs import Trainer
 from autotune.engine.lm_knobs import (
@@ -316,6 +317,43 @@ def test_liger_kernels_swap_the_modules_of_a_supported_model_and_refuse_another_
     assert notes["liger_kernels"] == ("inactive on LlamaForCausalLM: Liger has no kernels for model type 'llama' "
                                       "(it has qwen2)")
     assert len(calls) == 1
+
+
+def test_under_compile_liger_takes_its_cross_entropy_kernel_where_this_torch_cannot_trace_the_fused_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Liger's fused linear cross-entropy calls addmm(out_dtype=float32) in its forward; where the
+    compile's fake-tensor pass cannot trace that (torch 2.11 on an H100: a TypeError), the knob asks
+    Liger for its cross-entropy kernel instead and says why; eager, or where it traces, the fused one."""
+    calls: list[dict[str, Any]] = []
+
+    def apply_liger_kernel_to_llama(rope: bool = True, cross_entropy: bool = False,
+                                    fused_linear_cross_entropy: bool = True, rms_norm: bool = True,
+                                    swiglu: bool = True, model: Any = None) -> None:
+        calls.append({"cross_entropy": cross_entropy, "fused_linear_cross_entropy": fused_linear_cross_entropy})
+
+    _fake_liger(monkeypatch, {"llama": apply_liger_kernel_to_llama})
+    failing = "TypeError: unsupported operand type(s) for *: 'torch.dtype' and 'FakeTensor'"
+    traces: dict[str, str | None] = {"why": failing}
+    monkeypatch.setattr(lm_knobs, "addmm_out_dtype_traces", lambda device: traces["why"])
+    notes: dict[str, str] = {}
+    apply_liger_kernels(_tiny_llama(), TrainConfig(liger_kernels=True, compile="default"), CUDA, notes)
+    assert calls[-1] == {"cross_entropy": True, "fused_linear_cross_entropy": False}
+    assert notes["liger_kernels"].endswith(f"(fused_linear_cross_entropy left out under compile=default: torch "
+                                           f"{torch.__version__} cannot trace its addmm(out_dtype=float32) on fake "
+                                           f"tensors ({failing}))")
+    apply_liger_kernels(_tiny_llama(), TrainConfig(liger_kernels=True, compile="none"), CUDA, notes)
+    assert calls[-1] == {"cross_entropy": False, "fused_linear_cross_entropy": True}  # eager: no trace to fail
+    traces["why"] = None
+    apply_liger_kernels(_tiny_llama(), TrainConfig(liger_kernels=True, compile="default"), CUDA, notes)
+    assert calls[-1] == {"cross_entropy": False, "fused_linear_cross_entropy": True}  # it traces: the fused one
+    assert "left out" not in notes["liger_kernels"]
+
+
+def test_the_addmm_check_runs_the_call_on_fake_tensors_and_reports_a_failure() -> None:
+    assert lm_knobs.addmm_out_dtype_traces(torch.device("cpu")) is None  # this torch traces it (2.13 does)
+    if not torch.cuda.is_available():  # a CPU build has no CUDA tensors, not even fake ones: the check says so
+        why = lm_knobs.addmm_out_dtype_traces(torch.device("cuda"))
+        assert why is not None and why.startswith("RuntimeError: ")
 
 
 # ---------------------------------------------------------------------------------------------
