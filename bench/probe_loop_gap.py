@@ -190,6 +190,12 @@ KINDS = ("loop", "probe")
 POSITIONS = ("first", "second", "third")
 
 
+# the HF pick's three-sided run on an H100 (torch 2.11.0+cu130, 2026-12-06) died with SIGSEGV after its compiles
+THREE_GRAPH_TREES = ("--sides with three sides and compile: reduce-overhead on a GPU: three threads each replaying "
+                     "TorchInductor's CUDA-graph trees crashed the process (SIGSEGV, HF pick on an H100, torch 2.11); "
+                     "run two sides (loop,probe and probe,probe) instead")
+
+
 def sides_arg(text: str) -> str:
     """--sides: two or three of loop and probe, comma-separated (e.g. loop,probe or loop,probe,probe)."""
     kinds = text.split(",")
@@ -511,6 +517,9 @@ def main(argv: list[str] | None = None) -> None:
         source = args.config
     if not config:
         raise SystemExit("no config: give --config FILE, or --from a run with a certified pick")
+    if args.same_process and args.device != "cpu" and len(args.sides.split(",")) == 3 \
+            and config.get("compile") == "reduce-overhead":
+        raise SystemExit(THREE_GRAPH_TREES)
     args.preset = args.preset or job.preset(args.device)
     args.samples = args.samples or study_probe.get("samples") or 4096
     args.windows = args.windows or study_probe.get("windows") or 8

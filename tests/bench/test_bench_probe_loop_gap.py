@@ -74,6 +74,17 @@ def test_cpus_take_tasksets_list_form_and_refuse_what_the_host_lacks() -> None:
             raise AssertionError(f"--cpus {bad} was taken")
 
 
+def test_three_sides_of_a_reduce_overhead_config_on_a_gpu_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("batch_size: 16\ncompile: reduce-overhead\n")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "probe_loop_gap.py"), "--job", "hf_causal_lm", "--device", "cuda",
+         "--config", str(config), "--same-process", "--sides", "loop,probe,probe", "--workdir", str(tmp_path / "w"),
+         "--out", str(tmp_path / "gap.json")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == gap.THREE_GRAPH_TREES, done.stderr[-2000:]
+    assert not (tmp_path / "gap.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sides", ["loop,probe", "loop,probe,probe"])
 def test_same_process_windows_take_turns_and_each_second_side_window_meets_the_first_sides_around_it(
