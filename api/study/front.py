@@ -68,40 +68,49 @@ def ranked_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
 
 def deferred_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None
                         ) -> list[tuple[float, TrialRecord]]:
-    """(throughput, trial) of the search trials whose quality the study judges at the re-measure
-    budget instead (remeasure.larger_batch_quality "remeasure"), fastest first: completed, within
-    the memory limit, a larger effective batch than the baseline's (`has_larger_batch`), and
-    refused by the gate at the search's budget. Only those faster than every candidate are of use
+    """(score, trial) of the search trials whose quality the study judges at the re-measure budget
+    instead (remeasure.larger_batch_quality "remeasure"), best first by the ranking metric
+    (`chosen_by`: the fastest, or the lowest energy per sample): completed, within the memory
+    limit, a larger effective batch than the baseline's (`has_larger_batch`), and refused by the
+    gate at the search's budget. Only those better than every candidate are of use
     (`remeasure_targets`). Empty under the default ("search")."""
-    if spec.remeasure.larger_batch_quality != "remeasure" or gate is None or chosen_by(spec) != "throughput":
+    if spec.remeasure.larger_batch_quality != "remeasure" or gate is None:
         return []
+    by = chosen_by(spec)
+    sign = -1.0 if by == "throughput" else 1.0
     out = [(v, t) for t in trials
            if role(t) == "search" and completed(t) and not is_repeat(t) and fits_memory(t, spec)
            and is_feasible(t, spec, gate) is False and baseline_repeat_of(t, trials) is None
-           and has_larger_batch(t, trials) and (v := metric(t, spec, "throughput_samples_per_s")) is not None]
-    return sorted(out, key=lambda c: (-c[0], c[1].number))
+           and has_larger_batch(t, trials) and (v := metric(t, spec, RANK_METRIC[by])) is not None]
+    return sorted(out, key=lambda c: (sign * c[0], c[1].number))
 
 
-SPEED_TIE = 0.02  # deferred configs within 2 % of the fastest one's search throughput count as equally fast
+SCORE_TIE = 0.02  # deferred configs within 2 % of the best one's search score count as equally good
 
 
 def deferred_order(spec: StudySpec, deferred: Sequence[tuple[float, TrialRecord]]
                    ) -> list[tuple[float, TrialRecord]]:
-    """The order in which deferred configs are re-measured: those within SPEED_TIE of the fastest
-    one first, the one whose search quality came closest to the gate leading (two lr rules on one
-    larger batch run at one speed, and the one nearer the gate is the likelier to pass it at the
-    re-measure budget); then the rest, fastest first. `deferred`: fastest first."""
+    """The order in which deferred configs are re-measured: those within SCORE_TIE of the best one
+    (its throughput, or its energy per sample) first, the one whose search quality came closest to
+    the gate leading (two lr rules on one larger batch run at one speed, and the one nearer the
+    gate is the likelier to pass it at the re-measure budget); then the rest, best first.
+    `deferred`: best first (`deferred_candidates`)."""
     if not deferred:
         return []
-    floor = deferred[0][0] * (1 - SPEED_TIE)
+    best = deferred[0][0]
+    higher = chosen_by(spec) == "throughput"
+
+    def tied(score: float) -> bool:
+        return score >= best * (1 - SCORE_TIE) if higher else score <= best * (1 + SCORE_TIE)
+
     sign = 1.0 if spec.quality_direction == "minimize" else -1.0
 
-    def closeness(c: tuple[float, TrialRecord]) -> float:
-        quality = metric(c[1], spec, "quality")
-        return sign * quality if quality is not None else float("inf")
+    def closeness(item: tuple[int, tuple[float, TrialRecord]]) -> tuple[float, int]:
+        quality = metric(item[1][1], spec, "quality")
+        return (sign * quality if quality is not None else float("inf"), item[0])
 
-    tied = sorted((c for c in deferred if c[0] >= floor), key=lambda c: (closeness(c), -c[0], c[1].number))
-    return tied + [c for c in deferred if c[0] < floor]
+    first = [c for _, c in sorted(((i, c) for i, c in enumerate(deferred) if tied(c[0])), key=closeness)]
+    return first + [c for c in deferred if not tied(c[0])]
 
 
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
@@ -109,8 +118,9 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
     (by energy per sample, lowest first, where energy picks: `chosen_by`; a config drawn twice
     is re-measured once, for its first trial), then, under remeasure.larger_batch_quality
     "remeasure", up to top_k distinct larger-batch configs the gate refused at the search's budget
-    that ran faster than the fastest candidate (`deferred_candidates`: their quality is judged at
-    the re-measure budget; among equally fast ones the nearest the gate first: `deferred_order`),
+    that ran faster than the fastest candidate (used less energy per sample than the thriftiest,
+    where energy picks) (`deferred_candidates`: their quality is judged at the re-measure budget;
+    among equally good ones the nearest the gate first: `deferred_order`),
     then the baseline (its first completed seed), so that every
     re-measured config is compared with the baseline at the same sample budget, in the same
     interleaved rounds. Nothing when there is nothing to re-measure."""
@@ -133,8 +143,9 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
 
     ranked = ranked_candidates(spec, trials, gate)
     take(ranked)
-    fastest = ranked[0][0] if ranked else None
+    lead = ranked[0][0] if ranked else None  # the best candidate's throughput, or energy per sample
+    higher = chosen_by(spec) == "throughput"
     take(deferred_order(spec, [(v, t) for v, t in deferred_candidates(spec, trials, gate)
-                               if fastest is None or v > fastest]))
+                               if lead is None or (v > lead if higher else v < lead)]))
     base = baseline_target(trials)
     return [*targets, base] if targets and base is not None else targets

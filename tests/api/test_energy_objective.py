@@ -306,3 +306,27 @@ def test_the_report_shows_energy(client: TestClient, make_study: StudyFactory, t
     assert "<th>J/sample</th>" in page and "Energy vs quality" in page and 'src="energy.png"' in page
     assert "Picked by the lowest GPU energy per sample" in page
     assert "energy: 0.31 J/sample (nvml_total_energy)" in page and "baseline energy: 1 J/sample" in page
+
+
+def test_a_larger_batch_that_saves_energy_is_judged_at_the_remeasure_budget(
+        client: TestClient, make_study: StudyFactory) -> None:
+    """[energy, quality] with remeasure.larger_batch_quality "remeasure": batch 16 uses the least energy
+    per sample but trails the baseline's loss at the search's budget (the gate refuses it); it is
+    re-measured beside the feasible batch 8, its quality judged at the longer budget, and picked."""
+    make_study("s", hardware=GPU, space={**KNOB, "fixed": {"accum_steps": 1}}, sampler="grid", n_trials=4,
+               baseline={"batch_size": 4, "accum_steps": 1}, seed=0, objectives=["energy", "quality"], baseline_seeds=2,
+               remeasure={"top_k": 1, "windows": 5, "samples_factor": 8, "larger_batch_quality": "remeasure"})
+    for i, energy in enumerate((1.0, 1.02)):
+        _finish(client, _lease(client, f"b{i}"), f"b{i}", 100.0, 0.10, energy)
+    numbers = {}
+    for _ in range(2):
+        got = _lease(client, "w")
+        big = got["config"]["batch_size"] == 16
+        numbers[got["config"]["batch_size"]] = _finish(client, got, "w", 100.0, 0.20 if big else 0.10,
+                                                       0.6 if big else 0.9)["number"]
+    sent = _remeasure_all(client, {numbers[16]: (100.0, 0.10, 0.6), numbers[8]: (100.0, 0.10, 0.9),
+                                   0: (100.0, 0.10, 1.0)}, noisy=True)
+    assert set(sent) == {0, numbers[8], numbers[16]}  # the refused batch 16 was re-measured too
+    best = client.get("/v1/studies/s/best").json()
+    assert best["certified"] is True and best["config"] == {"batch_size": 16, "accum_steps": 1}, best["reason"]
+    assert best["quality_budget"] == "remeasure" and best["energy_ratio"] == pytest.approx(0.6, rel=0.05)

@@ -158,7 +158,7 @@ def test_samples_per_step_come_from_the_config_or_the_preset() -> None:
 def test_of_two_equally_fast_deferred_configs_the_one_nearer_the_gate_is_remeasured(
         client: TestClient, make_study: StudyFactory, sqrt_speedup: float, remeasured: str) -> None:
     """Two lr rules on one larger batch (top_k 1): the sqrt one measures 1 % faster but its search loss
-    is further from the gate; within api.study.front.SPEED_TIE the linear one, nearer the gate, is
+    is further from the gate; within api.study.front.SCORE_TIE the linear one, nearer the gate, is
     re-measured. Clearly faster (20 %), the sqrt one is, whatever its search loss."""
     space = {"params": {"batch_size": {"choices": [8, 32]}, "lr_scaling": {"choices": ["linear", "sqrt"]}},
              "fixed": {"accum_steps": 1}}
