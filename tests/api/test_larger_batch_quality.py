@@ -34,12 +34,14 @@ def _study(make_study: StudyFactory, larger_batch_quality: str) -> None:
                           "larger_batch_quality": larger_batch_quality})
 
 
-def _drive(client: TestClient, long_quality_gap: float) -> list[dict[str, Any]]:
-    """Answer every lease until the study finishes: batch 32 runs twice as fast as batch 8; at the
-    search's samples its quality is 0.1 worse than the baseline's (the gate refuses it), at the
-    re-measure budget `long_quality_gap` worse."""
+Answer = Callable[[dict[str, Any], bool, float], tuple[float, float]]  # (lease, long budget, noise) -> speed, quality
+
+
+def _answer_until_finished(client: TestClient, answer: Answer) -> list[dict[str, Any]]:
+    """Lease and complete every trial until the study finishes, each with `answer`'s throughput and
+    quality for its config (told whether it ran at the re-measure budget, and a noise z); the leases."""
     noise = itertools.cycle([-1.0, 1.0, 0.3, -0.3, 0.8, -0.8])
-    leases = []
+    leases: list[dict[str, Any]] = []
     for i in itertools.count():
         assert i < 100, "the study did not finish"
         got = lease(client, f"w{i}")
@@ -47,14 +49,21 @@ def _drive(client: TestClient, long_quality_gap: float) -> list[dict[str, Any]]:
             if client.get("/v1/studies/s").json()["state"] == "finished":
                 return leases
             continue
-        z = next(noise)
-        big = got["config"]["batch_size"] == 32
-        long = (got["probe"]["samples"] or 0) >= SAMPLES * FACTOR
-        gap = (long_quality_gap if long else 0.1) if big else 0.0
-        complete(client, got, f"w{i}", throughput=(200.0 if big else 100.0) * math.exp(0.02 * z),
-                 nrmse=0.1 + 0.002 * z + gap)
+        throughput, quality = answer(got, (got["probe"]["samples"] or 0) >= SAMPLES * FACTOR, next(noise))
+        complete(client, got, f"w{i}", throughput=throughput, nrmse=quality)
         leases.append(got)
     raise AssertionError("unreachable")
+
+
+def _drive(client: TestClient, long_quality_gap: float) -> list[dict[str, Any]]:
+    """Batch 32 runs twice as fast as batch 8; at the search's samples its quality is 0.1 worse than
+    the baseline's (the gate refuses it), at the re-measure budget `long_quality_gap` worse."""
+    def answer(got: dict[str, Any], long: bool, z: float) -> tuple[float, float]:
+        big = got["config"]["batch_size"] == 32
+        gap = (long_quality_gap if long else 0.1) if big else 0.0
+        return (200.0 if big else 100.0) * math.exp(0.02 * z), 0.1 + 0.002 * z + gap
+
+    return _answer_until_finished(client, answer)
 
 
 def test_a_larger_batch_the_gate_refused_is_judged_at_the_remeasure_budget_and_certified(
@@ -166,20 +175,12 @@ def test_of_two_equally_fast_deferred_configs_the_one_nearer_the_gate_is_remeasu
                baseline={"batch_size": 8, "accum_steps": 1, "lr_scaling": "linear"}, starting_points="none",
                sampler="grid", probe={"samples": SAMPLES},
                remeasure={"top_k": 1, "samples_factor": FACTOR, "max_rounds": 2, "larger_batch_quality": "remeasure"})
-    noise = itertools.cycle([-1.0, 1.0, 0.3, -0.3])
-    leases = []
-    for i in itertools.count():
-        assert i < 60, "the study did not finish"
-        got = lease(client, f"w{i}")
-        if got is None:
-            if client.get("/v1/studies/s").json()["state"] == "finished":
-                break
-            continue
-        z, cfg = next(noise), got["config"]
-        big, rule = cfg["batch_size"] == 32, cfg.get("lr_scaling")
+    def answer(got: dict[str, Any], long: bool, z: float) -> tuple[float, float]:
+        big, rule = got["config"]["batch_size"] == 32, got["config"].get("lr_scaling")
         speed = (sqrt_speedup if rule == "sqrt" else 2.0) if big else 1.0
-        gap = ((0.3 if rule == "sqrt" else 0.1) if got["probe"]["samples"] == SAMPLES else 0.0) if big else 0.0
-        complete(client, got, f"w{i}", throughput=100.0 * speed * math.exp(0.005 * z), nrmse=0.1 + 0.002 * z + gap)
-        leases.append(got)
+        gap = ((0.3 if rule == "sqrt" else 0.1) if not long else 0.0) if big else 0.0
+        return 100.0 * speed * math.exp(0.005 * z), 0.1 + 0.002 * z + gap
+
+    leases = _answer_until_finished(client, answer)
     again = {g["config"]["lr_scaling"] for g in leases if g["role"] == "remeasure" and g["config"]["batch_size"] == 32}
     assert again == {remeasured}
