@@ -41,6 +41,9 @@ samples 1000, remeasure top_k 2 and the service's defaults otherwise. The plante
              abs_tol of 0.01 a 3σ = 0.006 loss is inside the margin, i.e. not a loss by the
              study's own definition); target: the fused config not certified ≥ 95 %
   loss-tol   the same at the default abs_tol (0.01), the loss abs_tol + 3σ (3σ beyond the margin)
+  aa-2gpu    A/A on two workers of one host whose GPUs differ by 5 % (every config's spread 2 %): the
+             faster GPU's probes end first, so it leases the next trial; does who-runs-what bias a
+             ratio enough to certify nothing? target: certified ≤ 5 % (not in the default set)
 
 Per scenario: the certified rate with its 95 % Wilson interval, the rate at which the planted
 winner is certified, the rate at which the pick (the recommended config; the baseline's own
@@ -125,6 +128,11 @@ class Scenario:
     abs_tol: float | None = None  # gate.abs_tol (None: the service's default)
     expect: str = "no certification"  # "winner certified" | "no certification" | "winner not certified"
     target: str = "certified ≤ 5 %"
+    # two GPUs of one host, unequal: worker i's throughputs × (1 + gpu_gap)^i, and its probes take
+    # probe_s / that factor of wall time, so the faster GPU is back first and leases next (None: --workers)
+    gpu_gap: float = 0.0
+    probe_s: float = 0.0
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         assert self.expect in ("winner certified", "no certification", "winner not certified"), self.expect
@@ -160,6 +168,8 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("aa", "A/A: every config the same speed (13 % spread) and quality"),
+    Scenario("aa-2gpu", "A/A on two workers whose GPUs differ by 5 % (2 % spread; the faster one's probes end "
+             "first, so it leases next)", cv_fused=0.02, cv_other=0.02, gpu_gap=0.05, probe_s=0.04, workers=2),
     Scenario("win2", "fused 2.0× faster (2 % spread; the others 15 %), equal quality", win=2.0, cv_fused=0.02,
              cv_other=0.15, expect="winner certified", target="winner certified ≥ 90 %"),
     Scenario("win15", "fused 1.5× faster (2 % spread; the others 15 %), equal quality", win=1.5, cv_fused=0.02,
@@ -203,8 +213,13 @@ class Truth:
     def quality(self, config: dict[str, Any]) -> float:
         return QUALITY + (self.scenario.quality_loss if is_winner(config) else 0.0)
 
-    def run(self, lease: dict[str, Any]) -> dict[str, Any]:
-        """The planted measurement of a leased trial: its throughput and quality, and what they came from."""
+    def gpu(self, worker_index: int) -> float:
+        """Worker `worker_index`'s GPU: its throughputs' factor (scenario.gpu_gap)."""
+        return float((1.0 + self.scenario.gpu_gap) ** worker_index)
+
+    def run(self, lease: dict[str, Any], worker_index: int = 0) -> dict[str, Any]:
+        """The planted measurement of a leased trial on worker `worker_index`'s GPU: its throughput and
+        quality, and what they came from."""
         config, samples = lease["config"], lease["probe"]["samples"] or self.study_samples
         budget = samples / self.study_samples
         z_speed, z_own = np.random.default_rng([self.seed, lease["number"]]).standard_normal(2)
@@ -213,7 +228,7 @@ class Truth:
         z_quality = math.sqrt(SEED_SHARE) * z_seed + math.sqrt(1.0 - SEED_SHARE) * z_own
         return {"number": lease["number"], "role": lease["role"], "config": config, "samples": samples,
                 "probe_seed": lease["probe"]["seed"], "budget": budget,
-                "throughput": self.speed(config) * math.exp(self.cv(config) * float(z_speed)),
+                "throughput": self.speed(config) * self.gpu(worker_index) * math.exp(self.cv(config) * float(z_speed)),
                 "quality": self.quality(config) + quality_sd(budget) * float(z_quality),
                 "truth": {"speed": self.speed(config), "cv": self.cv(config), "quality": self.quality(config),
                           "quality_sd": quality_sd(budget)}}
@@ -254,8 +269,9 @@ class StudyRun:
 
 
 def worker(client: httpx.Client, name: str, worker_id: str, hardware: str, truth: Truth, state: StudyRun,
-           deadline: float) -> str:
-    """Lease → complete for study `name` until it is finished; its final state ("timeout" past `deadline`)."""
+           deadline: float, index: int = 0) -> str:
+    """Lease → complete for study `name` until it is finished, as worker `index` (its GPU:
+    `Truth.gpu`); its final state ("timeout" past `deadline`)."""
     while time.monotonic() < deadline:
         try:
             r = client.post("/v1/trials/lease", json={"worker_id": worker_id, "hardware": hardware, "study": name})
@@ -280,7 +296,9 @@ def worker(client: httpx.Client, name: str, worker_id: str, hardware: str, truth
         if lease["study"] != name:  # the service hands a worker the trial it holds, whatever study it asks for
             raise RuntimeError(f"worker {worker_id} asked for a trial of {name} and was given trial {lease['number']} "
                                f"of {lease['study']}")
-        run = truth.run(lease)
+        run = truth.run(lease, index)
+        if truth.scenario.probe_s:  # the probe's wall time on this GPU: the faster one is back first
+            time.sleep(truth.scenario.probe_s / truth.gpu(index))
         body = {"worker_id": worker_id, "result": truth.result(lease, run)}
         for attempt in range(10):  # complete is idempotent for the worker that holds the trial
             try:
@@ -317,11 +335,12 @@ def run_study(base: str, tokens: dict[str, str], scenario: Scenario, seed: int, 
             raise RuntimeError(f"creating study {name} failed: {r.status_code} {r.text}")
         state = StudyRun()
         deadline = time.monotonic() + args.study_timeout_s
-        with ThreadPoolExecutor(args.workers) as pool:
+        workers = scenario.workers or args.workers
+        with ThreadPoolExecutor(workers) as pool:
             # a worker id per study: a worker that holds a lease is handed that trial again, whichever
             # study its lease asks for, so concurrent studies must not share an id
             ends = list(pool.map(lambda i: worker(worker_client, name, f"{name}-w{i}", args.hardware, truth, state,
-                                                  deadline), range(args.workers)))
+                                                  deadline, i), range(workers)))
         wall = time.perf_counter() - t0
         if "timeout" in ends:  # stop it: nothing leases its trials any more
             client.delete(f"/v1/studies/{name}")

@@ -113,6 +113,16 @@ def test_the_planted_truth_is_reproducible_and_spreads_by_budget() -> None:
     assert body["config"] == fused and body["quality"] == body["val_nrmse"] == first["quality"]
 
 
+def test_two_unequal_gpus_scale_their_workers_throughputs() -> None:
+    scenario = verdict.SCENARIOS["aa-2gpu"]
+    truth = verdict.Truth(scenario, seed=3, study_samples=1000)
+    lease = {"number": 4, "role": "remeasure", "config": verdict.BASELINE, "probe": {"samples": 1000, "seed": 1}}
+    slow, fast = truth.run(lease, 0), truth.run(lease, 1)
+    assert scenario.workers == 2 and truth.gpu(0) == 1.0 and truth.gpu(1) == pytest.approx(1.05)
+    assert fast["throughput"] == pytest.approx(slow["throughput"] * 1.05)  # the same draw, on the faster GPU
+    assert fast["quality"] == slow["quality"]  # the GPU changes the speed only
+
+
 def test_wilson_interval() -> None:
     assert verdict.wilson(0, 100) == (0.0, pytest.approx(0.0370, abs=1e-4))
     low, high = verdict.wilson(90, 100)
