@@ -56,12 +56,17 @@ def chosen_by(spec: StudySpec) -> Literal["throughput", "energy"]:
 RANK_METRIC = {"throughput": "throughput_samples_per_s", "energy": "energy_j_per_sample"}
 
 
+def rank_sign(spec: StudySpec) -> float:
+    """−1 where the ranking metric is better higher (throughput), +1 where lower (energy): sign × score
+    sorts best first, and a is better than b when sign × a < sign × b."""
+    return -1.0 if chosen_by(spec) == "throughput" else 1.0
+
+
 def ranked_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None
                       ) -> list[tuple[float, TrialRecord]]:
     """(score, trial) of the candidates that have the ranking metric (`chosen_by`), best first:
     the fastest, or the lowest energy per sample; ties by trial number."""
-    by = chosen_by(spec)
-    sign = -1.0 if by == "throughput" else 1.0
+    by, sign = chosen_by(spec), rank_sign(spec)
     ranked = [(v, t) for t in candidates(spec, trials, gate) if (v := metric(t, spec, RANK_METRIC[by])) is not None]
     return sorted(ranked, key=lambda c: (sign * c[0], c[1].number))
 
@@ -76,8 +81,7 @@ def deferred_candidates(spec: StudySpec, trials: Sequence[TrialRecord], gate: fl
     (`remeasure_targets`). Empty under the default ("search")."""
     if spec.remeasure.larger_batch_quality != "remeasure" or gate is None:
         return []
-    by = chosen_by(spec)
-    sign = -1.0 if by == "throughput" else 1.0
+    by, sign = chosen_by(spec), rank_sign(spec)
     out = [(v, t) for t in trials
            if role(t) == "search" and completed(t) and not is_repeat(t) and fits_memory(t, spec)
            and is_feasible(t, spec, gate) is False and baseline_repeat_of(t, trials) is None
@@ -97,20 +101,15 @@ def deferred_order(spec: StudySpec, deferred: Sequence[tuple[float, TrialRecord]
     `deferred`: best first (`deferred_candidates`)."""
     if not deferred:
         return []
-    best = deferred[0][0]
-    higher = chosen_by(spec) == "throughput"
+    sign, best = rank_sign(spec), deferred[0][0]
+    tied = [c for c in deferred if sign * c[0] <= sign * best + SCORE_TIE * abs(best)]
+    quality_sign = 1.0 if spec.quality_direction == "minimize" else -1.0
 
-    def tied(score: float) -> bool:
-        return score >= best * (1 - SCORE_TIE) if higher else score <= best * (1 + SCORE_TIE)
+    def closeness(c: tuple[float, TrialRecord]) -> float:
+        quality = metric(c[1], spec, "quality")
+        return quality_sign * quality if quality is not None else float("inf")
 
-    sign = 1.0 if spec.quality_direction == "minimize" else -1.0
-
-    def closeness(item: tuple[int, tuple[float, TrialRecord]]) -> tuple[float, int]:
-        quality = metric(item[1][1], spec, "quality")
-        return (sign * quality if quality is not None else float("inf"), item[0])
-
-    first = [c for _, c in sorted(((i, c) for i, c in enumerate(deferred) if tied(c[0])), key=closeness)]
-    return first + [c for c in deferred if not tied(c[0])]
+    return [*sorted(tied, key=closeness), *deferred[len(tied):]]  # a stable sort: equal ones stay best first
 
 
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
@@ -143,9 +142,8 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
 
     ranked = ranked_candidates(spec, trials, gate)
     take(ranked)
-    lead = ranked[0][0] if ranked else None  # the best candidate's throughput, or energy per sample
-    higher = chosen_by(spec) == "throughput"
+    lead, sign = (ranked[0][0] if ranked else None), rank_sign(spec)  # the best candidate's score
     take(deferred_order(spec, [(v, t) for v, t in deferred_candidates(spec, trials, gate)
-                               if lead is None or (v > lead if higher else v < lead)]))
+                               if lead is None or sign * v < sign * lead]))
     base = baseline_target(trials)
     return [*targets, base] if targets and base is not None else targets
