@@ -3,7 +3,7 @@
 Two outside scripts, written without autotune and tuned through their glue (``--job``):
 
 * ``gpt_script`` (the default): examples/gpt_script (docs/tutorial.md, part 2), a nanoGPT-style
-  script (`gpt-script`, preset tiny), its 78-line glue; baseline the script as written, 16 × 1 fp32.
+  script (`gpt-script`, preset tiny), its 77-line glue; baseline the script as written, 16 × 1 fp32.
 * ``hf_causal_lm``: examples/hf_causal_lm (docs/huggingface.md), a Hugging Face user's script
   (`hf-causal-lm`): a Llama built from a LlamaConfig, AdamW without decay on biases and norms,
   clipping at 1.0, get_linear_schedule_with_warmup, its own get_batch; on a GPU the preset
@@ -171,7 +171,7 @@ JOBS: dict[str, Job] = {
         script="gpt_script.train", presets={"cpu": "tiny", "cuda": "tiny"},
         spaces={"cpu": CPU_SPACE, "cuda": GPU_SPACE},
         baselines={"cpu": {"batch_size": 16, "accum_steps": 1}, "cuda": {"batch_size": 16, "accum_steps": 1}},
-        steps_flag="--max-iters", instrument="instrument_gpt_script"),
+        steps_flag="--max-iters", size_flag="--size", instrument="instrument_gpt_script"),
     "hf_causal_lm": Job(
         key="hf_causal_lm", workload="hf-causal-lm", package="hf_causal_lm", target="hf_causal_lm.workload:Llama",
         script="hf_causal_lm.train", presets={"cpu": "tiny", "cuda": "gpu"},
@@ -544,22 +544,23 @@ def instrument_gpt_script(script: Any, clock: LoopClock) -> None:
         clock.boundary(it)
         return get_lr(it, max_iters)  # type: ignore[no-any-return]
 
-    def counted_get_batch(split: str, batch_size: int = script.batch_size, device: str = script.device,
+    def counted_get_batch(split: str, n: int | None = None, device: str = script.device,
                           generator: Any = None) -> Any:
+        n = n or script.batch_size  # the size's, read when called (main() sets it after this wrapping)
         if not (split == "train" and clock.counting()):
             with clock.traced(TRACE_DATA):
-                return get_batch(split, batch_size, device, generator)
+                return get_batch(split, n, device, generator)
         if not clock.breakdown:
-            clock.count(batch_size, 0.0, 0.0)
-            return get_batch(split, batch_size, device, generator)
+            clock.count(n, 0.0, 0.0)
+            return get_batch(split, n, device, generator)
         # the same call in two timed parts: the windows sampled on the host (get_batch onto "cpu",
         # where its .to() is a no-op), then the script's own two copies, x.to(device), y.to(device)
         # (blocking: each waits for the work queued on the GPU before it)
         t0 = time.perf_counter()
-        x, y = get_batch(split, batch_size, "cpu", generator)
+        x, y = get_batch(split, n, "cpu", generator)
         t1 = time.perf_counter()
         moved = x.to(device), y.to(device)
-        clock.count(batch_size, t1 - t0, time.perf_counter() - t1)
+        clock.count(n, t1 - t0, time.perf_counter() - t1)
         return moved
 
     def timed_estimate_loss(*a: Any, **kw: Any) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,13 @@ TARGET = "gpt_script.workload:ScriptWorkload"
 
 
 @pytest.fixture
-def script(monkeypatch: pytest.MonkeyPatch) -> Any:
+def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The example package importable (as PYTHONPATH=examples/gpt_script does) and its script module."""
     monkeypatch.syspath_prepend(str(EXAMPLE))
     import gpt_script.train
 
-    return gpt_script.train
+    yield gpt_script.train
+    gpt_script.train.use_size("tiny")  # the module stays imported: the next test starts at the default size
 
 
 def test_the_script_trains_without_autotune() -> None:
@@ -81,6 +83,24 @@ def test_a_probe_trains_with_the_scripts_optimizer_clipping_and_schedule(
     assert wl.lr_multiplier(0.0) == pytest.approx(script.get_lr(0) / script.learning_rate)
     assert wl.lr_multiplier(0.5) == pytest.approx(script.get_lr(script.max_iters / 2) / script.learning_rate)
     assert wl.lr_multiplier(1.0) == pytest.approx(script.min_lr / script.learning_rate)
+
+
+def test_the_char_size_is_nanogpts_shakespeare_char_shape_in_the_workload_and_the_loop(script: Any) -> None:
+    from gpt_script.workload import ScriptWorkload
+
+    tiny = sum(p.numel() for p in ScriptWorkload("tiny").build_model().parameters())
+    wl = ScriptWorkload("char")  # the preset is the script's --size
+    params = sum(p.numel() for p in wl.build_model().parameters())
+    assert tiny < 200_000 and 10.6e6 < params < 10.8e6, (tiny, params)  # 6 layers of 384
+    assert wl.defaults.batch_size == 64 and wl.defaults.lr == pytest.approx(1e-3)
+    batch = wl.sample_batch(3, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert batch["x"].shape == batch["y"].shape == (3, 256)
+    assert script.get_batch("val")[0].shape == (64, 256)  # the loop's evaluation batches follow the size too
+    assert script.min_lr == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match=r"unknown size \(preset\) 'huge' for gpt_script; known: tiny, char"):
+        ScriptWorkload("huge")
+    with pytest.raises(SystemExit):
+        script.main(["--size", "huge"])
 
 
 def test_apply_runs_a_config_in_the_script_on_its_own_optimizer(

@@ -2,6 +2,7 @@
 
     python train.py                       # the script as written: no autotune needed
     python train.py --config best.yaml    # the same run with a config autotune recommended
+    python train.py --size char           # nanoGPT's shakespeare-char shape (10.7 M parameters), for a GPU
 
 The data is generated here (a toy grammar, fixed seed: nothing to download); the model is
 a small causal transformer; AdamW with two parameter groups (weight decay on the matrices
@@ -29,11 +30,26 @@ learning_rate = 3e-3
 max_iters = 300
 warmup_iters = 20
 min_lr = learning_rate / 10
+# --size: the default above, or nanoGPT's shakespeare-char shape (6 layers of 384, 256 characters
+# a sequence, 64 sequences a step), whose step keeps a GPU busy where the tiny one waits on Python
+SIZES = {
+    "tiny": {"batch_size": 16, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, "learning_rate": 3e-3},
+    "char": {"batch_size": 64, "block_size": 256, "n_layer": 6, "n_head": 6, "n_embd": 384, "learning_rate": 1e-3},
+}
 weight_decay = 0.1
 beta1, beta2 = 0.9, 0.95
 grad_clip = 1.0
 eval_interval, eval_iters, log_interval = 100, 10, 20
 device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def use_size(name: str) -> None:
+    """Set the config above to one of SIZES (the model, data and loop read it when they run)."""
+    global min_lr
+    if name not in SIZES:
+        raise ValueError(f"unknown size (preset) {name!r} for gpt_script; known: {', '.join(SIZES)}")
+    globals().update(SIZES[name])
+    min_lr = learning_rate / 10
 
 
 # -- data: sentences of a toy grammar, as characters -------------------------------------------
@@ -61,11 +77,12 @@ n = int(0.9 * len(data))
 train_data, val_data = data[:n], data[n:]
 
 
-def get_batch(split: str, batch_size: int = batch_size, device: str = device,
+def get_batch(split: str, n: int | None = None, device: str = device,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch_size` random windows of the split: inputs x and next-character targets y."""
+    """`n` (default: batch_size) random windows of the split: inputs x and next-character targets y."""
     d = train_data if split == "train" else val_data
-    ix = torch.randint(len(d) - block_size, (batch_size,), generator=generator)
+    n = n or batch_size
+    ix = torch.randint(len(d) - block_size, (n,), generator=generator)
     x = torch.stack([d[i : i + block_size] for i in ix])
     y = torch.stack([d[i + 1 : i + 1 + block_size] for i in ix])
     return x.to(device), y.to(device)
@@ -159,7 +176,9 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description="Train a tiny character-level GPT.")
     parser.add_argument("--max-iters", type=int, default=max_iters)
     parser.add_argument("--config", default=None, help="a config autotune recommended (best.yaml)")
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="the model and batch (SIZES)")
     args = parser.parse_args(argv)
+    use_size(args.size)
 
     torch.manual_seed(1337)
     model = build_model().to(device)

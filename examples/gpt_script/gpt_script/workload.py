@@ -47,8 +47,7 @@ class ScriptWorkload(Workload):
     grad_clip_norm = script.grad_clip  # the script's clip_grad_norm_(..., 1.0)
 
     def __init__(self, preset: str) -> None:
-        if preset != "tiny":
-            raise ValueError(f"unknown preset {preset!r} for workload 'gpt-script'; known: tiny")
+        script.use_size(preset)  # the script's --size: tiny, or char (a ValueError names them)
         self.preset = preset
 
     @property
