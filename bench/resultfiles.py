@@ -95,6 +95,10 @@ RULES: dict[str, Rule] = {
     "gpt_script_verdict_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
     "hf_causal_lm_verdict_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
     "hf_causal_lm_lm_knobs_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
+    # probe_loop_gap.py: each window's reading and each window pair's ratio (the summary keeps the intervals)
+    "probe_loop_gap_char*.json": Rule(frozenset({"window_samples_per_s", "window_throughputs", "window_ratios"})),
+    # lm_space_study.py: each study's trials, anytime curve and tune log (the summary keeps the verdict)
+    "lm_space_study_h100.json": Rule(frozenset({"trials", "anytime", "tune", "provenance"})),
     # lm_knobs.py: each run's probe document (the table is built from "summary")
     "lm_knobs_*.json": Rule(frozenset({"runs"}), indent=None),
     # tuning.py analyze: each strategy's trial rows and the fidelity pairs (its command writes them again
