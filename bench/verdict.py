@@ -41,6 +41,10 @@ samples 1000, remeasure top_k 2 and the service's defaults otherwise. The plante
              abs_tol of 0.01 a 3σ = 0.006 loss is inside the margin, i.e. not a loss by the
              study's own definition); target: the fused config not certified ≥ 95 %
   loss-tol   the same at the default abs_tol (0.01), the loss abs_tol + 3σ (3σ beyond the margin)
+  aa-tol0    A/A with gate.abs_tol 0 (the margin 2σ of the seeds): a candidate whose search quality
+             came out 2σ below the baseline's mean by chance takes the quality-headroom slot
+             (remeasure.quality_headroom) as a third candidate; target: certified ≤ 5 % (not in the
+             default set)
   aa-2gpu    A/A on two workers of one host whose GPUs differ by 5 % (every config's spread 2 %): the
              faster GPU's probes end first, so it leases the next trial; does who-runs-what bias a
              ratio enough to certify nothing? target: certified ≤ 5 % (not in the default set)
@@ -168,6 +172,8 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("aa", "A/A: every config the same speed (13 % spread) and quality"),
+    Scenario("aa-tol0", "A/A with gate.abs_tol 0 (margin 2σ of the seeds): a candidate's lucky search quality "
+             "takes the quality-headroom slot (remeasure.quality_headroom)", abs_tol=0.0),
     Scenario("aa-2gpu", "A/A on two workers whose GPUs differ by 5 % (2 % spread; the faster one's probes end "
              "first, so it leases next)", cv_fused=0.02, cv_other=0.02, gpu_gap=0.05, probe_s=0.04, workers=2),
     Scenario("win2", "fused 2.0× faster (2 % spread; the others 15 %), equal quality", win=2.0, cv_fused=0.02,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from autotune.api.study.feasibility import fits_memory, is_feasible
+from autotune.api.study.feasibility import baseline_summary, fits_memory, is_feasible
 from autotune.api.study.trials import (
     TrialRecord,
     baseline_repeat_of,
@@ -112,10 +112,26 @@ def deferred_order(spec: StudySpec, deferred: Sequence[tuple[float, TrialRecord]
     return [*sorted(tied, key=closeness), *deferred[len(tied):]]  # a stable sort: equal ones stay best first
 
 
+def headroom(spec: StudySpec, trials: Sequence[TrialRecord], gate: float) -> Callable[[TrialRecord], bool]:
+    """Whether a trial's search quality beat the baseline seeds' mean by at least the gate's margin
+    (the gate's distance from that mean, on the better side): a config likely to be shown no worse
+    than the baseline at the verdict's first look (`remeasure_targets`)."""
+    base = baseline_summary(spec, trials).quality
+    sign = 1.0 if spec.quality_direction == "minimize" else -1.0
+
+    def clears(trial: TrialRecord) -> bool:
+        quality = metric(trial, spec, "quality")
+        return base is not None and quality is not None and sign * (quality - base.mean) <= -abs(gate - base.mean)
+
+    return clears
+
+
 def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: float | None) -> list[TrialRecord]:
     """The configs to re-measure: the top_k *distinct* candidates by throughput, fastest first
     (by energy per sample, lowest first, where energy picks: `chosen_by`; a config drawn twice
-    is re-measured once, for its first trial), then, under remeasure.larger_batch_quality
+    is re-measured once, for its first trial); then, under remeasure.quality_headroom (the default)
+    and when none of those has quality headroom (`headroom`), the fastest distinct candidate
+    that has; then, under remeasure.larger_batch_quality
     "remeasure", up to top_k distinct larger-batch configs the gate refused at the search's budget
     that ran faster than the fastest candidate (used less energy per sample than the thriftiest,
     where energy picks) (`deferred_candidates`: their quality is judged at the re-measure budget;
@@ -128,22 +144,25 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
     targets: list[TrialRecord] = []
     seen: list[dict[str, Any] | None] = []
 
-    def take(pool: Sequence[tuple[float, TrialRecord]]) -> None:
+    def take(pool: Sequence[tuple[float, TrialRecord]], limit: int) -> None:
         taken = 0
         for _, t in pool:
+            if taken == limit:
+                break
             config = knob_config(t)
             if config is not None and config in seen:
                 continue
             seen.append(config)
             targets.append(t)
             taken += 1
-            if taken == spec.remeasure.top_k:
-                break
 
     ranked = ranked_candidates(spec, trials, gate)
-    take(ranked)
+    take(ranked, spec.remeasure.top_k)
+    clears = headroom(spec, trials, gate)
+    if spec.remeasure.quality_headroom and not any(clears(t) for t in targets):
+        take([c for c in ranked if clears(c[1])], 1)
     lead, sign = (ranked[0][0] if ranked else None), rank_sign(spec)  # the best candidate's score
     take(deferred_order(spec, [(v, t) for v, t in deferred_candidates(spec, trials, gate)
-                               if lead is None or sign * v < sign * lead]))
+                               if lead is None or sign * v < sign * lead]), spec.remeasure.top_k)
     base = baseline_target(trials)
     return [*targets, base] if targets and base is not None else targets

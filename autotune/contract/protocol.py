@@ -146,6 +146,10 @@ class RemeasureSpec(Strict):
     confidence: Number = Field(0.95, ge=0.5, le=0.999, description="1 − the chance of certifying a config that is not "
                               "faster or not as good, over every config and round: split evenly between the "
                               "speed and the quality test")
+    quality_headroom: bool = Field(True, description="also re-measure the fastest candidate whose search quality "
+                                   "beat the baseline's mean by the gate's own margin, when none of the top_k did: "
+                                   "the fastest configs often sit near the gate, where a few rounds cannot show them "
+                                   "no worse, while a slower one clearly better is decided in the first look")
     larger_batch_quality: Literal["search", "remeasure"] = Field(
         "search", description="where a config whose effective batch (batch_size × accum_steps) is larger than the "
         "baseline's is judged on quality: 'search' (the default), by the gate at the search's budget like every "

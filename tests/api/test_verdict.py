@@ -121,3 +121,41 @@ def test_a_duplicate_config_is_remeasured_once(client: TestClient, make_study: S
     configs = [tuple(sorted(r["config"].items())) for r in client.get("/v1/studies/s/best").json()["configs"]]
     assert len(configs) == len(set(configs))
 
+
+
+# three candidates: two fast ones whose quality sits at the gate, and a slower one clearly better
+HEADROOM_SPACE = {"params": {"inverse_loss_frequency": {"choices": [1, 2, 4, 8]}}}
+HEADROOM_TRUTH = {1: (100.0, 0.100, 0.100), 2: (200.0, 0.108, 0.116), 4: (190.0, 0.108, 0.116),
+                  8: (150.0, 0.085, 0.085)}
+
+
+def _headroom_truth(got: dict[str, Any], i: int) -> tuple[float, float]:
+    """(throughput, quality) by inverse_loss_frequency: speed, search quality, re-measured quality."""
+    speed, search, remeasured = HEADROOM_TRUTH[got["config"]["inverse_loss_frequency"]]
+    z = (-1.0, 1.0, 0.3, -0.3, 0.8, -0.8)[i % 6]
+    return speed * math.exp(0.02 * z), (remeasured if got["role"] == "remeasure" else search) + 0.002 * z
+
+
+@pytest.mark.parametrize("headroom", [True, False])
+def test_a_slower_config_with_clear_quality_headroom_is_remeasured_and_certified(
+        client: TestClient, make_study: StudyFactory, headroom: bool) -> None:
+    """The two fastest pass the gate at the search's budget by a hair and re-measure worse; the third
+    beat the baseline's quality by more than the gate's margin. remeasure.quality_headroom (the
+    default) re-measures it too, and it is certified; without it the study keeps the baseline."""
+    make_study("s", n_trials=7, baseline_seeds=3, seed=0, space=HEADROOM_SPACE, baseline={"inverse_loss_frequency": 1},
+               starting_points="none", sampler="grid", gate={"abs_tol": 0.01, "k": 2.0},
+               remeasure={"top_k": 2, "max_rounds": 4, "quality_headroom": headroom})
+    _drive(client, _headroom_truth)
+    searched = {t["config"]["inverse_loss_frequency"] for t in _trials(client) if t["role"] == "search"}
+    assert {2, 4, 8} <= searched, searched  # every candidate ran in the search
+    remeasured = {t["config"]["inverse_loss_frequency"] for t in _trials(client) if t["role"] == "remeasure"}
+    best = client.get("/v1/studies/s/best").json()
+    fast = [r for r in best["configs"] if r["role"] == "candidate" and r["config"]["inverse_loss_frequency"] in (2, 4)]
+    assert len(fast) == 2 and all(r["status"] in ("rejected", "undecided") for r in fast), fast  # re-measured worse
+    if headroom:
+        assert remeasured == {1, 2, 4, 8}
+        assert best["certified"] is True and best["config"]["inverse_loss_frequency"] == 8
+        assert best["speedup"] == pytest.approx(1.5, rel=0.05) and best["speedup_ci_low"] > 1.0
+    else:
+        assert remeasured == {1, 2, 4}
+        assert best["certified"] is False and best["config"]["inverse_loss_frequency"] == 1
