@@ -158,6 +158,15 @@ class RemeasureSpec(Strict):
         "when it was faster, since a larger batch takes fewer optimizer steps over the same samples and catches up "
         "with training length")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _as_created(cls, data: Any, info: ValidationInfo) -> Any:
+        """A spec read back from storage that predates quality_headroom keeps the verdict it was given
+        (the field off): its study is judged as when it was created, before and after an upgrade."""
+        if isinstance(data, dict) and (info.context or {}).get("stored") and "quality_headroom" not in data:
+            return {**data, "quality_headroom": False}
+        return data
+
     @model_validator(mode="after")
     def _larger_batch_quality(self) -> RemeasureSpec:
         if self.larger_batch_quality == "remeasure" and (self.samples_factor < 2 or self.top_k == 0):

@@ -159,3 +159,15 @@ def test_a_slower_config_with_clear_quality_headroom_is_remeasured_and_certified
     else:
         assert remeasured == {1, 2, 4}
         assert best["certified"] is False and best["config"]["inverse_loss_frequency"] == 1
+
+
+def test_a_study_stored_before_quality_headroom_keeps_its_verdict() -> None:
+    """A spec read back from storage without remeasure.quality_headroom (stored before the field
+    existed) reads it off, so an upgrade does not re-judge a finished study; a new spec has it on."""
+    from autotune.contract.protocol import StudySpec
+
+    stored = StudySpec(name="s", workload="ups").model_dump(mode="json")
+    assert stored["remeasure"]["quality_headroom"] is True  # what a new study stores
+    del stored["remeasure"]["quality_headroom"]
+    assert StudySpec.model_validate(stored, context={"stored": True}).remeasure.quality_headroom is False
+    assert StudySpec.model_validate(stored).remeasure.quality_headroom is True  # a new submission: the default
