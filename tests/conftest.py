@@ -4,7 +4,9 @@
   so it is generated once per session, never in the home directory, and subprocesses
   started by tests inherit the same cache.
 * Tests marked ``gpu`` are skipped when CUDA is not available.
-* ``processes``: the subprocesses a test starts (tests/live_service.py), all stopped after it.
+* ``processes``: the subprocesses a test starts (tests/live_service.py), all stopped after it;
+  ``module_processes``: those a whole module shares (a service its tests each submit their own
+  study to), stopped after its last test.
 * The process-global torch switches that knobs set (TF32, matmul precision,
   cudnn.benchmark) are restored after every test, so no test leaks into another.
 * Torch runs one intra-op thread in every test process and every process a test starts
@@ -62,6 +64,19 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
     """The test's subprocesses (services, workers), each in its own session with a log in
     tmp_path; every one still running is stopped after the test, whatever its outcome."""
     procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
+    """Subprocesses a module's tests share, logging into a folder of the module's own; every one
+    still running is stopped after the module's last test. Shared because a start is not free:
+    `autotune serve` takes about 2 CPU-seconds to a healthy /v1/health with its tokens (3-4 on
+    a slow host), which tests that each submit a study of their own need not pay each."""
+    procs = Processes(tmp_path_factory.mktemp("module-processes"))
     try:
         yield procs
     finally:

@@ -38,9 +38,11 @@ pytestmark = pytest.mark.slow
 LONG_PROBE = 4000  # samples: ~1000-2000 steps, long enough to act on a probe mid-run
 
 
-@pytest.fixture
-def service(processes: Processes, tmp_path: Path, tiny_datasets: Any) -> LiveService:
-    return LiveService(processes, tmp_path / "autotune.db").start()
+@pytest.fixture(scope="module")
+def service(module_processes: Processes, tiny_datasets: Any) -> LiveService:
+    """One service for the module's tests: each submits a study of its own name and starts its
+    workers with `--study` (a test's workers never see another's trials)."""
+    return LiveService(module_processes, module_processes.log_dir / "autotune.db").start()
 
 
 def trial_by_number(service: LiveService, study: str, number: int) -> dict[str, Any]:

@@ -50,9 +50,12 @@ SILENT_REAPER = {"AUTOTUNE_LEASE_GRACE_S": str(SILENT_GRACE_S), "AUTOTUNE_REAPER
 NO_PRUNING = {"enabled": False}  # every trial runs to the end: the outcomes are known in advance
 
 
-@pytest.fixture
-def service(processes: Processes, tmp_path: Path, tiny_datasets: Any) -> LiveService:
-    return LiveService(processes, tmp_path / "autotune.db", env=FAST_REAPER).start()
+@pytest.fixture(scope="module")
+def service(module_processes: Processes, tiny_datasets: Any) -> LiveService:
+    """One service for the module's tests that use it: each submits a study of its own name and
+    starts its workers (or plays them) with that study (a test's workers never see another's
+    trials)."""
+    return LiveService(module_processes, module_processes.log_dir / "autotune.db", env=FAST_REAPER).start()
 
 
 @pytest.fixture
