@@ -90,7 +90,19 @@ DEFAULT_OBJECTIVES: tuple[Objective, ...] = ("throughput", "quality")
 
 
 class Strict(BaseModel):
+    """What a person or a program submits: an unknown field is an error that names it (a typo is not
+    ignored). Read back, with context {"stored": True} (from the database, or in a reply of a newer
+    service), an unknown field is a later version's, and it is dropped: a client one release behind
+    its service still reads the service's studies."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _later_fields(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict) and (info.context or {}).get("stored"):
+            return {key: value for key, value in data.items() if key in cls.model_fields}
+        return data
 
 
 class ProbeSpec(Strict):
