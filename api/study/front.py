@@ -158,9 +158,10 @@ def remeasure_targets(spec: StudySpec, trials: Sequence[TrialRecord], gate: floa
 
     ranked = ranked_candidates(spec, trials, gate)
     take(ranked, spec.remeasure.top_k)
-    clears = headroom(spec, trials, gate)
-    if spec.remeasure.quality_headroom and not any(clears(t) for t in targets):
-        take([c for c in ranked if clears(c[1])], 1)
+    if spec.remeasure.quality_headroom:
+        clears = headroom(spec, trials, gate)
+        if not any(clears(t) for t in targets):
+            take([c for c in ranked if clears(c[1])], 1)
     lead, sign = (ranked[0][0] if ranked else None), rank_sign(spec)  # the best candidate's score
     take(deferred_order(spec, [(v, t) for v, t in deferred_candidates(spec, trials, gate)
                                if lead is None or sign * v < sign * lead]), spec.remeasure.top_k)

@@ -17,7 +17,7 @@ the workload registry only (no torch, no fastapi).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -92,16 +92,19 @@ DEFAULT_OBJECTIVES: tuple[Objective, ...] = ("throughput", "quality")
 class Strict(BaseModel):
     """What a person or a program submits: an unknown field is an error that names it (a typo is not
     ignored). Read back, with context {"stored": True} (from the database, or in a reply of a newer
-    service), an unknown field is a later version's, and it is dropped: a client one release behind
-    its service still reads the service's studies."""
+    service), a record is taken as the release that wrote it meant it: an unknown field is a later
+    release's and is dropped (a client one release behind its service still reads its studies), and
+    a field added since takes `STORED_DEFAULTS`, the behaviour from before it existed, where that
+    differs from its default (an upgrade does not re-judge a stored study)."""
 
     model_config = ConfigDict(extra="forbid")
+    STORED_DEFAULTS: ClassVar[dict[str, Any]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _later_fields(cls, data: Any, info: ValidationInfo) -> Any:
+    def _as_stored(cls, data: Any, info: ValidationInfo) -> Any:
         if isinstance(data, dict) and (info.context or {}).get("stored"):
-            return {key: value for key, value in data.items() if key in cls.model_fields}
+            return {**cls.STORED_DEFAULTS, **{key: value for key, value in data.items() if key in cls.model_fields}}
         return data
 
 
@@ -162,6 +165,7 @@ class RemeasureSpec(Strict):
                                    "beat the baseline's mean by the gate's own margin, when none of the top_k did: "
                                    "the fastest configs often sit near the gate, where a few rounds cannot show them "
                                    "no worse, while a slower one clearly better is decided in the first look")
+    STORED_DEFAULTS: ClassVar[dict[str, Any]] = {"quality_headroom": False}  # studies stored before it: off
     larger_batch_quality: Literal["search", "remeasure"] = Field(
         "search", description="where a config whose effective batch (batch_size × accum_steps) is larger than the "
         "baseline's is judged on quality: 'search' (the default), by the gate at the search's budget like every "
@@ -169,15 +173,6 @@ class RemeasureSpec(Strict):
         "gate refused (or that trailed the baseline's loss) at the search's budget is re-measured beside the top_k "
         "when it was faster, since a larger batch takes fewer optimizer steps over the same samples and catches up "
         "with training length")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _as_created(cls, data: Any, info: ValidationInfo) -> Any:
-        """A spec read back from storage that predates quality_headroom keeps the verdict it was given
-        (the field off): its study is judged as when it was created, before and after an upgrade."""
-        if isinstance(data, dict) and (info.context or {}).get("stored") and "quality_headroom" not in data:
-            return {**data, "quality_headroom": False}
-        return data
 
     @model_validator(mode="after")
     def _larger_batch_quality(self) -> RemeasureSpec:
