@@ -119,6 +119,10 @@ RULES: dict[str, Rule] = {
         "recommendation", "configs", "truth", "message", "workers_ended", "error_examples", "mismatched_trials"}),
         regenerate="python bench/verdict.py --seeds 40 --scenarios aa-tol0,loss,win15 --parallel 2 "
                    "--out bench/results/verdict_headroom.json"),
+    "verdict_headroom_default.json": Rule(frozenset({"studies"}), drop=frozenset({
+        "recommendation", "configs", "truth", "message", "workers_ended", "error_examples", "mismatched_trials"}),
+        regenerate="python bench/verdict.py --seeds 40 --scenarios aa,win2,win15,win2-long,loss,loss-tol "
+                   "--parallel 2 --out bench/results/verdict_headroom_default.json"),
     "service_load.json": Rule(frozenset({"lease_ms_by_trial_number"}), drop=frozenset({"trials"}),
                               regenerate="python bench/service_load.py"),
     "service_load_profile.json": Rule(frozenset({"lease_ms_by_trial_number", "by_quarter_mean_ms"}),
