@@ -33,6 +33,9 @@ spaces) and the GPU are the same; the two are compared once both are there.
     python bench/lm_space_study.py --device cuda --only plain --study-budget-s 540 --out lm_space_study_h200.json
     python bench/lm_space_study.py --device cuda --only widened --study-budget-s 540 --out lm_space_study_h200.json
 
+A study that needs more than one bounded run resumes in the next: give both runs the same --workdir
+(its database, carried from one machine to the next) and --tag.
+
 --spec FILE (YAML) overrides keys of both studies' spec (a `baseline`, `remeasure`, `sampler`, `probe`, …); a
 `space` in it is the plain study's (the widened one adds the knobs to it). So one study of a chosen space
 against a chosen baseline (the batch arm as a study: bench/configs/lm_batch_gpt_full.yaml):
@@ -272,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     spaces = {"plain": space, "widened": widened(space, args.device, hf)}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="lm-space-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:4]
+    tag = args.tag or uuid.uuid4().hex[:4]
     env = host_environment(args.device)
     base_spec: dict[str, Any] = {
         "workload": args.workload, "preset": preset, "sampler": "tpe", "seed": args.seed, "n_trials": n_trials,
@@ -334,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=GROUPS, default=None,
                    help="run this study alone; an --out holding the other (same settings) gets this one added")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--tag", default=None, help="the studies' names are lm-TAG-plain and lm-TAG-widened (default: "
+                                               "random); the same --workdir and --tag again resume a study that a "
+                                               "bounded run cut short (`autotune tune` resumes it)")
     p.add_argument("--out", default=None)
     p.add_argument("--report", type=Path, default=None, help="print a finished run's table again")
     args = p.parse_args(argv)

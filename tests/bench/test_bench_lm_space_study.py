@@ -112,7 +112,8 @@ def test_a_study_run_alone_joins_the_other_from_the_same_settings_and_gpu(tmp_pa
 
 @pytest.mark.parametrize("name", ["lm_batch_gpt_full.yaml", "lm_graph_gpt_full.yaml",
                                   "lm_batch_graph_remeasure_gpt_full.yaml",
-                                  "lm_batch4_graph_remeasure_gpt_full.yaml"])
+                                  "lm_batch4_graph_remeasure_gpt_full.yaml",
+                                  "lm_batch4_graph_one_gpu_gpt_full.yaml"])
 def test_the_committed_spec_files_make_valid_studies_of_their_space_and_baseline(name: str) -> None:
     """--spec FILE: its keys go into both studies' spec (mappings merged into the defaults), its space is
     the plain study's; the committed files make a study the service takes, on a GPU's hardware class."""
