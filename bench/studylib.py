@@ -95,7 +95,8 @@ def run_cli(args: list[str], env: Mapping[str, str] | None = None, timeout: floa
     """``python -m autotune.cli ARGS`` (an `autotune probe --json`, say) as a worker starts its
     probe children: forked from a fork server (autotune/engine/fork_server.py) that imported torch
     once, one server per environment for the harness's whole run; each probe is still a
-    process of its own (its own CUDA context, compile state and memory). ``warm=False`` (for
+    process of its own (its own CUDA context, compile state and memory), forked once the server
+    has imported everything a probe does (`run_python`'s `preloaded`). ``warm=False`` (for
     an environment used once) or AUTOTUNE_WARM_START=0 starts a fresh interpreter instead.
     Raises subprocess.TimeoutExpired past `timeout` s."""
     environment = dict(os.environ if env is None else env)
@@ -107,7 +108,7 @@ def run_cli(args: list[str], env: Mapping[str, str] | None = None, timeout: floa
         if server is None:
             server = _FORK_SERVERS[key] = ForkServer(environment).start()
             atexit.register(server.close)
-    code, out, err = run_python(["-m", "autotune.cli", *args], server, timeout, env=environment)
+    code, out, err = run_python(["-m", "autotune.cli", *args], server, timeout, env=environment, preloaded=True)
     return subprocess.CompletedProcess(["autotune", *args], code, out, err)
 
 

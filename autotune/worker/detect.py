@@ -34,15 +34,17 @@ DETECT_SCRIPT = ("import json, sys\n"
 
 
 def run_python(args: list[str], server: ForkServer | None = None, timeout_s: float | None = 300.0,
-               env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+               env: Mapping[str, str] | None = None, preloaded: bool = False) -> tuple[int, str, str]:
     """``python ARGS`` in a short-lived child (forked from `server` when it can and `env`, if
     given, is the server's; else started cold in `env`, default this process's, without the
     worker's secrets): its (exit status, stdout, stderr). Raises subprocess.TimeoutExpired past
-    `timeout_s` (None: no limit). A forked one does not wait for the server's whole preload:
-    torch is there."""
+    `timeout_s` (None: no limit). A forked one does not wait for the server's whole preload
+    (torch is there), unless `preloaded`: a child that runs a probe imports torch._dynamo on its
+    first optimizer step, and forked before the preload it would import it while the server
+    does too (1.2-1.7 CPU-seconds more on a 2-core host)."""
     if server is not None and server.down is None and (env is None or without_secrets(env) == server.env):
         try:
-            child = server.popen(args, preloaded=False)
+            child = server.popen(args, preloaded=preloaded)
         except ForkServerError as exc:
             log.warning("the fork server cannot start children (%s): they start cold from now on", exc)
         else:
