@@ -165,9 +165,11 @@ def launch_main() -> int:
 
 
 def _preload() -> None:
-    """What every rank imports, imported once here so the forked ranks start with it; checks
-    that forking stays safe (one thread, no CUDA context)."""
+    """What every rank imports, imported once here so the forked ranks start with it (torch._dynamo
+    too: torch.optim imports it on an optimizer's first step, 1.5-2 CPU-s in each rank otherwise);
+    checks that forking stays safe (one thread, no CUDA context)."""
     import torch
+    import torch._dynamo
     import torch.distributed
 
     import autotune.engine.probe  # noqa: F401
