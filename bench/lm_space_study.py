@@ -234,10 +234,13 @@ def merged(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 def earlier_studies(doc: dict[str, Any], out: Path, only: str) -> dict[str, Any]:
     """With --only: the other study from an earlier run's --out, when its settings and GPU are this
-    run's (else SystemExit naming the difference); {} when there is no earlier file."""
+    run's (else SystemExit naming the difference); {} when there is no earlier file or it holds no
+    other study."""
     if not out.exists():
         return {}
     prev = json.loads(out.read_text())
+    if not set(prev.get("studies") or {}) - {only}:  # nothing to compare with: this run replaces it (a
+        return {}                                    # study resumed with another budget, say)
     for key in SAME_SETTINGS:
         # a file written before --spec existed has no "spec": it ran without one
         before, now = (d.get("settings", {}).get(key, {} if key == "spec" else None) for d in (prev, doc))

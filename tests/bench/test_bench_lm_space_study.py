@@ -104,6 +104,11 @@ def test_a_study_run_alone_joins_the_other_from_the_same_settings_and_gpu(tmp_pa
     assert second["studies"]["plain"]["best_at_equal_gpu_s"] == 300.0
     assert second["studies"]["widened"]["best_at_equal_gpu_s"] == 800.0
     assert set(bench.earlier_studies(_doc(), out, "plain")) == set()  # running plain again replaces it
+    alone = _doc()
+    alone["studies"] = {"plain": first["studies"]["plain"]}
+    out.write_text(json.dumps(alone))  # only the study this run replaces (resumed, say): no settings to match
+    assert bench.earlier_studies(_doc(samples=8192), out, "plain") == {}
+    out.write_text(json.dumps(second))
     for other, says in ((_doc(samples=8192), "its samples is 6144"),
                         (_doc(gpu="NVIDIA H100 80GB HBM3"), "one kind of GPU")):
         with pytest.raises(SystemExit, match=says):
