@@ -23,11 +23,14 @@ def _lease_all(base_url: str, worker_ids: list[str]) -> list[httpx.Response]:
     """POST /v1/trials/lease for every worker id at once (one thread and connection each). The
     service speaks plain HTTP: each client gets a bare TLS context it never uses, as
     autotune.worker.client does, not httpx's default one (the CA bundle loaded: ~33 ms of CPU
-    per client, 170 clients per backend here)."""
+    per client, 170 clients per backend here). The leases are answered one after another, so the
+    last waits for all the others (the whole test takes 12-17 s on an idle 2-core host; one request
+    passed 60 s once on oversubscribed cores): the timeout ends a hung test, it does not time the
+    service."""
     barrier = threading.Barrier(len(worker_ids))
 
     def one(worker_id: str) -> httpx.Response:
-        with httpx.Client(base_url=base_url, timeout=60, verify=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)) as http:
+        with httpx.Client(base_url=base_url, timeout=300, verify=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)) as http:
             barrier.wait()  # release every request together
             return http.post("/v1/trials/lease", json={"worker_id": worker_id, "hardware": "cpu"})
 
