@@ -135,9 +135,9 @@ class StudyService:
             best = None
             if state != "running":
                 message = str(e)
-        return StudyInfo(name=record.name, state=state, spec=ctx.spec, counts=counts_by_state(trials),
+        return StudyInfo(name=record.name, state=state, spec=ctx.spec, counts=counts_by_state(ctx.spec, trials),
                          remeasures=sum(role(t) == "remeasure" for t in current(trials)),
-                         failures=failures_by_kind(trials), retried=len(retried_as(trials)), best=best,
+                         failures=failures_by_kind(ctx.spec, trials), retried=len(retried_as(trials)), best=best,
                          message=message)
 
     def _finished(self, ctx: StudyContext, trials: list[TrialRecord]) -> bool:

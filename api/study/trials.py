@@ -11,6 +11,7 @@ from typing import Any
 from autotune.api.outcome import PRESET_RAN_ATTR, attempt, lost, retriable
 from autotune.contract.config import normalised
 from autotune.contract.protocol import OBJECTIVES, StudySpec
+from autotune.contract.views import LOST_TO_RERUN
 
 GIB = 2**30
 
@@ -172,21 +173,22 @@ def baseline_of(trials: Sequence[TrialRecord]) -> TrialRecord | None:
     return next(iter(baselines(trials)), None)
 
 
-def counts_by_state(trials: Sequence[TrialRecord]) -> dict[str, int]:
+def counts_by_state(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[str, int]:
     """Trials by the state the service shows; a lost trial that was retried is left out (its
-    retry counts for it), so each configuration counts once."""
+    retry counts for it), so each configuration counts once, and one whose retry is still to
+    be leased counts as `LOST_TO_RERUN`, not as FAIL."""
     counts: dict[str, int] = {}
     for t in current(trials):
-        state = service_state(t)
+        state = LOST_TO_RERUN if may_retry(spec, t) else service_state(t)
         counts[state] = counts.get(state, 0) + 1
     return counts
 
 
-def failures_by_kind(trials: Sequence[TrialRecord]) -> dict[str, int]:
-    """Failed trials by kind; a lost trial that was retried is not a failure of the study."""
+def failures_by_kind(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[str, int]:
+    """Failed trials by kind; a lost trial that was retried, or will be, is not a failure of the study."""
     failures: dict[str, int] = {}
     for t in current(trials):
-        if service_state(t) == "FAIL":
+        if service_state(t) == "FAIL" and not may_retry(spec, t):
             kind = str(t.user_attrs.get("failure_kind") or "error")
             failures[kind] = failures.get(kind, 0) + 1
     return failures

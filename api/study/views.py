@@ -15,6 +15,7 @@ from autotune.api.study.trials import (
     baseline_target,
     completed,
     knob_config,
+    may_retry,
     metric,
     quality_name,
     retried_as,
@@ -69,6 +70,7 @@ def trial_info(trial: TrialRecord, spec: StudySpec, gate: float | None, retry: i
         repeat_of=repeat_of if isinstance(repeat_of, int) else None, baseline_repeat_of=base_repeat,
         feasibility_note=note, duration_s=trial.duration_s,
         attempt=attempt_of(trial), retry_of=retry_of(trial), retried_as=retry,
+        to_rerun=retry is None and may_retry(spec, trial),
     )
 
 

@@ -17,6 +17,7 @@ from rich.markup import escape as rich_escape
 
 from autotune.cli.common import ApiOption, TokenFileOption, TokenOption, err, resolve_token, service_client, usage_error
 from autotune.cli.tables import studies_table, trials_table, verdict_line, verdict_table
+from autotune.contract.views import LOST_TO_RERUN
 from autotune.worker.client import DEFAULT_API, Conflict, NotFound
 
 if TYPE_CHECKING:
@@ -268,8 +269,8 @@ def status(
         trials = client.trials(study).data
     # the baseline seeds and search trials count against n_trials; the verdict's re-measurements come on top
     searched = [t for t in trials if t.role != "remeasure" and t.retried_as is None]
-    by_state = Counter(t.state for t in searched)
-    counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(by_state.items())) or "no trials yet"
+    by_state = Counter("lost (to be re-run)" if t.to_rerun else t.state.lower() for t in searched)
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items())) or "no trials yet"
     remeasured = [t for t in trials if t.role == "remeasure" and t.retried_as is None]
     rounds = f" · {len(remeasured)} re-measure run(s)" if remeasured else ""
     console.print(f"study [bold]{info.name}[/]: {info.state} · {len(searched)} of {info.spec.n_trials} trials "
@@ -306,7 +307,7 @@ def stop(
     nothing."""
     with service_client(api, resolve_token(token, token_file)) as client:
         info = client.stop_study(study)
-    done = sum(n for state, n in info.counts.items() if state != "RUNNING")
+    done = sum(n for state, n in info.counts.items() if state not in ("RUNNING", LOST_TO_RERUN))
     running = info.counts.get("RUNNING", 0)
     print(f"study {info.name}: {info.state} · {done} trial(s) finished"
           + (f", {running} running told to stop at their next heartbeat" if running else "")

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape as rich_escape
 from rich.table import Table
 
+from autotune.contract.views import LOST_TO_RERUN
+
 if TYPE_CHECKING:
     from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
 
@@ -55,6 +57,7 @@ def studies_table(studies: list[StudyInfo]) -> Table:
         c = s.counts
         outcomes = " · ".join(f"{n} {label}" for state, label in (("COMPLETE", "complete"), ("PRUNED", "pruned"),
                                                                   ("FAIL", "failed"), ("REPEAT", "repeated"),
+                                                                  (LOST_TO_RERUN, "lost (to be re-run)"),
                                                                   ("RUNNING", "running"))
                               if (n := c.get(state, 0))) or "-"
         best = s.best or {}
@@ -96,6 +99,8 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
         if t.prune_reason and t.state == "PRUNED":
             failure = "pruned"
+        if t.to_rerun:
+            failure += " (to be re-run)"
         table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.quality, ".4f"),
                       *((_num(t.energy_j_per_sample, ".4g"),) if energy else ()), feasible, failure, params)
     return table

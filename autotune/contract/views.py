@@ -12,12 +12,17 @@ from pydantic import BaseModel, Field
 
 from autotune.contract.protocol import StudySpec
 
+# StudyInfo.counts' state for a lost trial (its worker died, or it was interrupted) whose re-run is
+# still to be leased: not a failure of the study, and not yet a finished configuration
+LOST_TO_RERUN = "LOST"
+
 
 class StudyInfo(BaseModel):
     name: str
     state: Literal["running", "stopped", "finished"]
     spec: StudySpec
-    counts: dict[str, int] = Field(default_factory=dict, description="trials by state")
+    counts: dict[str, int] = Field(default_factory=dict, description=(
+        f"trials by state; {LOST_TO_RERUN}: lost with no fault of its config, its re-run still to be leased"))
     remeasures: int = Field(0, description="of the trials in counts, the verdict's re-measurements (on top of "
                                            "spec.n_trials, which counts the baseline seeds and search trials)")
     failures: dict[str, int] = Field(default_factory=dict, description="failed trials by failure kind")
@@ -66,6 +71,8 @@ class TrialInfo(BaseModel):
     attempt: int = Field(1, description="1 for a first run; k for the (k-1)-th retry of a lost trial")
     retry_of: int | None = Field(None, description="the lost trial number this trial re-runs")
     retried_as: int | None = Field(None, description="the trial number that re-runs this lost trial")
+    to_rerun: bool = Field(False, description="a lost trial whose re-run is still to be leased (counted as "
+                                              f"{LOST_TO_RERUN} in the study's counts, not as a failure)")
 
 
 class TrialList(BaseModel):

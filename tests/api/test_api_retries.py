@@ -16,11 +16,15 @@ import optuna
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from rich.console import Console
 from service_helpers import StudyFactory, complete, lease, make_settings, trials_of, tuning_service
 from sqlalchemy import update
 
 from autotune.api.db import LeaseRow, utcnow
 from autotune.api.main import create_app
+from autotune.cli.demo import progress_text
+from autotune.cli.tables import studies_table, trials_table
+from autotune.contract.views import StudyInfo, TrialList
 
 
 def _reap(app: FastAPI) -> list[int]:
@@ -58,8 +62,16 @@ def _lost_search_trial_is_retried(app: FastAPI, client: TestClient) -> None:
     complete(client, other, "w2")
     assert _reap(app) == [lost["trial_id"]]
     assert _optuna_state(app, lost["trial_id"]) == "FAIL"  # invisible to the samplers: not a verdict on the config
+    # until its re-run is leased, the lost trial is shown as lost, not as a failure of the study
+    study = client.get("/v1/studies/s").json()
+    assert study["counts"] == {"COMPLETE": 2, "LOST": 1} and study["failures"] == {} and study["retried"] == 0
+    assert trials_of(client)[lost["number"]]["to_rerun"] is True
+    shown = _shown(client)  # what `autotune tune`'s progress line, `studies` and `status` print
+    assert "1 lost (to be re-run)" in shown and "0 failed" in shown and "lost (to be re-run)" in shown
 
     retry = lease(client, "w3")  # the retry comes before a new search trial
+    assert trials_of(client)[lost["number"]]["to_rerun"] is False
+    assert client.get("/v1/studies/s").json()["counts"] == {"COMPLETE": 2, "RUNNING": 1}
     assert retry is not None and retry["trial_id"] != lost["trial_id"]
     assert (retry["role"], retry["params"], retry["config"], retry["probe"]) == \
         (lost["role"], lost["params"], lost["config"], lost["probe"])
@@ -81,6 +93,18 @@ def _lost_search_trial_is_retried(app: FastAPI, client: TestClient) -> None:
     # each configuration once: the lost attempt is not a failure of the study, nor a missing trial
     assert study["state"] == "finished" and study["counts"] == {"COMPLETE": 4}
     assert study["failures"] == {} and study["retried"] == 1
+
+
+def _shown(client: TestClient) -> str:
+    """The study's progress line (`autotune tune`, the demo), its row in `autotune studies` and its
+    trials table (`autotune status`), as printed."""
+    info = StudyInfo.model_validate(client.get("/v1/studies/s").json())
+    trials = TrialList.model_validate(client.get("/v1/studies/s/trials").json()).data
+    console = Console(record=True, width=250)
+    console.print(progress_text(info))
+    console.print(studies_table([info]))
+    console.print(trials_table(trials, "trials"))
+    return console.export_text()
 
 
 def test_retries_keep_their_order_and_come_before_baseline_seeds(app: FastAPI, client: TestClient,
@@ -126,6 +150,7 @@ def test_retries_exhausted_leave_the_trial_failed_for_good(app: FastAPI, client:
     first = lease(client, "w1")
     assert first is not None
     assert _reap(app) == [first["trial_id"]]
+    assert client.get("/v1/studies/s").json()["counts"] == {"LOST": 1}  # a retry is still to come
     retry = lease(client, "w2")
     assert retry is not None
     assert _reap(app) == [retry["trial_id"]]
