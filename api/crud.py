@@ -181,6 +181,12 @@ def leased_trial_ids(session: Session, study_name: str) -> set[int]:
     return set(session.scalars(select(LeaseRow.trial_id).where(LeaseRow.study_name == study_name)))
 
 
+def lease_holders(session: Session, study_name: str) -> set[str]:
+    """The workers holding an active lease of the study."""
+    query = select(LeaseRow.worker_id).where(LeaseRow.study_name == study_name, LeaseRow.state == "active")
+    return set(session.scalars(query))
+
+
 def active_leases(session: Session, study_name: str) -> list[LeaseRecord]:
     query = select(LeaseRow).where(LeaseRow.study_name == study_name, LeaseRow.state == "active")
     return [_lease(r) for r in session.scalars(query)]

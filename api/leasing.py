@@ -85,6 +85,42 @@ def retry_plan(lost: TrialRecord, configs: int) -> Plan:
     return Plan(trial_role, knobs, attrs, configs)
 
 
+def round_for(trials: list[TrialRecord], next_round: list[TrialRecord], rounds_done: int, round_limit: int,
+              worker_id: str | None, busy: Callable[[], set[str]]) -> tuple[int, TrialRecord] | None:
+    """The re-measure round and target `worker_id` runs next, or None. A round runs on one worker,
+    so that it compares its configs on one GPU: GPUs of one host differ by a few percent, and a
+    candidate whose runs all landed on the faster one would read that gap as a speedup. The worker
+    that started a round (its latest trial's) keeps it while it holds a lease of the study
+    (`busy()`); another worker takes the next round meanwhile, with the configs undecided now
+    (`next_round`: round `rounds_done`'s; an odd round runs them in reverse), so N workers run N
+    rounds at once, each on its GPU. A round whose starter holds no lease is anyone's (it
+    finished, died, or left between trials). The rounds end at `round_limit`; a round started
+    before the verdict dropped a config does not run that config."""
+    ranked = next_round if rounds_done % 2 == 0 else next_round[::-1]  # rank order, the baseline last
+    by_round: dict[int, list[TrialRecord]] = {}
+    for t in trials:
+        key = remeasure_key(t)
+        if key is not None:
+            by_round.setdefault(key[1], []).append(t)
+    free: tuple[int, TrialRecord] | None = None
+    holding: set[str] | None = None
+    for round_ in range(rounds_done, round_limit):
+        started = by_round.get(round_, [])
+        have = {key[0] for t in started if (key := remeasure_key(t)) is not None}
+        todo = [t for t in (ranked if round_ % 2 == 0 else ranked[::-1]) if t.number not in have]
+        if not todo:
+            continue
+        starter = max(started, key=lambda t: t.number).user_attrs.get("worker_id") if started else None
+        if starter is not None and starter == worker_id:
+            return round_, todo[0]  # this worker's own round first
+        if free is None:
+            if starter is not None and holding is None:
+                holding = busy()
+            if starter is None or (holding is not None and starter not in holding):
+                free = (round_, todo[0])
+    return free
+
+
 class Planner:
     """Plans each study's next trial for one service process. Its caches hold only what never
     changes once known (retry fates, starting points, re-measure rounds all created); they are
@@ -123,12 +159,14 @@ class Planner:
                     book.final.add(trial_id)
         return sorted(pending, key=lambda t: t.number), len(book.retried)
 
-    def plan(self, ctx: StudyContext, created: int) -> Plan | None:
-        """What the study's next trial is, given `created` trials so far, or None when it has
-        nothing to hand out now. Retries of lost trials first; then the baselines; no search
-        trial before every baseline seed has finished for good (the gate must exist); search
-        trials up to max_trials configurations (retries not counted); re-measurements once the
-        search is done."""
+    def plan(self, ctx: StudyContext, created: int, worker_id: str | None = None,
+             busy: Callable[[], set[str]] = set) -> Plan | None:
+        """What the study's next trial is, given `created` trials so far, for `worker_id`, or None
+        when it has nothing to hand out now. Retries of lost trials first; then the baselines; no
+        search trial before every baseline seed has finished for good (the gate must exist);
+        search trials up to max_trials configurations (retries not counted); re-measurements once
+        the search is done, each round on one worker (`round_for`; `busy`: the workers holding an
+        active lease of the study)."""
         spec = ctx.spec
         pending, n_retries = self.pending_retries(ctx)
         configs = created - n_retries
@@ -164,12 +202,10 @@ class Planner:
             if not rm.pending:
                 self._remeasures_created.add(ctx.name)
             return None
-        round_ = rm.rounds_done
-        already = {remeasure_key(t) for t in trials}
-        todo = [t for t in rm.next_round if (t.number, round_) not in already]
-        if not todo:
-            return None  # the round's trials all exist: wait for them before deciding the next
-        target = todo[0]
+        found = round_for(trials, rm.next_round, rm.rounds_done, rm.round_limit, worker_id, busy)
+        if found is None:
+            return None  # every round that may run now is started by another worker that is still on it
+        round_, target = found
         samples = spec.probe.samples or target.user_attrs.get("samples_trained")
         factor = spec.remeasure.samples_factor
         probe = spec.probe.model_copy(update={

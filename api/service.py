@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
@@ -239,7 +240,8 @@ class TuningService(StudyService):
                     if record is None or record.state != "running":
                         continue
                     created = self.bridge.n_trials(ctx.name)
-                    plan = self._planner.plan(ctx, created)
+                    plan = self._planner.plan(ctx, created, request.worker_id,
+                                              busy=partial(crud.lease_holders, session, ctx.name))
                     if plan is None:
                         continue
                     attrs = plan.attrs

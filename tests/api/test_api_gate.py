@@ -134,36 +134,33 @@ def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: Tes
         measured[thr] = info["number"]
     assert client.get("/v1/studies/s").json()["state"] == "running"  # the re-measurements are to come
     assert client.get("/v1/studies/s/best").status_code == 404  # no verdict while they run
-    first, second, third = lease(client, "r1"), lease(client, "r2"), lease(client, "r3")
-    assert lease(client, "r4") is None  # top_k = 2, and the baseline; round 1 waits for round 0
-    assert first is not None and second is not None and third is not None
+    # winner's curse: the 300 config re-measures at 240, the 250 one holds at 260; each run its own noise
+    truth = {0: 100.0, measured[300.0]: 240.0, measured[250.0]: 260.0}
+    noise = itertools.cycle([1.0, 0.995, 1.004, 0.998, 1.002])
+    sent: dict[int, list[float]] = {n: [] for n in truth}
+    seeds: dict[int, int] = {}
+    leases = []
+    while (got := lease(client, "r1")) is not None:  # one worker: its rounds one after another
+        leases.append(got)
+        trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"] if t["trial_id"] == got["trial_id"])
+        seeds[trial["remeasure_round"]] = got["probe"]["seed"]
+        thr = truth[trial["remeasure_of"]] * next(noise)
+        sent[trial["remeasure_of"]].append(thr)
+        _complete_with_windows(client, got, "r1", thr, [thr * 0.99, thr, thr * 1.01, thr])
+    first, second, third = leases[:3]  # round 0: top_k = 2, and the baseline
     assert {first["role"], second["role"], third["role"]} == {"remeasure"}
     assert first["probe"]["samples"] == 250 and first["probe"]["windows"] == 12 and first["probe"]["seed"] == 1007
     assert third["probe"] == second["probe"] == first["probe"]  # the baseline at the same budget and seed
     trials = {t["trial_id"]: t for t in client.get("/v1/studies/s/trials").json()["data"]}
     assert [trials[x["trial_id"]]["remeasure_of"] for x in (first, second, third)] == [
         measured[300.0], measured[250.0], 0]  # fastest first, then the baseline
+    assert {trials[x["trial_id"]]["remeasure_round"] for x in (first, second, third)} == {0}
     base_params = next(t["params"] for t in trials.values() if t["number"] == 0)
     assert trials[third["trial_id"]]["params"] == base_params  # the baseline's: its knobs the space could draw
     assert trials[first["trial_id"]]["params"] == trials[next(
         i for i, t in trials.items() if t["number"] == measured[300.0])]["params"]  # a re-measurement's: its target's
     original = next(t for t in trials.values() if t["number"] == measured[300.0])
     assert first["config"] == {k: v for k, v in original["config"].items() if k != "effective_batch"}  # knobs only
-    # winner's curse: the 300 config re-measures at 240, the 250 one holds at 260; each run its own noise
-    truth = {0: 100.0, measured[300.0]: 240.0, measured[250.0]: 260.0}
-    noise = itertools.cycle([1.0, 0.995, 1.004, 0.998, 1.002])
-    sent: dict[int, list[float]] = {n: [] for n in truth}
-    pending = [(first, "r1"), (second, "r2"), (third, "r3")]
-    seeds: dict[int, int] = {}
-    while pending:
-        for got, worker in pending:
-            trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"]
-                         if t["trial_id"] == got["trial_id"])
-            seeds[trial["remeasure_round"]] = got["probe"]["seed"]
-            thr = truth[trial["remeasure_of"]] * next(noise)
-            sent[trial["remeasure_of"]].append(thr)
-            _complete_with_windows(client, got, worker, thr, [thr * 0.99, thr, thr * 1.01, thr])
-        pending = [(got, f"r{k}") for k in range(3) if (got := lease(client, f"r{k}")) is not None]
     study = client.get("/v1/studies/s").json()
     assert study["state"] == "finished"
     rounds = len(sent[0])
@@ -187,6 +184,53 @@ def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: Tes
     assert row["n"] == rounds and row["status"] == "certified"
 
 
+def test_each_round_runs_on_one_worker_and_other_workers_run_the_next_rounds(client: TestClient,
+                                                                             make_study: StudyFactory) -> None:
+    """A re-measure round compares its configs on one worker's GPU (api.leasing.round_for): GPUs of
+    one host differ by a few percent, so a candidate whose runs all landed on the faster GPU would
+    read the gap as a speedup. The worker that started a round gets its next trial; another worker
+    meanwhile starts the next round (the configs undecided now), so two workers run two rounds at
+    once; a round whose worker holds no lease is anyone's."""
+    make_study("t", n_trials=2, seed=0, probe={"samples": 100}, baseline_seeds=1,
+               remeasure={"top_k": 1, "windows": 5, "max_rounds": 3})
+    base = lease(client, "w", study="t")
+    assert base is not None and base["role"] == "baseline"
+    complete(client, base, "w", nrmse=0.1, throughput=100.0)
+    search = lease(client, "w", study="t")
+    assert search is not None and search["role"] == "search"
+    complete(client, search, "w", nrmse=0.1, throughput=200.0)
+
+    def where(got: dict[str, Any]) -> tuple[int, int]:
+        trial = next(t for t in client.get("/v1/studies/t/trials").json()["data"] if t["trial_id"] == got["trial_id"])
+        return trial["remeasure_of"], trial["remeasure_round"]
+
+    a0 = lease(client, "A", study="t")  # A starts round 0: the candidate first
+    b1 = lease(client, "B", study="t")  # round 0 is A's while A is on it: B starts round 1 (reversed)
+    assert a0 is not None and b1 is not None
+    assert (where(a0), where(b1)) == ((search["number"], 0), (0, 1))
+    assert a0["probe"]["seed"] + 1 == b1["probe"]["seed"]  # each round its own seed, as before
+    complete(client, a0, "A", nrmse=0.1, throughput=200.0)
+    complete(client, b1, "B", nrmse=0.1, throughput=100.0)
+    b1_next = lease(client, "B", study="t")  # B's own round first, though round 0 (A holds no lease) is lower
+    assert b1_next is not None and where(b1_next) == (search["number"], 1)
+    a0_next = lease(client, "A", study="t")
+    assert a0_next is not None and where(a0_next) == (0, 0)
+    c2 = lease(client, "C", study="t")  # rounds 0 and 1 are on A and B: C starts round 2
+    assert c2 is not None and where(c2)[1] == 2
+    assert lease(client, "D", study="t") is None  # max_rounds 3: no round left to start
+    complete(client, b1_next, "B", nrmse=0.1, throughput=201.0)
+    complete(client, a0_next, "A", nrmse=0.1, throughput=99.0)
+    complete(client, c2, "C", nrmse=0.1, throughput=100.0 if where(c2)[0] == 0 else 200.0)
+    while (got := lease(client, "D", study="t")) is not None:  # round 2's rest: C holds no lease, so D may
+        complete(client, got, "D", nrmse=0.1, throughput=100.0 if where(got)[0] == 0 else 202.0)
+    trials = [t for t in client.get("/v1/studies/t/trials").json()["data"] if t["role"] == "remeasure"]
+    workers: dict[int, set[str]] = {}
+    for t in trials:
+        workers.setdefault(t["remeasure_round"], set()).add(t["worker_id"])
+    assert workers == {0: {"A"}, 1: {"B"}, 2: {"C", "D"}}
+    assert client.get("/v1/studies/t").json()["state"] == "finished"
+
+
 def test_remeasure_rounds_interleave_and_the_recommendation_pools_them(client: TestClient,
                                                                        make_study: StudyFactory) -> None:
     """Two rounds over the top 2: every config once, then, once that round is in, every config
@@ -206,9 +250,8 @@ def test_remeasure_rounds_interleave_and_the_recommendation_pools_them(client: T
     order = []
     i = 0
     for round_ in range(2):
-        leases = [lease(client, f"r{round_}{k}") for k in range(3)]
-        assert lease(client, "r-next") is None  # the next round waits for this one
-        for k, got in enumerate(leases):
+        for _ in range(3):  # one worker a round (api.leasing.round_for), one trial after another
+            got = lease(client, f"r{round_}")
             assert got is not None and got["role"] == "remeasure"
             assert client.get("/v1/studies/s").json()["state"] == "running"  # every round counts
             trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"]
@@ -216,7 +259,7 @@ def test_remeasure_rounds_interleave_and_the_recommendation_pools_them(client: T
             order.append((trial["remeasure_of"], trial["remeasure_round"]))
             windows = [true_speed[trial["remeasure_of"]] * (1 - 0.05 * i)] * 5  # the host slows by 5 % per run
             measured[trial["remeasure_of"]].append(windows[0])
-            _complete_with_windows(client, got, f"r{round_}{k}", windows[0], windows)
+            _complete_with_windows(client, got, f"r{round_}", windows[0], windows)
             i += 1
     assert lease(client, "r6") is None  # 2 configs and the baseline × 2 rounds
     assert order == [(a, 0), (b, 0), (0, 0), (0, 1), (b, 1), (a, 1)]  # round by round, the second in reverse
