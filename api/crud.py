@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from autotune.api.db import LeaseRow, ReportRow, ServiceRow, StudyRow, WorkerRow
@@ -181,9 +181,11 @@ def leased_trial_ids(session: Session, study_name: str) -> set[int]:
     return set(session.scalars(select(LeaseRow.trial_id).where(LeaseRow.study_name == study_name)))
 
 
-def lease_holders(session: Session, study_name: str) -> set[str]:
-    """The workers holding an active lease of the study."""
-    query = select(LeaseRow.worker_id).where(LeaseRow.study_name == study_name, LeaseRow.state == "active")
+def lease_holders(session: Session, study_name: str, completed_since: datetime) -> set[str]:
+    """The workers holding an active lease of the study, or that completed one of its trials at or
+    after `completed_since`."""
+    query = select(LeaseRow.worker_id).where(LeaseRow.study_name == study_name, or_(
+        LeaseRow.state == "active", and_(LeaseRow.outcome == "completed", LeaseRow.finished_at >= completed_since)))
     return set(session.scalars(query))
 
 

@@ -85,17 +85,22 @@ def retry_plan(lost: TrialRecord, configs: int) -> Plan:
     return Plan(trial_role, knobs, attrs, configs)
 
 
+# How long a re-measure round stays its worker's after that worker completed a trial of the study
+# without holding a lease: the moment between a worker's complete and its next lease
+ROUND_HOLD_S = 2.0
+
+
 def round_for(trials: list[TrialRecord], next_round: list[TrialRecord], rounds_done: int, round_limit: int,
               worker_id: str | None, busy: Callable[[], set[str]]) -> tuple[int, TrialRecord] | None:
     """The re-measure round and target `worker_id` runs next, or None. A round runs on one worker,
     so that it compares its configs on one GPU: GPUs of one host differ by a few percent, and a
     candidate whose runs all landed on the faster one would read that gap as a speedup. The worker
-    that started a round (its latest trial's) keeps it while it holds a lease of the study
-    (`busy()`); another worker takes the next round meanwhile, with the configs undecided now
-    (`next_round`: round `rounds_done`'s; an odd round runs them in reverse), so N workers run N
-    rounds at once, each on its GPU. A round whose starter holds no lease is anyone's (it
-    finished, died, or left between trials). The rounds end at `round_limit`; a round started
-    before the verdict dropped a config does not run that config."""
+    that started a round (its latest trial's) keeps it while it holds a lease of the study or
+    completed one within `ROUND_HOLD_S` (`busy()`); another worker takes the next round meanwhile,
+    with the configs undecided now (`next_round`: round `rounds_done`'s; an odd round runs them in
+    reverse), so N workers run N rounds at once, each on its GPU. Otherwise the round is anyone's
+    (its worker finished, died, or stopped asking). The rounds end at `round_limit`; a round
+    started before the verdict dropped a config does not run that config."""
     ranked = next_round if rounds_done % 2 == 0 else next_round[::-1]  # rank order, the baseline last
     by_round: dict[int, list[TrialRecord]] = {}
     for t in trials:

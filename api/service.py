@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from autotune.api import crud
 from autotune.api.db import as_naive_utc, utcnow
 from autotune.api.errors import Conflict, Invalid, NotFound, ServiceError
-from autotune.api.leasing import Planner, not_for
+from autotune.api.leasing import ROUND_HOLD_S, Planner, not_for
 from autotune.api.optuna_bridge import StudyContext
 from autotune.api.outcome import (
     PRESET_RAN_ATTR,
@@ -241,7 +241,8 @@ class TuningService(StudyService):
                         continue
                     created = self.bridge.n_trials(ctx.name)
                     plan = self._planner.plan(ctx, created, request.worker_id,
-                                              busy=partial(crud.lease_holders, session, ctx.name))
+                                              busy=partial(crud.lease_holders, session, ctx.name,
+                                                           now - timedelta(seconds=ROUND_HOLD_S)))
                     if plan is None:
                         continue
                     attrs = plan.attrs

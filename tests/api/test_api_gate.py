@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from rich.console import Console
 from service_helpers import StudyFactory, complete, lease, probe_result, tuning_service
 
+from autotune.api import service as service_module
 from autotune.api.study.samplers import CONSTRAINT_ATTR
 from autotune.cli.tables import recommendation_table
 from autotune.contract.views import Recommendation
@@ -184,13 +185,13 @@ def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: Tes
     assert row["n"] == rounds and row["status"] == "certified"
 
 
-def test_each_round_runs_on_one_worker_and_other_workers_run_the_next_rounds(client: TestClient,
-                                                                             make_study: StudyFactory) -> None:
+def test_each_round_runs_on_one_worker_and_other_workers_run_the_next_rounds(
+        client: TestClient, make_study: StudyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """A re-measure round compares its configs on one worker's GPU (api.leasing.round_for): GPUs of
     one host differ by a few percent, so a candidate whose runs all landed on the faster GPU would
     read the gap as a speedup. The worker that started a round gets its next trial; another worker
     meanwhile starts the next round (the configs undecided now), so two workers run two rounds at
-    once; a round whose worker holds no lease is anyone's."""
+    once; a round whose worker holds no lease and completed none lately is anyone's."""
     make_study("t", n_trials=2, seed=0, probe={"samples": 100}, baseline_seeds=1,
                remeasure={"top_k": 1, "windows": 5, "max_rounds": 3})
     base = lease(client, "w", study="t")
@@ -211,7 +212,7 @@ def test_each_round_runs_on_one_worker_and_other_workers_run_the_next_rounds(cli
     assert a0["probe"]["seed"] + 1 == b1["probe"]["seed"]  # each round its own seed, as before
     complete(client, a0, "A", nrmse=0.1, throughput=200.0)
     complete(client, b1, "B", nrmse=0.1, throughput=100.0)
-    b1_next = lease(client, "B", study="t")  # B's own round first, though round 0 (A holds no lease) is lower
+    b1_next = lease(client, "B", study="t")  # B gets its own round
     assert b1_next is not None and where(b1_next) == (search["number"], 1)
     a0_next = lease(client, "A", study="t")
     assert a0_next is not None and where(a0_next) == (0, 0)
@@ -221,7 +222,11 @@ def test_each_round_runs_on_one_worker_and_other_workers_run_the_next_rounds(cli
     complete(client, b1_next, "B", nrmse=0.1, throughput=201.0)
     complete(client, a0_next, "A", nrmse=0.1, throughput=99.0)
     complete(client, c2, "C", nrmse=0.1, throughput=100.0 if where(c2)[0] == 0 else 200.0)
-    while (got := lease(client, "D", study="t")) is not None:  # round 2's rest: C holds no lease, so D may
+    # C holds no lease, but completed a trial a moment ago: the round stays C's (leasing.ROUND_HOLD_S), as
+    # between any worker's complete and its next lease
+    assert lease(client, "D", study="t") is None
+    monkeypatch.setattr(service_module, "ROUND_HOLD_S", 0.0)  # the moment has passed: the round is anyone's
+    while (got := lease(client, "D", study="t")) is not None:
         complete(client, got, "D", nrmse=0.1, throughput=100.0 if where(got)[0] == 0 else 202.0)
     trials = [t for t in client.get("/v1/studies/t/trials").json()["data"] if t["role"] == "remeasure"]
     workers: dict[int, set[str]] = {}
@@ -301,19 +306,19 @@ def test_a_config_whose_remeasure_round_fails_is_not_recommended(client: TestCli
                for thr in (300.0, 280.0) if (got := lease(client, "w")) is not None]
     noise = itertools.cycle([1.0, 1.01, 0.99])
     sent: dict[int, list[float]] = {}
-    for i in range(6):
-        got = lease(client, f"r{i}")
+    for _ in range(6):
+        got = lease(client, "r")  # one worker: a round runs on the worker that started it
         assert got is not None
         trial = next(t for t in client.get("/v1/studies/s/trials").json()["data"] if t["trial_id"] == got["trial_id"])
         target = trial["remeasure_of"]
         if (target, trial["remeasure_round"]) == (numbers[0], 1):  # the faster config OOMs once
-            complete(client, got, f"r{i}", throughput=None, nrmse=None,
+            complete(client, got, "r", throughput=None, nrmse=None,
                      failure={"kind": "oom", "message": "CUDA out of memory"})
         else:
             thr = (100.0 if target == 0 else 300.0) * next(noise)
             sent.setdefault(target, []).append(thr)
-            _complete_with_windows(client, got, f"r{i}", thr, [thr] * 5)
-    assert lease(client, "r6") is None and client.get("/v1/studies/s").json()["state"] == "finished"
+            _complete_with_windows(client, got, "r", thr, [thr] * 5)
+    assert lease(client, "r") is None and client.get("/v1/studies/s").json()["state"] == "finished"
     best = client.get("/v1/studies/s/best").json()
     assert best["certified"] is True and best["trial_number"] == numbers[1] and best["remeasure_rounds"] == 2
     assert best["round_throughputs"] == pytest.approx(sent[numbers[1]])

@@ -49,13 +49,13 @@ def _remeasure_all(client: TestClient, measured: dict[int, tuple[float, float]],
     shifted by the next `quality_noise` term. Returns what each target's runs sent, in order."""
     noise, shift = itertools.cycle(NOISE), itertools.cycle(quality_noise)
     sent: dict[int, list[tuple[float, float]]] = {}
-    while (got := lease(client, "r")) is not None:
+    while (got := lease(client, "w")) is not None:  # the worker that began round 0 (a round stays on one worker)
         assert got["role"] == "remeasure"
         target = _trial(client, got["trial_id"])["remeasure_of"]
         throughput, quality = measured[target]
         run = (throughput * next(noise), quality + next(shift))
         sent.setdefault(target, []).append(run)
-        _finish(client, got, "r", *run)
+        _finish(client, got, "w", *run)
     assert client.get("/v1/studies/s").json()["state"] == "finished"
     return sent
 

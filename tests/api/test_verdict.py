@@ -22,13 +22,13 @@ def _drive(client: TestClient, truth: Truth, limit: int = 200) -> list[dict[str,
     leases = []
     for i in itertools.count():
         assert i < limit, "the study did not finish"
-        got = lease(client, f"w{i}")
+        got = lease(client, "w")  # one worker: a round runs on the worker that started it
         if got is None:
             if client.get("/v1/studies/s").json()["state"] == "finished":
                 return leases
             continue
         throughput, quality = truth(got, i)
-        complete(client, got, f"w{i}", throughput=throughput, nrmse=quality)
+        complete(client, got, "w", throughput=throughput, nrmse=quality)
         leases.append(got)
     return leases
 
