@@ -115,6 +115,10 @@ RULES: dict[str, Rule] = {
         "recommendation", "configs", "truth", "message", "workers_ended", "error_examples", "mismatched_trials"}),
         regenerate="python bench/verdict.py --seeds 100 --scenarios aa-2gpu --parallel 2 "
                    "--out bench/results/verdict_aa_2gpu.json"),
+    "verdict_two_workers.json": Rule(frozenset({"studies"}), drop=frozenset({
+        "recommendation", "configs", "truth", "message", "workers_ended", "error_examples", "mismatched_trials"}),
+        regenerate="python bench/verdict.py --seeds 40 --scenarios win15,win2,aa --workers 2 --parallel 2 "
+                   "--out bench/results/verdict_two_workers.json"),
     "verdict_headroom.json": Rule(frozenset({"studies"}), drop=frozenset({
         "recommendation", "configs", "truth", "message", "workers_ended", "error_examples", "mismatched_trials"}),
         regenerate="python bench/verdict.py --seeds 40 --scenarios aa-tol0,loss,win15 --parallel 2 "
