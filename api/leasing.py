@@ -170,8 +170,8 @@ class Planner:
         when it has nothing to hand out now. Retries of lost trials first; then the baselines; no
         search trial before every baseline seed has finished for good (the gate must exist);
         search trials up to max_trials configurations (retries not counted); re-measurements once
-        the search is done, each round on one worker (`round_for`; `busy`: the workers holding an
-        active lease of the study)."""
+        the search is done, each round on one worker (`round_for`; `busy`: the workers holding a
+        lease of the study or that completed one within `ROUND_HOLD_S`)."""
         spec = ctx.spec
         pending, n_retries = self.pending_retries(ctx)
         configs = created - n_retries
