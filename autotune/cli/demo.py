@@ -33,7 +33,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.cli.report_data import quality_label
-from autotune.cli.tables import recommendation_table, trials_table, verdict_table
+from autotune.cli.tables import LOST_LABEL, recommendation_table, trials_table, verdict_table
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
 from autotune.contract.views import LOST_TO_RERUN, Recommendation, StudyInfo
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
@@ -172,7 +172,7 @@ def progress_text(info: StudyInfo) -> str:
     c = info.counts
     parts = [f"{c.get('COMPLETE', 0)} complete", f"{c.get('PRUNED', 0)} pruned", f"{c.get('FAIL', 0)} failed",
              *([f"{c['REPEAT']} repeated (not run)"] if c.get("REPEAT") else []),
-             *([f"{c[LOST_TO_RERUN]} lost (to be re-run)"] if c.get(LOST_TO_RERUN) else []),
+             *([f"{c[LOST_TO_RERUN]} {LOST_LABEL}"] if c.get(LOST_TO_RERUN) else []),
              f"{c.get('RUNNING', 0)} running"]
     best = info.best or {}
     if best.get("certified") and best.get("speedup") is not None:
@@ -298,7 +298,7 @@ def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, con
     console.print(f"\nstudy {info.name} {info.state} in {elapsed_s:.0f} s: {c.get('COMPLETE', 0)} complete, "
                   f"{c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed"
                   + (f", {c['REPEAT']} repeated (not run)" if c.get("REPEAT") else "")
-                  + (f", {c[LOST_TO_RERUN]} lost (to be re-run)" if c.get(LOST_TO_RERUN) else "")
+                  + (f", {c[LOST_TO_RERUN]} {LOST_LABEL}" if c.get(LOST_TO_RERUN) else "")
                   + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else ""))
     pareto = client.pareto(info.name).data
     pareto.sort(key=lambda t: -(t.throughput_samples_per_s or 0.0))

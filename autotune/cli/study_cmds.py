@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape as rich_escape
 
 from autotune.cli.common import ApiOption, TokenFileOption, TokenOption, err, resolve_token, service_client, usage_error
-from autotune.cli.tables import studies_table, trials_table, verdict_line, verdict_table
+from autotune.cli.tables import LOST_LABEL, studies_table, trials_table, verdict_line, verdict_table
 from autotune.contract.views import LOST_TO_RERUN
 from autotune.worker.client import DEFAULT_API, Conflict, NotFound
 
@@ -269,7 +269,7 @@ def status(
         trials = client.trials(study).data
     # the baseline seeds and search trials count against n_trials; the verdict's re-measurements come on top
     searched = [t for t in trials if t.role != "remeasure" and t.retried_as is None]
-    by_state = Counter("lost (to be re-run)" if t.to_rerun else t.state.lower() for t in searched)
+    by_state = Counter(LOST_LABEL if t.to_rerun else t.state.lower() for t in searched)
     counts = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items())) or "no trials yet"
     remeasured = [t for t in trials if t.role == "remeasure" and t.retried_as is None]
     rounds = f" · {len(remeasured)} re-measure run(s)" if remeasured else ""

@@ -11,6 +11,8 @@ from rich.table import Table
 
 from autotune.contract.views import LOST_TO_RERUN
 
+LOST_LABEL = "lost (to be re-run)"  # how the CLI names a LOST_TO_RERUN trial
+
 if TYPE_CHECKING:
     from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
 
@@ -57,7 +59,7 @@ def studies_table(studies: list[StudyInfo]) -> Table:
         c = s.counts
         outcomes = " · ".join(f"{n} {label}" for state, label in (("COMPLETE", "complete"), ("PRUNED", "pruned"),
                                                                   ("FAIL", "failed"), ("REPEAT", "repeated"),
-                                                                  (LOST_TO_RERUN, "lost (to be re-run)"),
+                                                                  (LOST_TO_RERUN, LOST_LABEL),
                                                                   ("RUNNING", "running"))
                               if (n := c.get(state, 0))) or "-"
         best = s.best or {}
