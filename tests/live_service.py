@@ -152,6 +152,14 @@ def reports_stored(db: Path) -> int:
         return int(conn.execute("SELECT count(*) FROM autotune_reports").fetchone()[0])
 
 
+def lease_ended(db: Path, trial_id: int) -> bool:
+    """Whether the lease of `trial_id` has ended (the service on SQLite file `db`, read beside it):
+    the reaper fails a trial in Optuna first and ends its lease in a second transaction."""
+    with sqlite3.connect(db, timeout=5) as conn:
+        row = conn.execute("SELECT state FROM autotune_leases WHERE trial_id = ?", (trial_id,)).fetchone()
+    return row is not None and row[0] != "active"
+
+
 # The LiveService of each URL, so that start_worker(processes, service.url) finds its worker token.
 _SERVICES: dict[str, LiveService] = {}
 
@@ -166,6 +174,7 @@ class LiveService:
     def __init__(self, processes: Processes, db_path: Path, port: int | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.processes = processes
+        self.db_path = db_path
         self.db_url = f"sqlite:///{db_path}"
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

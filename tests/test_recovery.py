@@ -29,6 +29,7 @@ from live_service import (
     LiveService,
     Processes,
     is_alive,
+    lease_ended,
     leased_trial_ids,
     log_text,
     probe_children,
@@ -190,8 +191,8 @@ def test_a_fake_zombies_late_calls_get_409_and_retries_run_out(silent_service: L
     with worker_client(service) as client:
         first = client.lease(LeaseRequest(worker_id="w1", hardware="cpu", study="silent"))
         assert first is not None
-        wait_until(lambda: by_number(service, "silent")[0]["state"] == "FAIL", SILENT_GRACE_S + 10,
-                   "trial 0 to be reaped")
+        wait_until(lambda: by_number(service, "silent")[0]["state"] == "FAIL"
+                   and lease_ended(service.db_path, first.trial_id), SILENT_GRACE_S + 10, "trial 0 to be reaped")
         with pytest.raises(Conflict, match="reaped"):
             client.report(first.trial_id, "w1", 1, {"loss": 0.5})
         with pytest.raises(Conflict, match="reaped"):  # heartbeat, report and complete answer alike
