@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+import resultfiles
 from regression_check import BASELINE, CLI, check_both, run_bounded
 from studylib import code_version, environment, pyplot
 
@@ -635,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", type=Path, default=None, help="with --report: where to draw it (default: beside the JSON)")
     args = p.parse_args(argv)
     if args.report is not None:
-        doc = json.loads(args.report.read_text())
+        doc = resultfiles.load(args.report)
         plot(doc, args.png or args.report.with_suffix(".png"))
         print(markdown(doc))
         return 0
