@@ -41,6 +41,7 @@ from autotune.api.settings import Settings
 from autotune.api.studies import StudyService
 from autotune.api.study import (
     NoRecommendation,
+    Remeasurement,
     TrialRecord,
     baseline_summary,
     completed,
@@ -48,9 +49,11 @@ from autotune.api.study import (
     is_feasible,
     metric,
     recommend,
+    remeasure_key,
     remeasurement,
     role,
     trial_info,
+    unneeded,
 )
 from autotune.api.study.prune_rules import Decision
 from autotune.api.study.pruning import StudySummary, TrialReports, curve_of, decide
@@ -88,6 +91,8 @@ class TuningService(StudyService):
         self._gates: dict[str, float | None] = {}  # the gate, once every baseline seed has finished
         self._summaries: dict[str, StudySummary] = {}  # per study: what pruning compares with
         self._reports: dict[int, TrialReports] = {}  # per running trial: its own reports
+        # per study: the verdict replayed at a count of finished trials (`_verdict_so_far`)
+        self._replays: dict[str, tuple[int, Remeasurement]] = {}
         self._roles: dict[int, str] = {}  # trial id -> role, for running trials leased by this process
         self._leased_configs: dict[int, dict[str, Any]] = {}  # trial id -> its leased config (same trials)
         self._planner = Planner(self.bridge, self._gates, self._gate)  # what each study runs next
@@ -347,7 +352,8 @@ class TuningService(StudyService):
             # summary kept at complete time: no report of the study is read
             ctx = self._ctx(record)
             reports = self._reports.get(trial_id)
-            search = self._role_of(trial_id) == "search"
+            trial_role = self._role_of(trial_id)
+            search = trial_role == "search"
             summary = self._summary(ctx) if search else None
             if reports is None:
                 reports = self._reports.setdefault(trial_id, TrialReports(
@@ -355,12 +361,36 @@ class TuningService(StudyService):
             reports.add(request.step, request.metrics)
             reference = summary.reference() if summary is not None else None
             decision = decide(reports, reference, ctx.spec)
+            if not decision.prune and trial_role == "remeasure" and (why := self._unneeded(ctx, trial_id)):
+                decision = Decision(True, why, "unneeded")
             if decision.prune:
                 log.info("trial %d of %s: prune (%s)", trial_id, study_name, decision.reason)
         with self.db.transaction() as session:
             crud.add_report(session, trial_id, study_name, request.step, request.metrics, now, decision.prune,
                             decision.reason)
         return ReportReply(prune=decision.prune, reason=decision.reason)
+
+    def _verdict_so_far(self, ctx: StudyContext) -> Remeasurement:
+        """The study's verdict replayed from its trials (api.study.remeasure), read again whenever its
+        count of finished trials is not the one last replayed (completes through another service
+        process included): one cached Optuna read per call while nothing finished."""
+        finished = self.bridge.n_finished(ctx.name)
+        with self._locks_guard:
+            known = self._replays.get(ctx.name)
+        if known is not None and known[0] == finished:
+            return known[1]
+        rm = remeasurement(ctx.spec, self.bridge.trials(ctx.name), self._gate(ctx))
+        with self._locks_guard:
+            self._replays[ctx.name] = (finished, rm)
+        return rm
+
+    def _unneeded(self, ctx: StudyContext, trial_id: int) -> str | None:
+        """Why the running re-measurement `trial_id` no longer counts (api.study.remeasure.unneeded):
+        its report is answered "prune", so a round started ahead of the verdict on another worker
+        stops at its next window instead of running to its end."""
+        trial = self.bridge.get_trial(trial_id)
+        key = remeasure_key(trial) if trial is not None else None
+        return None if key is None else unneeded(self._verdict_so_far(ctx), *key)
 
     def _check_config(self, ctx: StudyContext, trial_id: int, reported: Any) -> dict[str, Any] | None:
         """The config to keep for a result's `reported` config (None: keep the leased one), or

@@ -21,7 +21,7 @@ from autotune.api.study.feasibility import baseline_summary, gate_nrmse, gate_qu
 from autotune.api.study.front import candidates, chosen_by, remeasure_key, search_done
 from autotune.api.study.pareto import front_values, pareto_front
 from autotune.api.study.recommendation import NoRecommendation, baseline_failed_message, recommend, verdict_rows
-from autotune.api.study.remeasure import Remeasurement, remeasurement
+from autotune.api.study.remeasure import Remeasurement, remeasurement, unneeded
 from autotune.api.study.trials import (
     TrialRecord,
     attempt_of,
@@ -77,5 +77,6 @@ __all__ = [
     "service_state",
     "trial_info",
     "trial_infos",
+    "unneeded",
     "verdict_rows",
 ]

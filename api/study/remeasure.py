@@ -229,3 +229,19 @@ def pooled_energy(runs: Sequence[TrialRecord], spec: StudySpec) -> float | None:
     if not values or any(v is None for v in values):
         return None
     return statistics.fmean(v for v in values if v is not None)
+
+
+def unneeded(rm: Remeasurement, number: int, round_: int) -> str | None:
+    """Why a running re-measurement of target `number` in round `round_` no longer counts for the
+    verdict `rm` (replayed from the study's trials), or None while it may. A round started ahead of
+    the verdict on another worker (api.leasing.round_for) can outlive it: the verdict is in, or its
+    config was decided in an earlier round. Rounds are judged in order on runs that never change,
+    so a config once decided stays decided, and no later run is read (`remeasurement`)."""
+    if not rm.targets:
+        return None
+    if not rm.pending:
+        return f"not needed: the verdict is in after {rm.rounds_done} re-measure round(s)"
+    if round_ >= rm.rounds_done and number != rm.baseline and rm.status.get(number, "undecided") != "undecided":
+        return (f"not needed: trial {number}'s config was decided ({rm.status[number]}) after "
+                f"{rm.rounds_done} re-measure round(s)")
+    return None

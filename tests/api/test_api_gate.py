@@ -117,6 +117,20 @@ def _complete_with_windows(client: TestClient, got: dict[str, Any], worker: str,
     return out
 
 
+def _report(client: TestClient, got: dict[str, Any], worker: str) -> dict[str, Any]:
+    r = client.post(f"/v1/trials/{got['trial_id']}/report", json={
+        "worker_id": worker, "step": 3, "metrics": {"loss": 0.5}, "lease_token": got["lease_token"]})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _where(client: TestClient, study: str, got: dict[str, Any]) -> tuple[int, int]:
+    trials = client.get(f"/v1/studies/{study}/trials").json()["data"]
+    trial = next(t for t in trials if t["trial_id"] == got["trial_id"])
+    return trial["remeasure_of"], trial["remeasure_round"]
+
+
 def test_top_configs_are_remeasured_and_the_recommendation_uses_them(client: TestClient,
                                                                      make_study: StudyFactory) -> None:
     """The top 2 configs and the baseline are re-measured with a longer probe (2.5 × the samples:
@@ -202,8 +216,7 @@ def test_each_round_runs_on_one_worker_and_other_workers_run_the_next_rounds(
     complete(client, search, "w", nrmse=0.1, throughput=200.0)
 
     def where(got: dict[str, Any]) -> tuple[int, int]:
-        trial = next(t for t in client.get("/v1/studies/t/trials").json()["data"] if t["trial_id"] == got["trial_id"])
-        return trial["remeasure_of"], trial["remeasure_round"]
+        return _where(client, "t", got)
 
     a0 = lease(client, "A", study="t")  # A starts round 0: the candidate first
     b1 = lease(client, "B", study="t")  # round 0 is A's while A is on it: B starts round 1 (reversed)
@@ -345,3 +358,88 @@ def test_without_remeasurement_nothing_is_judged_and_the_ci_comes_from_the_kept_
     assert best["throughput_ci_low"] < 100.0 < best["throughput_ci_high"] < 190.0
     assert best["uncertified"]["trial_number"] == got["number"]
     assert best["uncertified"]["throughput_samples_per_s"] == pytest.approx(200.0)
+
+
+def test_a_round_started_ahead_of_the_verdict_is_pruned_once_the_verdict_is_in(
+        client: TestClient, make_study: StudyFactory) -> None:
+    """Three workers run rounds 0, 1 and 2 at once (api.leasing.round_for). Rounds 0 and 1 decide
+    the verdict, so round 2 no longer counts: its next report is answered "prune" with the reason,
+    and the trial ends PRUNED, read by nothing (the verdict stays the one of rounds 0 and 1) and
+    run again by no one. While the verdict is open, its reports are answered "go on"."""
+    make_study("t", n_trials=2, seed=0, probe={"samples": 100}, baseline_seeds=1,
+               remeasure={"top_k": 1, "windows": 5, "rounds": 2, "max_rounds": 4})
+    complete(client, lease(client, "w", study="t") or {}, "w", nrmse=0.1, throughput=100.0)
+    search = lease(client, "w", study="t")
+    assert search is not None and search["role"] == "search"
+    complete(client, search, "w", nrmse=0.1, throughput=200.0)
+    noise = itertools.cycle([1.0, 1.01, 0.99, 1.02])
+
+    def run(got: dict[str, Any], worker: str) -> None:
+        thr = (100.0 if _where(client, "t", got)[0] == 0 else 200.0) * next(noise)
+        _complete_with_windows(client, got, worker, thr, [thr] * 5)
+
+    a, b, c = (lease(client, w, study="t") for w in "ABC")
+    assert a is not None and b is not None and c is not None
+    assert [_where(client, "t", got)[1] for got in (a, b, c)] == [0, 1, 2]
+    assert _report(client, c, "C") == {"prune": False, "reason": None}  # undecided: every round counts
+    for got, worker in ((a, "A"), (b, "B")):
+        run(got, worker)
+        rest = lease(client, worker, study="t")  # the worker's own round goes on: its other config
+        assert rest is not None and _where(client, "t", rest)[1] == _where(client, "t", got)[1]
+        run(rest, worker)
+    reply = _report(client, c, "C")
+    assert reply["prune"] is True and reply["reason"] == "not needed: the verdict is in after 2 re-measure round(s)"
+    info = complete(client, c, "C", stopped_early=True)
+    assert info["state"] == "PRUNED" and info["prune_reason"] == reply["reason"]
+    best = client.get("/v1/studies/t/best").json()
+    assert best["certified"] is True and best["trial_number"] == search["number"] and best["remeasure_rounds"] == 2
+    assert lease(client, "C", study="t") is None and client.get("/v1/studies/t").json()["state"] == "finished"
+
+
+def test_a_config_decided_in_a_round_stops_its_later_rounds_while_another_config_goes_on(
+        client: TestClient, make_study: StudyFactory) -> None:
+    """Two candidates: the faster one shows worse quality in rounds 0 and 1 (rejected), the other
+    runs as fast as the baseline (undecided). Round 2, started ahead on another worker, stops the
+    rejected config's run ("prune", why) and keeps the undecided one's and the baseline's."""
+    make_study("u", n_trials=3, seed=0, probe={"samples": 100}, baseline_seeds=1,
+               remeasure={"top_k": 2, "windows": 5, "rounds": 2, "max_rounds": 5, "quality_headroom": False})
+    complete(client, lease(client, "w", study="u") or {}, "w", nrmse=0.1, throughput=100.0)
+    fast = lease(client, "w", study="u")
+    assert fast is not None
+    complete(client, fast, "w", nrmse=0.1, throughput=300.0)
+    even = lease(client, "w", study="u")
+    assert even is not None
+    complete(client, even, "w", nrmse=0.1, throughput=101.0)
+    noise = itertools.cycle([1.0, 1.05, 0.95, 1.04, 0.97])
+
+    def run(got: dict[str, Any], worker: str) -> None:
+        target = _where(client, "u", got)[0]
+        thr = {0: 100.0, fast["number"]: 300.0, even["number"]: 100.0}[target] * next(noise)
+        _complete_with_windows(client, got, worker, thr, [thr] * 5, nrmse=0.5 if target == fast["number"] else 0.1)
+
+    firsts = {w: lease(client, w, study="u") for w in "ABC"}
+    assert [_where(client, "u", got)[1] for got in firsts.values() if got] == [0, 1, 2]
+    later = [firsts["C"]]  # round 2's runs, all on C, leased as C goes
+    for worker in "AB":
+        got = firsts[worker]
+        while got is not None and _where(client, "u", got)[1] < 2:
+            run(got, worker)
+            got = lease(client, worker, study="u")
+        if got is not None:  # the worker went on to a later round: leave it running
+            later.append(got)
+    assert "being re-measured" in client.get("/v1/studies/u/best").json()["detail"]  # the even one is undecided
+    c = later[0]
+    assert c is not None
+    replies = {}
+    while c is not None and _where(client, "u", c)[1] == 2:
+        target = _where(client, "u", c)[0]
+        replies[target] = _report(client, c, "C")
+        if replies[target]["prune"]:
+            complete(client, c, "C", stopped_early=True)
+        else:
+            run(c, "C")
+        c = lease(client, "C", study="u")
+    assert replies[fast["number"]]["prune"] is True
+    assert replies[fast["number"]]["reason"] == (f"not needed: trial {fast['number']}'s config was decided (rejected) "
+                                                 "after 2 re-measure round(s)")
+    assert not replies[even["number"]]["prune"] and not replies[0]["prune"]
