@@ -1,6 +1,6 @@
 """Two service processes on one PostgreSQL database (issue 36: no per-process cache that
 another process can make stale). Each `TuningService` keeps its own caches (study contexts,
-the gate, the pruning summary, the retry book, Optuna's trial cache); leases are taken from
+the gate, the pruning summary, the verdict replayed, the retry book, Optuna's trial cache); leases are taken from
 one and completed through the other, reports go to either, and at the end both must give
 the same answers: trials, front, verdict, counts, and what pruning compares with."""
 
@@ -43,6 +43,8 @@ def test_two_service_processes_agree_on_everything(two: tuple[TestClient, TestCl
         r = other.post(f"/v1/trials/{got['trial_id']}/report",
                        json={"worker_id": f"w{i % 3}", "step": 1, "metrics": {"loss": 0.5, "samples": 40}})
         assert r.status_code == 200, r.text
+        # a re-measurement the verdict still needs is never stopped, whichever process replayed the verdict
+        assert got["role"] != "remeasure" or r.json()["prune"] is False, r.json()
         size = got["config"].get("batch_size", 4) * got["config"].get("accum_steps", 1)
         result = probe_result(got["config"], throughput=100.0 * size ** 0.5 * next(noise), nrmse=0.1)
         r = other.post(f"/v1/trials/{got['trial_id']}/complete", json={"worker_id": f"w{i % 3}", "result": result})
@@ -58,3 +60,6 @@ def test_two_service_processes_agree_on_everything(two: tuple[TestClient, TestCl
     assert summaries[0].learned == summaries[1].learned and summaries[0].learned
     assert summaries[0].best_feasible_throughput == summaries[1].best_feasible_throughput is not None
     assert len(summaries[0].baseline_curves) == len(summaries[1].baseline_curves) == 2
+    # the verdict each replayed (what a re-measurement's report is judged by): the same in both
+    replays = [svc._verdict_so_far(svc._ctx(svc._record("s"))) for svc in services]
+    assert replays[0].status == replays[1].status and replays[0].status and not replays[0].pending
