@@ -77,8 +77,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
 import resultfiles
+import yaml
 from regression_check import BASELINE, CLI, check_both, run_bounded
 from studylib import code_version, environment, pyplot
 
