@@ -99,7 +99,7 @@ RULES: dict[str, Rule] = {
     "probe_loop_gap_char*.json": Rule(frozenset({"window_samples_per_s", "window_throughputs", "window_ratios"})),
     # lm_space_study.py: each study's trials, anytime curve and tune log (the summary keeps the verdict)
     "lm_space_study_h100.json": Rule(frozenset({"trials", "anytime", "tune", "provenance"})),
-    "lm_batch4_graph_study_h100.json": Rule(frozenset({"trials", "anytime", "tune", "provenance"}), indent=None),
+    "lm_batch*_graph_study_h[12]00.json": Rule(frozenset({"trials", "anytime", "tune", "provenance"}), indent=None),
     # warm_start_gpu.py: every trial of the three studies (the summary keeps each study's verdict and curve)
     "warm_start_h200.json": Rule(frozenset({"trials"}), indent=None),
     # lm_knobs.py: each run's probe document (the table is built from "summary")
