@@ -43,8 +43,11 @@ against a chosen baseline (the batch arm as a study: bench/configs/lm_batch_gpt_
     python bench/lm_space_study.py --device cuda --only plain --spec bench/configs/lm_batch_gpt_full.yaml \
         --study-budget-s 520 --out lm_batch_study_h200.json
 
+--require-gpu TEXT runs nothing (exit 3) unless the GPU's name holds TEXT: a lent machine that may be
+an H100 or an H200 then costs seconds, not a study, when it is not the one the question needs.
+
 Writes --out (JSON, rewritten after each study) and prints a table. Exit status: 0 when both
-studies (with --only: that study) finished, 1 otherwise.
+studies (with --only: that study) finished, 1 otherwise, 3 when --require-gpu refused the GPU.
 """
 
 from __future__ import annotations
@@ -280,6 +283,10 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     tag = args.tag or uuid.uuid4().hex[:4]
     env = host_environment(args.device)
+    if args.require_gpu and args.require_gpu.lower() not in str(env.get("gpu") or "").lower():
+        print(f"--require-gpu {args.require_gpu}: this machine's GPU is {env.get('gpu') or 'unknown'}; "
+              "nothing run", file=sys.stderr)
+        return 3
     base_spec: dict[str, Any] = {
         "workload": args.workload, "preset": preset, "sampler": "tpe", "seed": args.seed, "n_trials": n_trials,
         "baseline_seeds": 3, "probe": {"samples": samples, "timeout_s": args.probe_timeout_s},
@@ -344,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "random); the same --workdir and --tag again resume a study that a "
                                                "bounded run cut short (`autotune tune` resumes it)")
     p.add_argument("--out", default=None)
+    p.add_argument("--require-gpu", default=None, metavar="TEXT",
+                   help="run only if the GPU's name holds TEXT (e.g. H200); otherwise exit 3 at once")
     p.add_argument("--report", type=Path, default=None, help="print a finished run's table again")
     args = p.parse_args(argv)
     if args.report:

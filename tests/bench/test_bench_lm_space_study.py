@@ -153,3 +153,13 @@ def test_studies_of_different_spec_files_are_not_compared(tmp_path: Path) -> Non
     other["settings"]["spec"] = {"sampler": "grid"}
     with pytest.raises(SystemExit, match=r"its spec is \{\}"):
         bench.earlier_studies(other, out, "widened")
+
+
+def test_a_machine_without_the_required_gpu_runs_nothing_and_says_what_it_has(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--require-gpu: a lent machine of the wrong kind exits 3 before any study, naming its GPU."""
+    out = tmp_path / "lm.json"
+    code = bench.main(["--device", "cpu", "--only", "plain", "--require-gpu", "H200", "--workdir", str(tmp_path / "w"),
+                       "--out", str(out)])
+    assert code == 3 and not out.exists() and not (tmp_path / "w" / "tune").exists()
+    assert "--require-gpu H200: this machine's GPU is cpu; nothing run" in capsys.readouterr().err
