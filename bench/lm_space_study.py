@@ -271,6 +271,11 @@ def run(args: argparse.Namespace) -> int:
     from autotune.engine.hf_checkpointing import hf_models
 
     t0 = time.monotonic()
+    env = host_environment(args.device)  # first: a machine --require-gpu refuses builds and writes nothing
+    if args.require_gpu and args.require_gpu.lower() not in str(env.get("gpu") or "").lower():
+        print(f"--require-gpu {args.require_gpu}: this machine's GPU is {env.get('gpu') or 'unknown'}; "
+              "nothing run", file=sys.stderr)
+        return 3
     kind = "cpu" if args.device == "cpu" else "cuda"
     d = DEFAULTS[kind]
     preset, samples = args.preset or d["preset"], args.samples or d["samples"]
@@ -282,11 +287,6 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="lm-space-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     tag = args.tag or uuid.uuid4().hex[:4]
-    env = host_environment(args.device)
-    if args.require_gpu and args.require_gpu.lower() not in str(env.get("gpu") or "").lower():
-        print(f"--require-gpu {args.require_gpu}: this machine's GPU is {env.get('gpu') or 'unknown'}; "
-              "nothing run", file=sys.stderr)
-        return 3
     base_spec: dict[str, Any] = {
         "workload": args.workload, "preset": preset, "sampler": "tpe", "seed": args.seed, "n_trials": n_trials,
         "baseline_seeds": 3, "probe": {"samples": samples, "timeout_s": args.probe_timeout_s},
