@@ -24,6 +24,7 @@ from autotune.api.study.trials import (
 )
 from autotune.contract.protocol import StudySpec
 from autotune.contract.verdict import Judgement, judge, level_at
+from autotune.contract.views import UNNEEDED_REASON
 
 # The range within which a throughput or an energy per sample takes part in the verdict. The
 # service refuses a measured throughput outside [MIN_THROUGHPUT, MAX_THROUGHPUT) (autotune.contract.results),
@@ -240,8 +241,8 @@ def unneeded(rm: Remeasurement, number: int, round_: int) -> str | None:
     if not rm.targets:
         return None
     if not rm.pending:
-        return f"not needed: the verdict is in after {rm.rounds_done} re-measure round(s)"
+        return f"{UNNEEDED_REASON}the verdict is in after {rm.rounds_done} re-measure round(s)"
     if round_ >= rm.rounds_done and number != rm.baseline and rm.status.get(number, "undecided") != "undecided":
-        return (f"not needed: trial {number}'s config was decided ({rm.status[number]}) after "
+        return (f"{UNNEEDED_REASON}trial {number}'s config was decided ({rm.status[number]}) after "
                 f"{rm.rounds_done} re-measure round(s)")
     return None

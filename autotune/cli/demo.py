@@ -33,16 +33,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.cli.report_data import quality_label
-from autotune.cli.tables import LOST_LABEL, recommendation_table, trials_table, verdict_table
+from autotune.cli.tables import LOST_LABEL, UNNEEDED_LABEL, recommendation_table, trials_table, verdict_table
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
-from autotune.contract.views import LOST_TO_RERUN, Recommendation, StudyInfo
+from autotune.contract.views import LOST_TO_RERUN, UNNEEDED, Recommendation, StudyInfo
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
 from autotune.worker.cpu_share import omp_threads_cap
 
 HEALTH_TIMEOUT_S = 90.0
 STOP_GRACE_S = 25.0  # a worker may spend up to 20 s completing its interrupted trial
 POLL_S = 1.0
-FINISHED = ("COMPLETE", "PRUNED", "FAIL", "REPEAT")
+FINISHED = ("COMPLETE", "PRUNED", "FAIL", "REPEAT", UNNEEDED)
 
 
 def worker_threads(workers: int) -> int:
@@ -173,6 +173,7 @@ def progress_text(info: StudyInfo) -> str:
     parts = [f"{c.get('COMPLETE', 0)} complete", f"{c.get('PRUNED', 0)} pruned", f"{c.get('FAIL', 0)} failed",
              *([f"{c['REPEAT']} repeated (not run)"] if c.get("REPEAT") else []),
              *([f"{c[LOST_TO_RERUN]} {LOST_LABEL}"] if c.get(LOST_TO_RERUN) else []),
+             *([f"{c[UNNEEDED]} {UNNEEDED_LABEL}"] if c.get(UNNEEDED) else []),
              f"{c.get('RUNNING', 0)} running"]
     best = info.best or {}
     if best.get("certified") and best.get("speedup") is not None:
@@ -299,6 +300,7 @@ def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, con
                   f"{c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed"
                   + (f", {c['REPEAT']} repeated (not run)" if c.get("REPEAT") else "")
                   + (f", {c[LOST_TO_RERUN]} {LOST_LABEL}" if c.get(LOST_TO_RERUN) else "")
+                  + (f", {c[UNNEEDED]} {UNNEEDED_LABEL}" if c.get(UNNEEDED) else "")
                   + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else ""))
     pareto = client.pareto(info.name).data
     pareto.sort(key=lambda t: -(t.throughput_samples_per_s or 0.0))

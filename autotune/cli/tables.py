@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape as rich_escape
 from rich.table import Table
 
-from autotune.contract.views import LOST_TO_RERUN
+from autotune.contract.views import LOST_TO_RERUN, UNNEEDED, UNNEEDED_REASON
 
 LOST_LABEL = "lost (to be re-run)"  # how the CLI names a LOST_TO_RERUN trial
+UNNEEDED_LABEL = "stopped (not needed)"  # an UNNEEDED re-measurement: not pruned for its config
 
 if TYPE_CHECKING:
     from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
@@ -60,6 +61,7 @@ def studies_table(studies: list[StudyInfo]) -> Table:
         outcomes = " · ".join(f"{n} {label}" for state, label in (("COMPLETE", "complete"), ("PRUNED", "pruned"),
                                                                   ("FAIL", "failed"), ("REPEAT", "repeated"),
                                                                   (LOST_TO_RERUN, LOST_LABEL),
+                                                                  (UNNEEDED, UNNEEDED_LABEL),
                                                                   ("RUNNING", "running"))
                               if (n := c.get(state, 0))) or "-"
         best = s.best or {}
@@ -100,7 +102,7 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
             if t.baseline_repeat_of is not None else ""
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
         if t.prune_reason and t.state == "PRUNED":
-            failure = "pruned"
+            failure = "not needed" if t.prune_reason.startswith(UNNEEDED_REASON) else "pruned"
         if t.to_rerun:
             failure += " (to be re-run)"
         table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.quality, ".4f"),

@@ -15,6 +15,11 @@ from autotune.contract.protocol import StudySpec
 # StudyInfo.counts' state for a lost trial (its worker died, or it was interrupted) whose re-run is
 # still to be leased: not a failure of the study, and not yet a finished configuration
 LOST_TO_RERUN = "LOST"
+# StudyInfo.counts' state for a re-measurement stopped early because the verdict no longer needed it
+# (PRUNED in Optuna): another worker's run decided its config, or the verdict, first. Not a config
+# pruned for its speed or quality. Its prune_reason starts with UNNEEDED_REASON.
+UNNEEDED = "UNNEEDED"
+UNNEEDED_REASON = "not needed: "
 
 
 class StudyInfo(BaseModel):
@@ -22,7 +27,8 @@ class StudyInfo(BaseModel):
     state: Literal["running", "stopped", "finished"]
     spec: StudySpec
     counts: dict[str, int] = Field(default_factory=dict, description=(
-        f"trials by state; {LOST_TO_RERUN}: lost with no fault of its config, its re-run still to be leased"))
+        f"trials by state; {LOST_TO_RERUN}: lost with no fault of its config, its re-run still to be leased; "
+        f"{UNNEEDED}: a re-measurement stopped early because the verdict no longer needed it (PRUNED in Optuna)"))
     remeasures: int = Field(0, description="of the trials in counts, the verdict's re-measurements (on top of "
                                            "spec.n_trials, which counts the baseline seeds and search trials)")
     failures: dict[str, int] = Field(default_factory=dict, description="failed trials by failure kind")

@@ -18,8 +18,9 @@ from service_helpers import StudyFactory, complete, lease, probe_result, tuning_
 
 from autotune.api import service as service_module
 from autotune.api.study.samplers import CONSTRAINT_ATTR
-from autotune.cli.tables import recommendation_table
-from autotune.contract.views import Recommendation
+from autotune.cli.demo import progress_text
+from autotune.cli.tables import recommendation_table, studies_table, trials_table
+from autotune.contract.views import Recommendation, StudyInfo, TrialList
 
 BASE_NRMSE = [0.10, 0.12, 0.14]  # mean 0.12, std 0.02 → gate 0.12 + max(0.01, 2 × 0.02) = 0.16
 
@@ -394,6 +395,16 @@ def test_a_round_started_ahead_of_the_verdict_is_pruned_once_the_verdict_is_in(
     best = client.get("/v1/studies/t/best").json()
     assert best["certified"] is True and best["trial_number"] == search["number"] and best["remeasure_rounds"] == 2
     assert lease(client, "C", study="t") is None and client.get("/v1/studies/t").json()["state"] == "finished"
+    # counted apart from the configs pruned for their speed or quality
+    info = StudyInfo.model_validate(client.get("/v1/studies/t").json())
+    assert info.counts.get("UNNEEDED") == 1 and "PRUNED" not in info.counts, info.counts
+    console = Console(record=True, width=250)  # as `autotune tune`'s progress line, `studies`, `status` print it
+    console.print(progress_text(info))
+    console.print(studies_table([info]))
+    console.print(trials_table(TrialList.model_validate(client.get("/v1/studies/t/trials").json()).data, "trials"))
+    shown = console.export_text()
+    assert "0 pruned" in shown and shown.count("1 stopped (not needed)") == 2, shown
+    assert "not needed" in shown.split("trials")[-1], shown  # the run's row in the trials table
 
 
 def test_a_config_decided_in_a_round_stops_its_later_rounds_while_another_config_goes_on(
