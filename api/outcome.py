@@ -137,6 +137,7 @@ PRESET_VALUES: dict[tuple[str, str], dict[str, Any]] = {
     ("ups", "full-muon"): {"batch_size": 12, "accum_steps": 4, "lr": 5e-4},
     ("gpt", "tiny"): {"batch_size": 8, "accum_steps": 2, "lr": 3e-3},
     ("gpt", "full"): {"batch_size": 16, "accum_steps": 2, "lr": 6e-4},
+    ("gpt", "medium"): {"batch_size": 8, "accum_steps": 4, "lr": 6e-4},
 }
 # What a reported config may hold besides the knobs: the probe's derived fields.
 DERIVED_CONFIG_KEYS = ("effective_batch",)

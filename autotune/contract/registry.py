@@ -46,7 +46,7 @@ BUILTIN: dict[str, WorkloadEntry] = {
     "ups": WorkloadEntry("ups", "autotune.workloads.ups:UPSWorkload", ("tiny", "full", "tiny-muon", "full-muon"),
                          builtin=True,
                          quality_metric="val_nrmse", quality_direction="minimize"),
-    "gpt": WorkloadEntry("gpt", "autotune.workloads.gpt:GPTWorkload", ("tiny", "full"), builtin=True,
+    "gpt": WorkloadEntry("gpt", "autotune.workloads.gpt:GPTWorkload", ("tiny", "full", "medium"), builtin=True,
                          quality_metric="val_loss", quality_direction="minimize"),
 }
 

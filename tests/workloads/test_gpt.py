@@ -69,6 +69,10 @@ def test_it_is_a_builtin_with_its_quality_metric() -> None:
     assert isinstance(wl, GPTWorkload) and (wl.quality_metric, wl.aux_loss_name) == ("val_loss", "mtp")
     params = sum(p.numel() for p in get_workload("gpt", "full").build_model().parameters())
     assert 20e6 < params < 50e6
+    medium = get_workload("gpt", "medium")  # GPT-2 small's shape: 12 blocks 768 wide over 1024 tokens
+    model = medium.build_model()
+    assert 80e6 < sum(p.numel() for p in model.parameters()) < 95e6
+    assert medium.spec.model.context == 1024 and medium.spec.text == PRESETS["full"].text  # full's text, one cache
 
 
 @pytest.mark.slow

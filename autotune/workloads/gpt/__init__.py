@@ -4,8 +4,10 @@ loss (mean next-token cross-entropy in nats per byte, fp32, lower is better). Th
 expensive loss term is ``mtp`` (multi-token prediction), thinned by inverse_loss_frequency.
 
 Presets:
-  tiny  context 64, dim 64, depth 2: a probe in seconds on a CPU (tests, the tutorial)
-  full  context 512, dim 512, depth 8, heads 8, batch 16 × accum 2: ≈ 26.1 M parameters
+  tiny    context 64, dim 64, depth 2: a probe in seconds on a CPU (tests, the tutorial)
+  full    context 512, dim 512, depth 8, heads 8, batch 16 × accum 2: ≈ 26.1 M parameters
+  medium  context 1024, dim 768, depth 12, heads 12 (GPT-2 small's shape, byte tokens), batch 8 × accum 4:
+          ≈ 87.0 M parameters: 1.5× full's width, for GPU studies where full's 512-wide matmuls bound the MFU
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ PRESETS: dict[str, Preset] = {
         text=TextSpec(train_bytes=24_000_000, val_bytes=262_144),
         model=GPTSpec(vocab=VOCAB, context=512, dim=512, depth=8, heads=8),
         training=TrainingDefaults(batch_size=16, accum_steps=2, lr=6e-4, samples=19200, weight_decay=0.1),
+    ),
+    "medium": Preset(
+        text=TextSpec(train_bytes=24_000_000, val_bytes=262_144),  # full's text (one cache)
+        model=GPTSpec(vocab=VOCAB, context=1024, dim=768, depth=12, heads=12),
+        training=TrainingDefaults(batch_size=8, accum_steps=4, lr=6e-4, samples=9600, weight_decay=0.1),
     ),
 }
 
