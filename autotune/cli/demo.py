@@ -293,15 +293,24 @@ def follow(client: Client, name: str, trials: int, worker_procs: list[subprocess
             time.sleep(POLL_S)
 
 
+def summary_line(info: StudyInfo, elapsed_s: float) -> str:
+    """The study's outcome counts, as `tune` and the demo print them when it ends."""
+    c = info.counts
+    return (f"study {info.name} {info.state} in {elapsed_s:.0f} s: {c.get('COMPLETE', 0)} complete, "
+            f"{c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed"
+            + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else "")
+            + (f", {c['REPEAT']} repeated (not run)" if c.get("REPEAT") else "")
+            + (f", {c[LOST_TO_RERUN]} {LOST_LABEL}" if c.get(LOST_TO_RERUN) else "")
+            + (f", {c[UNNEEDED]} {UNNEEDED_LABEL}" if c.get(UNNEEDED) else "")
+            # a run still going in a study finished with its verdict (every baseline and search trial
+            # done) is a re-measure round started ahead: told to stop at its next report
+            + (f"; {c['RUNNING']} re-measure run(s) still stopping (not needed)"
+               if info.state == "finished" and not info.message and c.get("RUNNING") else ""))
+
+
 def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, console: Console) -> int:
     """Print the Pareto front, the recommendation and the dashboard command."""
-    c = info.counts
-    console.print(f"\nstudy {info.name} {info.state} in {elapsed_s:.0f} s: {c.get('COMPLETE', 0)} complete, "
-                  f"{c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed"
-                  + (f", {c['REPEAT']} repeated (not run)" if c.get("REPEAT") else "")
-                  + (f", {c[LOST_TO_RERUN]} {LOST_LABEL}" if c.get(LOST_TO_RERUN) else "")
-                  + (f", {c[UNNEEDED]} {UNNEEDED_LABEL}" if c.get(UNNEEDED) else "")
-                  + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else ""))
+    console.print("\n" + summary_line(info, elapsed_s))
     pareto = client.pareto(info.name).data
     pareto.sort(key=lambda t: -(t.throughput_samples_per_s or 0.0))
     rec: Recommendation | None
@@ -327,7 +336,7 @@ def report(client: Client, info: StudyInfo, db_path: Path, elapsed_s: float, con
         else:
             console.print(f"[bold yellow]verdict: keep the baseline[/] ({rec.outcome}): {escape(rec.reason)}")
     console.print(f"\nopen the Optuna dashboard: optuna-dashboard sqlite:///{db_path}", soft_wrap=True)
-    if info.state != "finished" or c.get("COMPLETE", 0) == 0:
+    if info.state != "finished" or info.counts.get("COMPLETE", 0) == 0:
         console.print("[bold red]error:[/] the study did not finish with completed trials")
         return 1
     return 0

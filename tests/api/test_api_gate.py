@@ -18,7 +18,7 @@ from service_helpers import StudyFactory, complete, lease, probe_result, tuning_
 
 from autotune.api import service as service_module
 from autotune.api.study.samplers import CONSTRAINT_ATTR
-from autotune.cli.demo import progress_text
+from autotune.cli.demo import progress_text, summary_line
 from autotune.cli.tables import recommendation_table, studies_table, trials_table
 from autotune.contract.views import Recommendation, StudyInfo, TrialList
 
@@ -390,6 +390,10 @@ def test_a_round_started_ahead_of_the_verdict_is_pruned_once_the_verdict_is_in(
         run(rest, worker)
     reply = _report(client, c, "C")
     assert reply["prune"] is True and reply["reason"] == "not needed: the verdict is in after 2 re-measure round(s)"
+    # the study is finished while C's run stops: `tune`'s last line says that run is not needed
+    ending = summary_line(StudyInfo.model_validate(client.get("/v1/studies/t").json()), 9.0)
+    assert ending.startswith("study t finished in 9 s: 6 complete, 0 pruned, 0 failed") and \
+        ending.endswith("; 1 re-measure run(s) still stopping (not needed)"), ending
     info = complete(client, c, "C", stopped_early=True)
     assert info["state"] == "PRUNED" and info["prune_reason"] == reply["reason"]
     best = client.get("/v1/studies/t/best").json()
