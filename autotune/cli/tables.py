@@ -102,7 +102,9 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
             if t.baseline_repeat_of is not None else ""
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
         if t.prune_reason and t.state == "PRUNED":
-            failure = "not needed" if t.prune_reason.startswith(UNNEEDED_REASON) else "pruned"
+            failure = "pruned"
+            if t.prune_reason.startswith(UNNEEDED_REASON):  # stopped for the verdict, not for its config
+                failure, feasible = "not needed", "-"
         if t.to_rerun:
             failure += " (to be re-run)"
         table.add_row(str(t.number), state, _num(t.throughput_samples_per_s, ",.1f"), _num(t.quality, ".4f"),
