@@ -97,6 +97,7 @@ RULES: dict[str, Rule] = {
     "hf_causal_lm_lm_knobs_h200*.json": Rule(PROBE_RAW | LOGS_RAW, indent=None),
     # probe_loop_gap.py: each window's reading and each window pair's ratio (the summary keeps the intervals)
     "probe_loop_gap_char*.json": Rule(frozenset({"window_samples_per_s", "window_throughputs", "window_ratios"})),
+    "probe_loop_gap_gpt*.json": Rule(frozenset({"window_samples_per_s", "window_throughputs", "window_ratios"})),
     # lm_space_study.py: each study's trials, anytime curve and tune log (the summary keeps the verdict)
     "lm_space_study_h100.json": Rule(frozenset({"trials", "anytime", "tune", "provenance"})),
     "lm_batch*_graph_study_h[12]00.json": Rule(frozenset({"trials", "anytime", "tune", "provenance"}), indent=None),
