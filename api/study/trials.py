@@ -11,7 +11,7 @@ from typing import Any
 from autotune.api.outcome import PRESET_RAN_ATTR, attempt, lost, retriable
 from autotune.contract.config import normalised
 from autotune.contract.protocol import OBJECTIVES, StudySpec
-from autotune.contract.views import LOST_TO_RERUN, UNNEEDED, UNNEEDED_REASON
+from autotune.contract.views import LOST_TO_RERUN, UNNEEDED, stopped_unneeded
 
 GIB = 2**30
 
@@ -181,15 +181,10 @@ def counts_by_state(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[str,
     counts: dict[str, int] = {}
     for t in current(trials):
         state = LOST_TO_RERUN if may_retry(spec, t) else service_state(t)
-        if state == "PRUNED" and unneeded_run(t):
+        if state == "PRUNED" and stopped_unneeded(t.user_attrs.get("prune_reason")):
             state = UNNEEDED
         counts[state] = counts.get(state, 0) + 1
     return counts
-
-
-def unneeded_run(t: TrialRecord) -> bool:
-    """A re-measurement pruned because the verdict no longer needed it (remeasure.unneeded's reasons)."""
-    return str(t.user_attrs.get("prune_reason") or "").startswith(UNNEEDED_REASON)
 
 
 def failures_by_kind(spec: StudySpec, trials: Sequence[TrialRecord]) -> dict[str, int]:

@@ -17,7 +17,7 @@ from rich.markup import escape as rich_escape
 
 from autotune.cli.common import ApiOption, TokenFileOption, TokenOption, err, resolve_token, service_client, usage_error
 from autotune.cli.tables import LOST_LABEL, UNNEEDED_LABEL, studies_table, trials_table, verdict_line, verdict_table
-from autotune.contract.views import LOST_TO_RERUN, UNNEEDED_REASON
+from autotune.contract.views import LOST_TO_RERUN, stopped_unneeded
 from autotune.worker.client import DEFAULT_API, Conflict, NotFound
 
 if TYPE_CHECKING:
@@ -272,7 +272,7 @@ def status(
     by_state = Counter(LOST_LABEL if t.to_rerun else t.state.lower() for t in searched)
     counts = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items())) or "no trials yet"
     remeasured = [t for t in trials if t.role == "remeasure" and t.retried_as is None]
-    unneeded = sum(t.state == "PRUNED" and (t.prune_reason or "").startswith(UNNEEDED_REASON) for t in remeasured)
+    unneeded = sum(t.state == "PRUNED" and stopped_unneeded(t.prune_reason) for t in remeasured)
     rounds = (f" · {len(remeasured)} re-measure run(s)" + (f", {unneeded} {UNNEEDED_LABEL}" if unneeded else "")
               if remeasured else "")
     console.print(f"study [bold]{info.name}[/]: {info.state} · {len(searched)} of {info.spec.n_trials} trials "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape as rich_escape
 from rich.table import Table
 
-from autotune.contract.views import LOST_TO_RERUN, UNNEEDED, UNNEEDED_REASON
+from autotune.contract.views import LOST_TO_RERUN, UNNEEDED, stopped_unneeded
 
 LOST_LABEL = "lost (to be re-run)"  # how the CLI names a LOST_TO_RERUN trial
 UNNEEDED_LABEL = "stopped (not needed)"  # an UNNEEDED re-measurement: not pruned for its config
@@ -103,7 +103,7 @@ def trials_table(trials: list[TrialInfo], title: str) -> Table:
         params = (format_knobs(t.params) if t.params or t.role != "remeasure" else "") + role
         if t.prune_reason and t.state == "PRUNED":
             failure = "pruned"
-            if t.prune_reason.startswith(UNNEEDED_REASON):  # stopped for the verdict, not for its config
+            if stopped_unneeded(t.prune_reason):  # stopped for the verdict, not for its config
                 failure, feasible = "not needed", "-"
         if t.to_rerun:
             failure += " (to be re-run)"

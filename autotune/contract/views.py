@@ -22,6 +22,11 @@ UNNEEDED = "UNNEEDED"
 UNNEEDED_REASON = "not needed: "
 
 
+def stopped_unneeded(prune_reason: str | None) -> bool:
+    """Whether a trial's prune reason says the verdict stopped it as no longer needed (UNNEEDED)."""
+    return bool(prune_reason) and str(prune_reason).startswith(UNNEEDED_REASON)
+
+
 class StudyInfo(BaseModel):
     name: str
     state: Literal["running", "stopped", "finished"]
