@@ -168,13 +168,17 @@ def wait_for_health(client: Client, serve: subprocess.Popen[bytes], log_path: Pa
     return f"the service did not answer /v1/health within {HEALTH_TIMEOUT_S:.0f} s; see {log_path}"
 
 
+def other_counts(c: dict[str, int]) -> list[str]:
+    """The counts shown after complete, pruned and failed, where there are any: repeats, lost trials
+    to be re-run, re-measurements stopped as not needed."""
+    return [f"{c[state]} {label}" for state, label in (("REPEAT", "repeated (not run)"), (LOST_TO_RERUN, LOST_LABEL),
+                                                       (UNNEEDED, UNNEEDED_LABEL)) if c.get(state)]
+
+
 def progress_text(info: StudyInfo) -> str:
     c = info.counts
     parts = [f"{c.get('COMPLETE', 0)} complete", f"{c.get('PRUNED', 0)} pruned", f"{c.get('FAIL', 0)} failed",
-             *([f"{c['REPEAT']} repeated (not run)"] if c.get("REPEAT") else []),
-             *([f"{c[LOST_TO_RERUN]} {LOST_LABEL}"] if c.get(LOST_TO_RERUN) else []),
-             *([f"{c[UNNEEDED]} {UNNEEDED_LABEL}"] if c.get(UNNEEDED) else []),
-             f"{c.get('RUNNING', 0)} running"]
+             *other_counts(c), f"{c.get('RUNNING', 0)} running"]
     best = info.best or {}
     if best.get("certified") and best.get("speedup") is not None:
         parts.append(f"certified {best['speedup']:.2f}× the baseline (trial {best['trial_number']})")
@@ -299,9 +303,7 @@ def summary_line(info: StudyInfo, elapsed_s: float) -> str:
     return (f"study {info.name} {info.state} in {elapsed_s:.0f} s: {c.get('COMPLETE', 0)} complete, "
             f"{c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed"
             + (f" ({', '.join(f'{n} {k}' for k, n in info.failures.items())})" if info.failures else "")
-            + (f", {c['REPEAT']} repeated (not run)" if c.get("REPEAT") else "")
-            + (f", {c[LOST_TO_RERUN]} {LOST_LABEL}" if c.get(LOST_TO_RERUN) else "")
-            + (f", {c[UNNEEDED]} {UNNEEDED_LABEL}" if c.get(UNNEEDED) else "")
+            + "".join(f", {part}" for part in other_counts(c))
             # a run still going in a study finished with its verdict (every baseline and search trial
             # done) is a re-measure round started ahead: told to stop at its next report
             + (f"; {c['RUNNING']} re-measure run(s) still stopping (not needed)"
