@@ -94,9 +94,9 @@ def widened(space: str | dict[str, Any], device: str, hf: bool) -> dict[str, Any
     params = base.setdefault("params", {})
     backends = [b for b in ATTENTION_BACKENDS if device != "cpu" or b not in ("efficient", "cudnn")]
     params["attention_backend"] = {"choices": backends}
-    if "compile" in params:
-        params["inductor_tuning"] = {"choices": list(INDUCTOR_TUNINGS), "when": {"compile": ["default",
-                                                                                              "reduce-overhead"]}}
+    compiled = [m for m in params.get("compile", {}).get("choices", []) if m in ("default", "reduce-overhead")]
+    if compiled:  # tuning flags act on a compiled model only: the modes this space holds
+        params["inductor_tuning"] = {"choices": list(INDUCTOR_TUNINGS), "when": {"compile": compiled}}
     params["lr_scaling"] = {"choices": list(LR_SCALINGS)}
     if hf:
         params["hf_attn_implementation"] = {"choices": [v for v in HF_ATTN_IMPLEMENTATIONS if v != "flex_attention"]}

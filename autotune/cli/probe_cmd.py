@@ -17,6 +17,7 @@ from rich.table import Table
 from autotune.cli.common import err, usage_error
 from autotune.contract.config import KNOBS, ConfigError, load_config_arg, parse_config
 from autotune.contract.protocol import ProbeSpec
+from autotune.contract.registry import BUILTIN
 from autotune.engine.compile_workers import summary as compile_workers_summary
 from autotune.engine.stdout_guard import stdout_to_stderr
 
@@ -115,10 +116,12 @@ def _host_summary(windows: list[dict[str, Any]], cpu: str | None) -> str:
     return ", ".join(parts) or "-"
 
 
+PRESETS_HELP = "; ".join(f"{e.name}: {' | '.join(e.presets or ())}" for e in BUILTIN.values())
+
+
 def probe(
     workload: Annotated[str, typer.Option(help="Workload name.")] = "ups",
-    preset: Annotated[str, typer.Option(help="Workload preset (ups: tiny | full | tiny-muon | full-muon; gpt: "
-                                             "tiny | full).")] = "tiny",
+    preset: Annotated[str, typer.Option(help=f"Workload preset ({PRESETS_HELP}).")] = "tiny",
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     config: Annotated[str, typer.Option(help="Knob values: inline JSON or a path to a YAML/JSON file.")] = "{}",
     samples: Annotated[int | None, typer.Option(help="Training samples (default: the preset's).", min=1)] = None,

@@ -36,6 +36,15 @@ def test_the_widened_h100_space_is_the_plain_one_plus_every_lm_knob_and_parses()
         INDUCTOR_TUNINGS) * len(LR_SCALINGS)
 
 
+def test_the_tuning_flags_act_only_on_the_compile_modes_the_space_holds() -> None:
+    space = {"name": "s", "params": {"compile": {"choices": ["none", "default"]}}}
+    wide = bench.widened(space, "cuda", hf=False)
+    assert wide["params"]["inductor_tuning"]["when"] == {"compile": ["default"]}  # reduce-overhead is never drawn
+    parse_space(wide)
+    eager = bench.widened({"name": "s", "params": {"compile": {"choices": ["none"]}}}, "cuda", hf=False)
+    assert "inductor_tuning" not in eager["params"]  # nothing compiled: the flags could not act
+
+
 def test_on_a_cpu_the_cuda_only_backends_are_left_out_and_a_hf_model_gets_its_knobs() -> None:
     wide = bench.widened(bench.CPU_SPACE, "cpu", hf=True)
     assert "efficient" not in wide["params"]["attention_backend"]["choices"]
@@ -127,7 +136,8 @@ def test_the_committed_spec_files_make_valid_studies_of_their_space_and_baseline
     spec = bench.merged({"name": "s", "workload": "gpt", "preset": "full", "hardware": "NVIDIA H200", "space": space,
                          "probe": {"samples": 6144, "timeout_s": 180.0}}, overrides)
     study = StudySpec.model_validate(spec)
-    assert study.baseline_config()["batch_size"] == 32 and study.sampler == "grid"
+    assert study.sampler == "grid"
+    assert {k: study.baseline_config()[k] for k in overrides["baseline"]} == overrides["baseline"]  # the file's own
     assert study.probe.timeout_s == timeout_s and study.probe.samples == overrides["probe"]["samples"]  # merged
     assert study.n_trials == study.baseline_seeds + bench.combinations(space)  # the grid, and no more
 
