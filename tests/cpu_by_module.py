@@ -2,10 +2,11 @@
 
 Per test, the CPU seconds of the test process (getrusage SELF) and of the subprocesses it reaped
 (getrusage CHILDREN: services, workers, probe children, scripts) between its start and its end,
-summed by module with the wall seconds and the test count. Under pytest-xdist each test process
-writes PATH.<worker>.json and the controlling process merges them into PATH at the end, sorted
-by CPU. Not counted: collection, processes a test leaves to others to reap, and servers outside
-the suite (PostgreSQL). bench/results/suite_time.json holds a run's (`cpu_by_module`).
+summed by module with the wall seconds and the test count, and the heaviest tests one by one.
+Under pytest-xdist each test process writes PATH.<worker>.json and the controlling process merges
+them into PATH at the end, sorted by CPU. Not counted: collection, processes a test leaves to
+others to reap, and servers outside the suite (PostgreSQL). bench/results/suite_time.json holds
+a run's (`cpu_by_module`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 import pytest
 
 _by_module: dict[str, list[float]] = {}
+TOP_TESTS = 100  # the heaviest tests listed one by one
+_by_test: dict[str, list[float]] = {}  # nodeid -> [self CPU-s, children CPU-s, wall s]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,6 +49,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     row[1] += children1 - children0
     row[2] += time.monotonic() - wall0
     row[3] += 1
+    _by_test[item.nodeid] = [own1 - own0, children1 - children0, time.monotonic() - wall0]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -54,17 +58,24 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # one file per test process; the controller merges them
-        Path(f"{path}.{worker}.json").write_text(json.dumps(_by_module))
+        Path(f"{path}.{worker}.json").write_text(json.dumps({"modules": _by_module, "tests": _by_test}))
         return
     merged = {module: list(row) for module, row in _by_module.items()}
+    tests = dict(_by_test)
     for part in glob.glob(f"{glob.escape(path)}.gw*.json"):
-        for module, row in json.loads(Path(part).read_text()).items():
+        got = json.loads(Path(part).read_text())
+        for module, row in got["modules"].items():
             into = merged.setdefault(module, [0.0, 0.0, 0.0, 0.0])
             for i, value in enumerate(row):
                 into[i] += value
+        tests.update(got["tests"])
         os.remove(part)
     rows = [{"module": m, "cpu_s": round(r[0] + r[1], 2), "self_cpu_s": round(r[0], 2),
              "children_cpu_s": round(r[1], 2), "wall_s": round(r[2], 2), "tests": int(r[3])}
             for m, r in sorted(merged.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))]
-    Path(path).write_text(json.dumps({"total_cpu_s": round(sum(r["cpu_s"] for r in rows), 1), "modules": rows},
-                                     indent=1))
+    heaviest = [{"test": t, "cpu_s": round(r[0] + r[1], 2), "self_cpu_s": round(r[0], 2),
+                 "children_cpu_s": round(r[1], 2), "wall_s": round(r[2], 2)}
+                for t, r in sorted(tests.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:TOP_TESTS]]
+    totals = {f"{k}_cpu_s": round(sum(r[f"{k}_cpu_s"] for r in rows), 1) for k in ("self", "children")}
+    Path(path).write_text(json.dumps({"total_cpu_s": round(sum(r["cpu_s"] for r in rows), 1), **totals,
+                                      "modules": rows, "heaviest_tests": heaviest}, indent=1))
