@@ -85,7 +85,10 @@ def check_sampler_fits(spec: StudySpec, space: Space) -> None:
         return
     size = 1
     for p in space.params.values():
-        size *= len(p.values())  # raises SpaceError for a float range, naming the parameter
+        try:
+            size *= len(p.values())  # raises SpaceError for a float range, naming the parameter
+        except SpaceError as e:  # a path inside the space: the spec's field is space.<path>
+            raise SpaceError(f"space.{e.field}", e.message) from None
     if size > MAX_GRID_COMBINATIONS:
         raise SpaceError("sampler", f"the grid has {size} combinations (limit {MAX_GRID_COMBINATIONS}); "
                                     "use sampler tpe, nsga2 or random, or fewer choices")

@@ -34,7 +34,7 @@ from pydantic import (
 
 from autotune.contract.config import ConfigError, check_hardware, parse_config
 from autotune.contract.registry import UnknownWorkloadError, check_workload
-from autotune.contract.space import Space, SpaceError, load_space, parse_space, validate_for
+from autotune.contract.space import SPACE_ROOT, Space, SpaceError, load_space, parse_space, validate_for
 from autotune.contract.starting import check_points
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -260,6 +260,14 @@ class StudySpec(Strict):
                                                             "--gpus-per-trial get its trials (cpu: gloo processes)")
     _workload_checked: bool = PrivateAttr(False)
 
+    @field_validator("space", mode="before")
+    @classmethod
+    def _space_shape(cls, v: Any) -> Any:
+        if not isinstance(v, (str, dict)):
+            raise ValueError(f"expected a name from search_spaces/ (e.g. 'cpu', 'h100') or an inline mapping with "
+                             f"'params', got {type(v).__name__}")
+        return v
+
     @field_validator("objectives", mode="before")
     @classmethod
     def _objective_aliases(cls, v: Any) -> Any:
@@ -313,7 +321,7 @@ class StudySpec(Strict):
             space = self.resolved_space()
             validate_for(space, self.hardware, self.gpus_per_trial)
         except SpaceError as e:
-            raise ValueError(f"space.{e}") from None
+            raise ValueError(str(e) if e.field == SPACE_ROOT else f"space.{e}") from None
         if self.baseline is not None:
             try:
                 check_hardware(self.baseline, self.hardware)

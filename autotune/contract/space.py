@@ -23,6 +23,7 @@ importing optuna.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import re
@@ -52,8 +53,12 @@ MAX_CHOICES = 1000  # values of one categorical parameter (Optuna stores them wi
 MAX_COMBINATIONS = 100_000  # distinct draws of the rule and condition knobs checked by parse_space
 
 
+SPACE_ROOT = "space"  # a SpaceError's field for the space as a whole (other fields are paths inside it)
+
+
 class SpaceError(ValueError):
-    """A search space is malformed. `field` is a dotted path to the bad entry."""
+    """A search space is malformed. `field` is a dotted path to the bad entry inside the space
+    (``params.batch_size.choices``), or SPACE_ROOT for the space as a whole."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -205,8 +210,11 @@ def _parse_param(knob: Any, spec: Any, params: dict[str, Param]) -> Param:
     where = f"params.{knob}"
     if knob not in KNOBS:
         raise SpaceError(where, f"unknown knob; known knobs: {', '.join(KNOBS)}")
+    if isinstance(spec, list):
+        raise SpaceError(where, f"expected a mapping with 'choices' or 'low'/'high', got a list: write "
+                                f"{{choices: {json.dumps(spec)[:200]}}}")
     if not isinstance(spec, dict):
-        raise SpaceError(where, "expected a mapping with 'choices' or 'low'/'high'")
+        raise SpaceError(where, f"expected a mapping with 'choices' or 'low'/'high', got {type(spec).__name__}")
     extra = set(spec) - {"choices", "low", "high", "log", "step", "when"}
     if extra:
         raise SpaceError(f"{where}.{sorted(map(str, extra))[0]}", "unknown key; allowed: choices, low, high, log, "
@@ -238,11 +246,14 @@ def parse_space(data: Any, name: str | None = None) -> Space:
     and that no configuration the space can draw breaks a cross-knob rule
     (`_check_drawable_combinations`)."""
     if not isinstance(data, dict):
-        raise SpaceError("space", f"expected a mapping with 'params', got {type(data).__name__}")
-    unknown = set(data) - {"name", "description", "params", "fixed"}
+        raise SpaceError(SPACE_ROOT, f"expected a mapping with 'params', got {type(data).__name__}")
+    unknown = sorted(map(str, set(data) - {"name", "description", "params", "fixed"}))
     if unknown:
-        raise SpaceError(f"space.{sorted(map(str, unknown))[0]}", "unknown key; allowed: name, description, params, "
-                                                                  "fixed")
+        knobs = [key for key in unknown if key in KNOBS]
+        if knobs:  # `space: {batch_size: ...}`: the knobs one level too high
+            raise SpaceError(knobs[0], f"a knob at the space's top level; searched knobs go under 'params' and "
+                                       f"fixed ones under 'fixed', e.g. params: {{{knobs[0]}: {{choices: [...]}}}}")
+        raise SpaceError(unknown[0], "unknown key; allowed: name, description, params, fixed")
     for key in ("name", "description"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise SpaceError(key, f"expected a string, got {type(data[key]).__name__}")
@@ -384,17 +395,17 @@ def load_space(name: str) -> Space:
     """The named space: ``SPACES_DIR/<name>.yaml``. Names only (letters, digits, '_', '-'):
     never a path, so a request cannot make the service read another file."""
     if not isinstance(name, str) or not re.fullmatch(SPACE_NAME_PATTERN, name):
-        raise SpaceError("space", f"{name!r} is not a space name: give a name from search_spaces/ (letters, digits, "
+        raise SpaceError(SPACE_ROOT, f"{name!r} is not a space name: give a name from search_spaces/ (letters, digits, "
                                   f"'_', '-'; no paths or extensions; known: {', '.join(space_names())}) "
                                   "or an inline mapping")
     path = SPACES_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise SpaceError("space", f"no search space {name!r}; known: {', '.join(space_names())} "
+        raise SpaceError(SPACE_ROOT, f"no search space {name!r}; known: {', '.join(space_names())} "
                                   "(or give an inline mapping)")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise SpaceError("space", f"search_spaces/{path.name} is not valid YAML ({e})") from None
+        raise SpaceError(SPACE_ROOT, f"search_spaces/{path.name} is not valid YAML ({e})") from None
     return parse_space(data, name=name)
 
 

@@ -47,8 +47,9 @@ def test_duplicate_name_is_409(client: TestClient, make_study: StudyFactory) -> 
     ({"space": {"params": {"precision": {"choices": ["fp32", "fp8"]}}}}, ["space", "params", "precision"], "fp8"),
     ({"space": {"params": {"num_workers": {"choices": [0, 1]}, "prefetch_factor": {"choices": [2, 4]}}}},
      ["space", "params", "prefetch_factor"], "when"),
-    ({"space": "nope"}, ["space", "space"], "no search space"),
-    ({"space": "../cpu"}, ["space", "space"], "no paths"),
+    ({"space": "nope"}, ["space"], "no search space"),  # the space as a whole: its field once
+    ({"space": "../cpu"}, ["space"], "no paths"),
+    ({"space": {"batch_size": {"choices": [2]}}}, ["space", "batch_size"], "searched knobs go under 'params'"),
     ({"baseline": {"batchsize": 8}}, ["baseline", "batchsize"], "did you mean 'batch_size'"),
     ({"n_trials": 0}, ["n_trials"], "greater than or equal to 1"),
     ({"sampler": "cmaes"}, ["sampler"], "tpe"),
@@ -71,8 +72,8 @@ def test_bad_name_is_422(client: TestClient, name: str) -> None:
 def test_grid_over_a_float_range_is_422(client: TestClient) -> None:
     detail = _error(client, {"name": "g", "sampler": "grid",
                              "space": {"params": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}}}})
-    assert detail[0]["loc"] == ["body", "params", "lr"]
-    assert "grid needs choices" in detail[0]["msg"]
+    assert detail[0]["loc"] == ["body", "space", "params", "lr"]
+    assert detail[0]["msg"].startswith("space.params.lr: ") and "grid needs choices" in detail[0]["msg"]
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[]", b'{"name": 5}'])

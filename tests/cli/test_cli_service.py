@@ -67,6 +67,15 @@ def write_spec(tmp_path: Path, spec: dict[str, Any]) -> str:
         ({"name": "bad name!"}, "name: String should match pattern"),
         ({"sampler": "annealing"}, "sampler: Input should be"),
         ({"space": {"params": {"batch_sise": {"choices": [2]}}}}, "space.params.batch_sise: unknown knob"),
+        # the space's own paths, once each: a misplaced knob and a bare list say how to write them
+        ({"space": {"batch_size": {"choices": [2]}}}, "space.batch_size: a knob at the space's top level; "
+                                                      "searched knobs go under 'params'"),
+        ({"space": {"colour": "red"}}, "space.colour: unknown key; allowed: name, description, params, fixed"),
+        ({"space": {"params": {"batch_size": [2, 4]}}}, "space.params.batch_size: expected a mapping with 'choices' "
+                                                        "or 'low'/'high', got a list: write {choices: [2, 4]}"),
+        ({"space": "nosuch"}, "study.yaml: space: no search space 'nosuch'; known: "),  # said once, not space.space
+        ({"space": [2, 4]}, "space: expected a name from search_spaces/ (e.g. 'cpu', 'h100') or an inline mapping "
+                            "with 'params', got list"),
         ({"baseline": {"precision": "fp7"}}, "baseline.precision: 'fp7' is not allowed"),
         ({"colour": "red"}, "colour: Extra inputs are not permitted"),
     ],

@@ -258,7 +258,9 @@ def test_a_malformed_parameter_names_its_field(spec: dict[str, Any], field: str,
     ({"params": {"batch_size": {"choices": [2]}}, "fixed": {"precison": "bf16"}}, "fixed.precison", "unknown knob"),
     ({"params": {"batch_size": {"choices": [2]}}, "fixed": {"lr": float("nan")}}, "fixed.lr", "finite"),
     ({"params": {"batch_size": {"choices": [2]}}, "fixed": {"batch_size": 4}}, "fixed.batch_size", "keep one"),
-    ({"params": {"batch_size": {"choices": [2]}}, "extra": 1}, "space.extra", "unknown key"),
+    ({"params": {"batch_size": {"choices": [2]}}, "extra": 1}, "extra", "unknown key"),
+    ({"batch_size": {"choices": [2]}}, "batch_size", "searched knobs go under 'params'"),  # the knob one level up
+    ({"params": {"batch_size": [2, 4]}}, "params.batch_size", "got a list: write {choices: [2, 4]}"),
     ({"params": {"batch_size": {"choices": [2]}}, "name": 5}, "name", "expected a string"),
 ])
 def test_a_malformed_space_names_its_field(data: dict[str, Any], field: str, words: str) -> None:
