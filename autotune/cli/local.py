@@ -107,13 +107,12 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
     from autotune.contract.registry import parse_workload_option
 
     console = console or Console(highlight=False, soft_wrap=True)
-    names = []
-    for option in allow_workloads:
-        try:
-            names.append(parse_workload_option(option)[0])
-        except ValueError as e:
-            raise TuneError(str(e)) from None
-    devices = local_devices(spec.hardware if "hardware" in spec.model_fields_set else None, workers)
+    try:  # bad input, said before anything starts
+        names = [parse_workload_option(option)[0] for option in allow_workloads]
+        devices = local_devices(spec.hardware if "hardware" in spec.model_fields_set else None, workers)
+    except (TuneError, ValueError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return e.code if isinstance(e, TuneError) else BAD_INPUT, None
     if spec.hardware != devices.hardware:
         spec = spec.model_copy(update={"hardware": devices.hardware})
     workdir = workdir.resolve()
@@ -214,5 +213,7 @@ def tune(spec: StudySpec | dict[str, Any] | str | Path, *, workdir: str | Path =
     if code == INTERRUPTED:
         raise KeyboardInterrupt
     if verdict is None:
+        if code == BAD_INPUT:
+            raise TuneError(f"tuning {spec.name} was refused (bad input, said above)", code)
         raise TuneError(f"tuning {spec.name} did not finish (exit status {code}); see {workdir}", code)
     return verdict

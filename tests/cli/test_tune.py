@@ -168,3 +168,15 @@ def test_a_spec_naming_a_workload_given_by_allow_workload_is_accepted(tmp_path: 
     assert [s.workload for s in seen] == ["my-wl"]
     monkeypatch.undo()
     registered_workloads.cache_clear()  # the registry as the environment has it again
+
+
+def test_a_spec_for_a_gpu_this_host_lacks_exits_2_with_the_reason(tmp_path: Path) -> None:
+    """A spec whose `hardware` names a GPU this host does not have: exit status 2 and one line
+    saying why (it was a traceback), before a service or worker starts or the workdir is made."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({**SPEC, "hardware": "NVIDIA No Such GPU"}))
+    done = subprocess.run([*CLI, "spec.yaml", "--workdir", "work"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "error: the spec's hardware is 'NVIDIA No Such GPU'" in output and "Traceback" not in output
+    assert not (tmp_path / "work").exists()
