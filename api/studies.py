@@ -33,6 +33,7 @@ from autotune.api.study import (
     search_done,
     trial_infos,
 )
+from autotune.api.study.budget import check_baseline_timed
 from autotune.api.study.samplers import check_sampler_fits
 from autotune.contract.protocol import StudySpec
 from autotune.contract.space import SpaceError, parse_space
@@ -79,12 +80,13 @@ class StudyService:
 
     def create_study(self, spec: StudySpec) -> StudyInfo:
         """Create the Optuna study and the service row. Raises Conflict if the name is taken,
-        Invalid if the sampler cannot search the space."""
+        Invalid if the sampler cannot search the space or the probes could not time the baseline."""
         space = spec.resolved_space()
         try:
             check_sampler_fits(spec, space)
         except SpaceError as e:
             raise Invalid(e.field, str(e)) from e
+        check_baseline_timed(spec)
         ctx = StudyContext(name=spec.name, spec=spec, space=space)
         with self.lock:
             with self.db.read() as session:

@@ -323,7 +323,7 @@ def check_samples(configs: dict[str, Any], samples: int) -> None:
     """Exit before any probe when a config's effective batch leaves its probe too few timed steps."""
     from autotune.contract.config import ConfigError
     from autotune.contract.protocol import ProbeSpec
-    from autotune.engine.timing import plan_steps
+    from autotune.contract.steps import plan_steps
 
     spec = ProbeSpec()
     for name, c in configs.items():

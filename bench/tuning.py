@@ -563,8 +563,8 @@ def epoch_rates(probe: dict[str, Any], config: dict[str, Any], train_samples: Ca
     run: its windows already hold the starts at about their rate), none holds one, or the
     probe did not record its data waits, or the config does not name its batch shape (a given
     config left to the preset's defaults)."""
+    from autotune.contract.steps import plan_steps
     from autotune.engine.probe import ProbeSettings
-    from autotune.engine.timing import plan_steps
 
     windows = probe["window_throughputs"]
     if probe.get("raw_window_throughputs"):

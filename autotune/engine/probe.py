@@ -38,6 +38,7 @@ from autotune.contract.config import ConfigError, TrainConfig, parse_config
 from autotune.contract.gate import window_rate
 from autotune.contract.protocol import ProbeSpec
 from autotune.contract.registry import Workload, get_workload
+from autotune.contract.steps import plan_steps
 from autotune.engine import step_graph
 from autotune.engine.compile_workers import note as compile_workers_note
 from autotune.engine.compile_workers import process_stat, quiesce_compile_workers, start_compile_pool
@@ -77,7 +78,7 @@ from autotune.engine.sampled_data import (
     note_inactive_loader_knobs,
     sampling_generator,
 )
-from autotune.engine.timing import TRACE_DATA, TRACE_STEP, Clock, RankSync, plan_steps, start_trace, stop_trace
+from autotune.engine.timing import TRACE_DATA, TRACE_STEP, Clock, RankSync, start_trace, stop_trace
 
 log = logging.getLogger(__name__)
 

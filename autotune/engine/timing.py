@@ -1,7 +1,8 @@
-"""How a probe's time is planned and read: the sample budget split into warm-up steps, timed
-windows and an untimed tail (`plan_steps`), the window clock (`Clock`: CUDA events on a GPU, the
-host clock on a CPU, where every op is synchronous), the ranks' meeting points at window
-boundaries (`RankSync`), and the Chrome trace of the warm-up's last steps (`start_trace`).
+"""How a probe's time is read: the window clock (`Clock`: CUDA events on a GPU, the host clock on
+a CPU, where every op is synchronous), the ranks' meeting points at window boundaries
+(`RankSync`), and the Chrome trace of the warm-up's last steps (`start_trace`). The plan (the
+sample budget split into warm-up steps, timed windows and an untimed tail) is
+`autotune.contract.steps.plan_steps`.
 
 Windows hold equal steps, and a whole number of inverse-loss periods where possible, so every
 window has the same mix of cheap and expensive steps; the warm-up is never timed.
@@ -15,34 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from autotune.contract.config import ConfigError
-
-MIN_WINDOWS = 5
-
-
-def plan_steps(samples: int, effective_batch: int, warmup_steps: int, windows: int,
-               inverse_loss_frequency: int, warmup_periods: int = 2) -> tuple[int, int, int, int]:
-    """Split the sample budget into (total steps, warm-up steps, windows, steps per window).
-
-    The warm-up holds at least `warmup_periods` inverse-loss periods, so that each step kind
-    is warm before the windows (under step_graph: run eagerly, captured and replayed).
-    Windows hold a whole number of inverse-loss periods where possible, so every window
-    has the same mix of cheap and expensive steps. Leftover steps train untimed at the end.
-    """
-    total = samples // effective_batch
-    warm = max(warmup_steps, warmup_periods * inverse_loss_frequency)
-    timed = total - warm
-    if timed < MIN_WINDOWS:
-        need = (warm + MIN_WINDOWS) * effective_batch
-        raise ConfigError("samples", f"{samples} samples at effective batch {effective_batch} leave {max(timed, 0)} "
-                                     f"timed steps after {warm} warm-up steps; need >= {MIN_WINDOWS}: "
-                                     f"use samples >= {need} or a smaller batch_size × accum_steps")
-    n_windows = min(max(windows, MIN_WINDOWS), timed)
-    per = timed // n_windows
-    if per >= inverse_loss_frequency:
-        per -= per % inverse_loss_frequency
-    return total, warm, n_windows, per
 
 
 class Clock:

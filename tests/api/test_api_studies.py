@@ -69,6 +69,24 @@ def test_bad_name_is_422(client: TestClient, name: str) -> None:
     assert detail[0]["loc"] == ["body", "name"]
 
 
+@pytest.mark.parametrize(("spec", "need"), [
+    ({"probe": {"samples": 79}}, 80),  # ups tiny's 4 × 2: 5 warm-up steps + 5 timed, 8 samples each
+    ({"probe": {"samples": 159}, "baseline": {"batch_size": 16, "accum_steps": 1}}, 160),
+    ({"probe": {"samples": 167}, "baseline": {"inverse_loss_frequency": 8}}, 168),  # a warm-up of 2 periods: 16 steps
+    ({"probe": {"samples": 159}, "gpus_per_trial": 2}, 160),  # each of 2 ranks trains 4 × 2 per step
+])
+def test_a_probe_budget_that_cannot_time_the_baseline_is_422(client: TestClient, make_study: StudyFactory,
+                                                             spec: dict[str, Any], need: int) -> None:
+    """The baseline's batch × accumulation (its config's, else the preset's) and warm-up against
+    probe.samples, as a probe plans them: one sample short is refused, naming the budget that
+    works; that budget is accepted."""
+    detail = _error(client, {"name": "short", **spec})
+    assert detail[0]["loc"] == ["body", "probe", "samples"]
+    assert "could not be timed" in detail[0]["msg"] and f"use samples >= {need}" in detail[0]["msg"]
+    enough = {**spec, "probe": {"samples": need}}
+    assert make_study("enough", **enough)["spec"]["probe"]["samples"] == need
+
+
 def test_grid_over_a_float_range_is_422(client: TestClient) -> None:
     detail = _error(client, {"name": "g", "sampler": "grid",
                              "space": {"params": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}}}})

@@ -167,7 +167,7 @@ def test_a_backup_with_a_study_of_the_same_name_does_not_take_the_originals_resu
         ours = lease(a, "w")
     with TestClient(create_app(make_settings(b_url))) as b:
         assert b.post("/v1/studies", json={"name": "rel", "baseline_seeds": 1, "remeasure": {"top_k": 0},
-                                           "probe": {"samples": 64}}).status_code == 201
+                                           "probe": {"samples": 80}}).status_code == 201
         theirs = lease(b, "w")
         assert ours is not None and theirs is not None
         assert (theirs["trial_id"], theirs["study"], theirs["number"], theirs["service_id"]) == \

@@ -117,7 +117,8 @@ def test_a_plugin_study_gets_allow_workload(service: LiveService, tmp_path: Path
 
 
 def test_a_gpu_study_gets_a_cuda_worker_with_its_gpus_per_trial(service: LiveService, tmp_path: Path) -> None:
-    result = submit(service, tmp_path, small_spec("hint-gpu", hardware=H100, gpus_per_trial=2))
+    # 80 samples: 5 warm-up and 5 timed steps of 2 ranks × 4 (fewer is refused: the baseline could not be timed)
+    result = submit(service, tmp_path, small_spec("hint-gpu", samples=80, hardware=H100, gpus_per_trial=2))
     assert result.exit_code == 0, result.output
     argv = worker_command(result.stdout)
     assert option(argv, "--device") == ["cuda"] and option(argv, "--gpus-per-trial") == ["2"]

@@ -19,10 +19,10 @@ import autotune.engine.probe as probe_module
 from autotune.contract.config import DISTRIBUTED_KNOBS, ConfigError
 from autotune.contract.errors import FAILURE_KINDS
 from autotune.contract.registry import UnknownWorkloadError, Workload
+from autotune.contract.steps import plan_steps
 from autotune.engine.knobs import ProbeError
 from autotune.engine.probe import ProbeSettings, classify_exception, run_probe
 from autotune.engine.result import ProbeResult
-from autotune.engine.timing import plan_steps
 from autotune.workloads.ups import UPSWorkload
 
 SAMPLES = 96  # 12 steps at the tiny preset's 4 × 2: 5 warm-up + 7 windows of 1 step

@@ -9,11 +9,11 @@ from helpers import CPU, micro_batches, resolved
 
 from autotune.contract.config import TrainConfig, parse_config
 from autotune.contract.registry import Workload
+from autotune.contract.steps import plan_steps
 from autotune.engine import step_graph
 from autotune.engine.knobs import Schedule, Trainer, build_optimizer
 from autotune.engine.optimizers import Optimizers, lr_to_tensor, muon_adamw, set_lr
 from autotune.engine.probe import ProbeSettings, run_probe
-from autotune.engine.timing import plan_steps
 
 CUDA = torch.device("cuda", 0)
 
