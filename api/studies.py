@@ -33,7 +33,7 @@ from autotune.api.study import (
     search_done,
     trial_infos,
 )
-from autotune.api.study.budget import check_baseline_timed
+from autotune.api.study.admission import check_admission
 from autotune.api.study.samplers import check_sampler_fits
 from autotune.contract.protocol import StudySpec
 from autotune.contract.space import SpaceError, parse_space
@@ -80,13 +80,14 @@ class StudyService:
 
     def create_study(self, spec: StudySpec) -> StudyInfo:
         """Create the Optuna study and the service row. Raises Conflict if the name is taken,
-        Invalid if the sampler cannot search the space or the probes could not time the baseline."""
+        Invalid if the sampler cannot search the space or the study could not run as written
+        (`check_admission`: a baseline its probes could not time, a metric the workload never reports)."""
         space = spec.resolved_space()
         try:
             check_sampler_fits(spec, space)
         except SpaceError as e:
             raise Invalid(e.field, str(e)) from e
-        check_baseline_timed(spec)
+        check_admission(spec)
         ctx = StudyContext(name=spec.name, spec=spec, space=space)
         with self.lock:
             with self.db.read() as session:

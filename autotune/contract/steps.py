@@ -1,6 +1,6 @@
 """How a probe's sample budget splits into warm-up steps, timed windows and an untimed tail
 (`plan_steps`): torch-free, so the service can refuse a study whose baseline its probes
-could not time (api/study/budget.py) before any worker runs one."""
+could not time (api/study/admission.py) before any worker runs one."""
 
 from __future__ import annotations
 

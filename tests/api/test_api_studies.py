@@ -50,6 +50,11 @@ def test_duplicate_name_is_409(client: TestClient, make_study: StudyFactory) -> 
     ({"space": "nope"}, ["space"], "no search space"),  # the space as a whole: its field once
     ({"space": "../cpu"}, ["space"], "no paths"),
     ({"space": {"batch_size": {"choices": [2]}}}, ["space", "batch_size"], "searched knobs go under 'params'"),
+    # a built-in workload's metric is known: another could complete no trial
+    ({"workload": "gpt", "quality": {"metric": "val_nrmse"}}, ["quality", "metric"],
+     "workload 'gpt' reports 'val_loss', never 'val_nrmse': write quality: {metric: val_loss, direction: minimize}"),
+    ({"quality": {"metric": "val_nrmse", "direction": "maximize"}}, ["quality", "direction"],
+     "workload 'ups''s val_nrmse is to minimize, not maximize"),
     ({"baseline": {"batchsize": 8}}, ["baseline", "batchsize"], "did you mean 'batch_size'"),
     ({"n_trials": 0}, ["n_trials"], "greater than or equal to 1"),
     ({"sampler": "cmaes"}, ["sampler"], "tpe"),
