@@ -48,7 +48,8 @@ def baseline_failed_message(study_name: str, spec: StudySpec, trials: Sequence[T
         return (f"study {study_name!r} cannot recommend anything: every baseline run failed "
                 f"({'; '.join(summary.failures)}); the quality gate needs the baseline's "
                 f"{quality_name(spec, trials)}. "
-                "Fix the baseline config (spec.baseline) and submit a new study")
+                "Fix what the failures name (the baseline's config in spec.baseline, its probe in spec.probe, "
+                "the study's quality or the workload) and submit a new study")
     return None
 
 
