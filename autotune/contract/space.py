@@ -395,13 +395,13 @@ def load_space(name: str) -> Space:
     """The named space: ``SPACES_DIR/<name>.yaml``. Names only (letters, digits, '_', '-'):
     never a path, so a request cannot make the service read another file."""
     if not isinstance(name, str) or not re.fullmatch(SPACE_NAME_PATTERN, name):
-        raise SpaceError(SPACE_ROOT, f"{name!r} is not a space name: give a name from search_spaces/ (letters, digits, "
-                                  f"'_', '-'; no paths or extensions; known: {', '.join(space_names())}) "
-                                  "or an inline mapping")
+        raise SpaceError(SPACE_ROOT, f"{name!r} is not a space name: give a name from search_spaces/ (letters, "
+                                     f"digits, '_', '-'; no paths or extensions; known: {', '.join(space_names())}) "
+                                     "or an inline mapping")
     path = SPACES_DIR / f"{name}.yaml"
     if not path.is_file():
         raise SpaceError(SPACE_ROOT, f"no search space {name!r}; known: {', '.join(space_names())} "
-                                  "(or give an inline mapping)")
+                                     "(or give an inline mapping)")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
