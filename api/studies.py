@@ -34,9 +34,8 @@ from autotune.api.study import (
     trial_infos,
 )
 from autotune.api.study.admission import check_admission
-from autotune.api.study.samplers import check_sampler_fits
 from autotune.contract.protocol import StudySpec
-from autotune.contract.space import SpaceError, parse_space
+from autotune.contract.space import parse_space
 from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
 
 log = logging.getLogger(__name__)
@@ -80,14 +79,10 @@ class StudyService:
 
     def create_study(self, spec: StudySpec) -> StudyInfo:
         """Create the Optuna study and the service row. Raises Conflict if the name is taken,
-        Invalid if the sampler cannot search the space or the study could not run as written
-        (`check_admission`: a baseline its probes could not time, a metric the workload never reports)."""
+        Invalid if the study could not run as written (`check_admission`: a sampler that cannot
+        search the space, a baseline its probes could not time, a metric the workload never reports)."""
         space = spec.resolved_space()
-        try:
-            check_sampler_fits(spec, space)
-        except SpaceError as e:
-            raise Invalid(e.field, str(e)) from e
-        check_admission(spec)
+        check_admission(spec, space)
         ctx = StudyContext(name=spec.name, spec=spec, space=space)
         with self.lock:
             with self.db.read() as session:

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-_by_module: dict[str, list[float]] = {}
 TOP_TESTS = 100  # the heaviest tests listed one by one
 _by_test: dict[str, list[float]] = {}  # nodeid -> [self CPU-s, children CPU-s, wall s]
 
@@ -44,11 +43,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     wall0 = time.monotonic()
     yield
     own1, children1 = _cpu()
-    row = _by_module.setdefault(item.nodeid.split("::")[0], [0.0, 0.0, 0.0, 0.0])
-    row[0] += own1 - own0
-    row[1] += children1 - children0
-    row[2] += time.monotonic() - wall0
-    row[3] += 1
     _by_test[item.nodeid] = [own1 - own0, children1 - children0, time.monotonic() - wall0]
 
 
@@ -58,21 +52,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # one file per test process; the controller merges them
-        Path(f"{path}.{worker}.json").write_text(json.dumps({"modules": _by_module, "tests": _by_test}))
+        Path(f"{path}.{worker}.json").write_text(json.dumps(_by_test))
         return
-    merged = {module: list(row) for module, row in _by_module.items()}
     tests = dict(_by_test)
     for part in glob.glob(f"{glob.escape(path)}.gw*.json"):
-        got = json.loads(Path(part).read_text())
-        for module, row in got["modules"].items():
-            into = merged.setdefault(module, [0.0, 0.0, 0.0, 0.0])
-            for i, value in enumerate(row):
-                into[i] += value
-        tests.update(got["tests"])
+        tests.update(json.loads(Path(part).read_text()))
         os.remove(part)
+    by_module: dict[str, list[float]] = {}  # module -> [self CPU-s, children CPU-s, wall s, tests]
+    for nodeid, (own, children, wall) in tests.items():
+        row = by_module.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0.0, 0])
+        row[0] += own
+        row[1] += children
+        row[2] += wall
+        row[3] += 1
     rows = [{"module": m, "cpu_s": round(r[0] + r[1], 2), "self_cpu_s": round(r[0], 2),
              "children_cpu_s": round(r[1], 2), "wall_s": round(r[2], 2), "tests": int(r[3])}
-            for m, r in sorted(merged.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))]
+            for m, r in sorted(by_module.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))]
     heaviest = [{"test": t, "cpu_s": round(r[0] + r[1], 2), "self_cpu_s": round(r[0], 2),
                  "children_cpu_s": round(r[1], 2), "wall_s": round(r[2], 2)}
                 for t, r in sorted(tests.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:TOP_TESTS]]

@@ -1,19 +1,28 @@
-"""What the service refuses when a study is created that the spec alone cannot say: a probe budget
-too small to time the baseline, and a quality metric a built-in workload never reports. Each
-would otherwise be found by a worker, as a failed baseline."""
+"""What the service refuses when a study is created that the spec alone cannot say: a sampler
+that cannot search the space, a probe budget too small to time the baseline, and a quality metric
+a built-in workload never reports. The last two would otherwise be found by a worker, as a failed
+baseline."""
 
 from __future__ import annotations
 
 from autotune.api.errors import Invalid
 from autotune.api.outcome import preset_values
+from autotune.api.study.samplers import check_sampler_fits
+from autotune.api.study.trials import batch_per_step
 from autotune.contract.config import KNOBS, ConfigError
 from autotune.contract.protocol import StudySpec
 from autotune.contract.registry import BUILTIN
+from autotune.contract.space import Space, SpaceError
 from autotune.contract.steps import plan_steps
 
 
-def check_admission(spec: StudySpec) -> None:
-    """Raise Invalid naming the field when the study could not run as written (the checks below)."""
+def check_admission(spec: StudySpec, space: Space) -> None:
+    """Raise Invalid naming the field when the study could not run as written: a sampler that
+    cannot search `space` (`check_sampler_fits`), then the checks below."""
+    try:
+        check_sampler_fits(spec, space)
+    except SpaceError as e:
+        raise Invalid(e.field, str(e)) from e
     check_quality_metric(spec)
     check_baseline_timed(spec)
 
@@ -46,15 +55,13 @@ def check_baseline_timed(spec: StudySpec) -> None:
     config = spec.baseline_config()
     if samples is None or config.get("step_graph"):
         return
-    preset = preset_values(spec.workload, spec.preset) or {}
-    batch, accum = (config.get(k) or preset.get(k) for k in ("batch_size", "accum_steps"))
-    if batch is None or accum is None:
+    per_step = batch_per_step(config, preset_values(spec.workload, spec.preset))
+    if per_step is None:
         return
     frequency = config.get("inverse_loss_frequency") or KNOBS["inverse_loss_frequency"].default
-    ranks = f" on {spec.gpus_per_trial} ranks" if spec.gpus_per_trial > 1 else ""
+    ranks = f" on each of {spec.gpus_per_trial} ranks" if spec.gpus_per_trial > 1 else ""
     try:
-        plan_steps(samples, batch * accum * spec.gpus_per_trial, spec.probe.warmup_steps, spec.probe.windows,
-                   frequency)
+        plan_steps(samples, per_step * spec.gpus_per_trial, spec.probe.warmup_steps, spec.probe.windows, frequency)
     except ConfigError as e:
-        raise Invalid("probe.samples", f"probe.samples: the baseline ({batch} × {accum}{ranks}) could not be "
-                                       f"timed: {e.message}") from None
+        raise Invalid("probe.samples", f"probe.samples: the baseline ({per_step} samples per optimizer step{ranks}) "
+                                       f"could not be timed: {e.message}") from None
