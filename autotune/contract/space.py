@@ -253,6 +253,9 @@ def parse_space(data: Any, name: str | None = None) -> Space:
         if knobs:  # `space: {batch_size: ...}`: the knobs one level too high
             raise SpaceError(knobs[0], f"a knob at the space's top level; searched knobs go under 'params' and "
                                        f"fixed ones under 'fixed', e.g. params: {{{knobs[0]}: {{choices: [...]}}}}")
+        if "space" in unknown:  # `space: {space: h100}`: a space nested in the space
+            raise SpaceError("space", "a space inside the space; write space: NAME (e.g. space: h100) or the "
+                                      "space itself as space: {params: {...}, fixed: {...}}")
         raise SpaceError(unknown[0], "unknown key; allowed: name, description, params, fixed")
     for key in ("name", "description"):
         if data.get(key) is not None and not isinstance(data[key], str):

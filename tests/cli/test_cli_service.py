@@ -70,6 +70,7 @@ def write_spec(tmp_path: Path, spec: dict[str, Any]) -> str:
         # the space's own paths, once each: a misplaced knob and a bare list say how to write them
         ({"space": {"batch_size": {"choices": [2]}}}, "space.batch_size: a knob at the space's top level; "
                                                       "searched knobs go under 'params'"),
+        ({"space": {"space": "h100"}}, "study.yaml: space: a space inside the space; write space: NAME"),
         ({"space": {"colour": "red"}}, "space.colour: unknown key; allowed: name, description, params, fixed"),
         ({"space": {"params": {"batch_size": [2, 4]}}}, "space.params.batch_size: expected a mapping with 'choices' "
                                                         "or 'low'/'high', got a list: write {choices: [2, 4]}"),
