@@ -33,7 +33,7 @@ from autotune.api.study import (
     search_done,
     trial_infos,
 )
-from autotune.api.study.admission import check_admission
+from autotune.api.study.admission import admission_notes, check_admission
 from autotune.contract.protocol import StudySpec
 from autotune.contract.space import parse_space
 from autotune.contract.views import Recommendation, StudyInfo, TrialInfo
@@ -136,7 +136,7 @@ class StudyService:
         return StudyInfo(name=record.name, state=state, spec=ctx.spec, counts=counts_by_state(ctx.spec, trials),
                          remeasures=sum(role(t) == "remeasure" for t in current(trials)),
                          failures=failures_by_kind(ctx.spec, trials), retried=len(retried_as(trials)), best=best,
-                         message=message)
+                         message=message, notes=admission_notes(ctx.spec, ctx.space))
 
     def _finished(self, ctx: StudyContext, trials: list[TrialRecord]) -> bool:
         """Every baseline and search trial finished, and the verdict too: no re-measure round is

@@ -1,9 +1,12 @@
 """What the service refuses when a study is created that the spec alone cannot say: a sampler
 that cannot search the space, a probe budget too small to time the baseline, and a quality metric
 a built-in workload never reports. The last two would otherwise be found by a worker, as a failed
-baseline."""
+baseline. What costs trials without stopping the study (searched configs the budget cannot time)
+is a note on the study (`admission_notes`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from autotune.api.errors import Invalid
 from autotune.api.outcome import preset_values
@@ -13,7 +16,7 @@ from autotune.contract.config import KNOBS, ConfigError
 from autotune.contract.protocol import StudySpec
 from autotune.contract.registry import BUILTIN
 from autotune.contract.space import Space, SpaceError
-from autotune.contract.steps import plan_steps
+from autotune.contract.steps import MIN_WINDOWS, plan_steps
 
 
 def check_admission(spec: StudySpec, space: Space) -> None:
@@ -65,3 +68,49 @@ def check_baseline_timed(spec: StudySpec) -> None:
     except ConfigError as e:
         raise Invalid("probe.samples", f"probe.samples: the baseline ({per_step} samples per optimizer step{ranks}) "
                                        f"could not be timed: {e.message}") from None
+
+
+def admission_notes(spec: StudySpec, space: Space) -> list[str]:
+    """What the study will spend trials on that cannot succeed, said where the user reads it
+    (StudyInfo.notes: `autotune submit` and `autotune status` print them)."""
+    note = untimed_configs_note(spec, space)
+    return [note] if note else []
+
+
+def _int_values(space: Space, knob: str, fallback: Any) -> list[int]:
+    """The values `knob` can take in `space` (searched, fixed, else `fallback`), ints >= 1 only."""
+    param = space.params.get(knob)
+    try:
+        values = param.values() if param is not None else [space.fixed.get(knob, fallback)]
+    except SpaceError:  # a float range: not a count
+        return []
+    return sorted({v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 1})
+
+
+def untimed_configs_note(spec: StudySpec, space: Space) -> str | None:
+    """When `space` can draw batch_size × accum_steps larger than `spec.probe.samples` can time
+    (`plan_steps`, at the shortest warm-up the space allows), a note naming the largest product
+    that is timed, the space's largest, and the budget that times all of them. Such configs fail
+    as trials before any training (the sampler learns them as infeasible); the baseline's own
+    budget is refused at creation instead (`check_baseline_timed`)."""
+    samples = spec.probe.samples
+    preset = preset_values(spec.workload, spec.preset) or {}
+    batches = _int_values(space, "batch_size", preset.get("batch_size"))
+    accums = _int_values(space, "accum_steps", preset.get("accum_steps"))
+    periods = _int_values(space, "inverse_loss_frequency", KNOBS["inverse_loss_frequency"].default)
+    if samples is None or not batches or not accums or not periods:
+        return None
+    ranks = spec.gpus_per_trial
+    shortest = max(spec.probe.warmup_steps, 2 * periods[0])
+    timed_at_most = samples // (shortest + MIN_WINDOWS) // ranks  # per GPU; more leaves < MIN_WINDOWS timed steps
+    largest = batches[-1] * accums[-1]
+    if largest <= timed_at_most:
+        return None
+    needed = largest * ranks * (max(spec.probe.warmup_steps, 2 * periods[-1]) + MIN_WINDOWS)
+    examples = sorted({(b, a) for b in batches[-3:] for a in accums[-3:] if b * a > timed_at_most},
+                      key=lambda ba: (-ba[0] * ba[1], -ba[0]))[:3]
+    shown = ", ".join(f"{b} × {a}" for b, a in examples)
+    per_gpu = f" per GPU ({ranks} per trial)" if ranks > 1 else ""
+    return (f"probe.samples {samples} times at most {timed_at_most} samples per optimizer step{per_gpu} "
+            f"(batch_size × accum_steps); the space draws up to {largest} (e.g. {shown}): such configs fail as "
+            f"trials before training. Use probe.samples >= {needed} to time them all, or narrow the space")

@@ -236,6 +236,8 @@ def submit(
     console.print(f"created study [bold]{info.name}[/] ({info.state}): {info.spec.workload}/{info.spec.preset}, "
                   f"space {space}, {info.spec.n_trials} trials, sampler {info.spec.sampler}, "
                   f"hardware {info.spec.hardware}", highlight=False, soft_wrap=True)
+    for note in info.notes:
+        err.print(f"[yellow]note:[/] {rich_escape(note)}", highlight=False, soft_wrap=True)
     if implicit_cpu:
         err.print("[yellow]note:[/] no `hardware` in the spec: this is a CPU study; workers with GPUs will not take "
                   "it. For a GPU study set hardware: <the GPU's name as workers report it> (e.g. "
@@ -279,6 +281,8 @@ def status(
                   f"({counts}){rounds} · hardware {info.spec.hardware}", highlight=False, soft_wrap=True)
     if info.message:
         console.print(f"[yellow]{rich_escape(info.message)}[/]", highlight=False, soft_wrap=True)
+    for note in info.notes:
+        console.print(f"[yellow]note:[/] {rich_escape(note)}", highlight=False, soft_wrap=True)
     warm = Counter(t.warm_start_from for t in searched if t.warm_start_from)
     if warm:
         console.print("warm start: " + ", ".join(f"{n} config(s) from {name}" for name, n in warm.items())

@@ -41,6 +41,8 @@ class StudyInfo(BaseModel):
                                         "their retry stands for them)")
     best: dict[str, Any] | None = None
     message: str | None = Field(None, description="why the study has no recommendation, when it cannot get one")
+    notes: list[str] = Field(default_factory=list, description="what the spec will spend trials on that cannot "
+                                                               "succeed (e.g. configs its probe budget cannot time)")
 
 
 class StudyList(BaseModel):

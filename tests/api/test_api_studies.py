@@ -12,6 +12,8 @@ from fastapi.testclient import TestClient
 from service_helpers import StudyFactory, lease
 
 import autotune
+from autotune.contract.config import ConfigError
+from autotune.contract.steps import plan_steps
 
 
 def _error(client: TestClient, spec: dict[str, Any], status: int = 422) -> list[dict[str, Any]]:
@@ -90,6 +92,25 @@ def test_a_probe_budget_that_cannot_time_the_baseline_is_422(client: TestClient,
     assert "could not be timed" in detail[0]["msg"] and f"use samples >= {need}" in detail[0]["msg"]
     enough = {**spec, "probe": {"samples": need}}
     assert make_study("enough", **enough)["spec"]["probe"]["samples"] == need
+
+
+@pytest.mark.parametrize(("samples", "timed", "untimed"), [(80, 8, "16 × 2, 16 × 1, 8 × 2"), (319, 31, "16 × 2")])
+def test_a_space_that_draws_configs_the_budget_cannot_time_gets_a_note(
+        client: TestClient, make_study: StudyFactory, samples: int, timed: int, untimed: str) -> None:
+    """The study is created (its baseline, ups tiny's 4 × 2, is timed) with a note naming the
+    largest batch × accumulation its probes time, which is exactly where a probe starts
+    refusing, and the budget that times the whole space; at that budget the note is gone."""
+    space = {"params": {"batch_size": {"choices": [4, 8, 16]}, "accum_steps": {"choices": [1, 2]}}}
+    info = make_study("wide", space=space, probe={"samples": samples})
+    assert info["notes"] == [
+        f"probe.samples {samples} times at most {timed} samples per optimizer step (batch_size × accum_steps); "
+        f"the space draws up to 32 (e.g. {untimed}): such configs fail as trials before training. "
+        "Use probe.samples >= 320 to time them all, or narrow the space"]
+    assert client.get("/v1/studies/wide").json()["notes"] == info["notes"]
+    plan_steps(samples, timed, 5, 8, 1)  # the probe's own plan (warm-up 5 steps): `timed` is timed, one more is not
+    with pytest.raises(ConfigError, match="need >= 5"):
+        plan_steps(samples, timed + 1, 5, 8, 1)
+    assert make_study("all-timed", space=space, probe={"samples": 320})["notes"] == []
 
 
 def test_grid_over_a_float_range_is_422(client: TestClient) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from live_service import LiveService, Processes, free_port, log_text, small_spec, start_worker
+from live_service import SMALL_SPACE, LiveService, Processes, free_port, log_text, small_spec, start_worker
 from typer.testing import CliRunner
 
 from autotune.cli.main import app
@@ -114,6 +114,19 @@ def test_submit_creates_a_study_and_reports_server_side_errors(live: tuple[LiveS
     assert result.exit_code == 0, result.output
     assert "created study submitted (running)" in result.stdout
     assert service.get("/v1/studies/submitted")["spec"]["n_trials"] == 3
+
+    # a space reaching batches its probe budget cannot time: created, with a note at submit and in status
+    wide = {**SMALL_SPACE, "params": {**SMALL_SPACE["params"], "batch_size": {"choices": [2, 4, 16]}}}
+    (wide_dir := tmp_path / "wide").mkdir()
+    result = invoke("submit", write_spec(wide_dir, small_spec("wide", space=wide)), "--api", service.url,
+                    "--token", service.admin_token)
+    assert result.exit_code == 0, result.output
+    note = ("note: probe.samples 64 times at most 6 samples per optimizer step (batch_size × accum_steps); the "
+            "space draws up to 16 (e.g. 16 × 1): such configs fail as trials before training. Use probe.samples "
+            ">= 160 to time them all, or narrow the space")
+    assert note in result.stderr
+    result = invoke("status", "wide", "--api", service.url, "--token", service.admin_token)
+    assert result.exit_code == 0 and note in result.stdout, result.output
 
     result = invoke("submit", path, "--api", service.url, "--token", service.admin_token)  # the name is taken
     assert result.exit_code == 1
