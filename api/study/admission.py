@@ -92,7 +92,8 @@ def untimed_configs_note(spec: StudySpec, space: Space) -> str | None:
     (`plan_steps`, at the shortest warm-up the space allows), a note naming the largest product
     that is timed, the space's largest, and the budget that times all of them. Such configs fail
     as trials before any training (the sampler learns them as infeasible); the baseline's own
-    budget is refused at creation instead (`check_baseline_timed`)."""
+    budget is refused at creation instead (`check_baseline_timed`). No note for the preset's own
+    budget (probe.samples unset): the service does not know it."""
     samples = spec.probe.samples
     preset = preset_values(spec.workload, spec.preset) or {}
     batches = _int_values(space, "batch_size", preset.get("batch_size"))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape as rich_escape
 
 from autotune.cli.demo import (
     DemoError,
@@ -148,6 +149,8 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
                     raise TuneError(f"{db_path} holds a study {spec.name!r} with another spec: give this one another "
                                     "name (--name) or another --workdir, or run the same spec again to resume")
                 console.print(f"study     {spec.name}: resumed ({info.state})")
+            for note in info.notes:
+                console.print(f"[yellow]note:[/]      {rich_escape(note)}", highlight=False, soft_wrap=True)
             if info.state == "running":
                 threads = worker_threads(len(devices.devices))
                 worker_procs = []
