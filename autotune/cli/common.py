@@ -13,15 +13,16 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape as rich_escape
 
 from autotune.worker.client import ApiError, Client, Invalid, ServiceUnavailable
 
-err = Console(stderr=True)
+err = Console(stderr=True, emoji=False)  # ":x:" in a message is text, not an emoji
 
 
 def usage_error(message: str) -> typer.Exit:
     """Print a usage error (naming the bad input and the fix) and return exit code 2."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {rich_escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
 
 
@@ -92,7 +93,7 @@ def service_client(api: str, token: str | None = None) -> Iterator[Client]:
     except Invalid as e:
         raise usage_error(e.message) from None
     except ApiError as e:
-        err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
     finally:
         client.close()

@@ -30,6 +30,7 @@ from types import FrameType
 
 from rich.console import Console
 from rich.markup import escape
+from rich.markup import escape as rich_escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.cli.report_data import quality_label
@@ -144,6 +145,22 @@ class DemoError(Exception):
     """A step of the demo failed; the message says which and where to look."""
 
 
+class WorkdirError(ValueError):
+    """--workdir cannot be made a directory (bad input, said before anything starts)."""
+
+
+def make_workdir(workdir: Path) -> Path:
+    """`workdir`, absolute and made with its parents; WorkdirError naming it when it cannot be."""
+    workdir = workdir.resolve()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file of that name is in the way" if workdir.exists() else e.strerror or str(e)
+        raise WorkdirError(f"--workdir {workdir}: cannot make it a directory ({why}); give a directory this user "
+                           "can write") from None
+    return workdir
+
+
 def create_token(cli: list[str], db_url: str, role: str, name: str) -> str:
     """A new token of `role` in the demo's database (`autotune token create`, which also creates the tables)."""
     done = subprocess.run([*cli, "token", "create", "--role", role, "--name", name, "--db", db_url],
@@ -192,9 +209,8 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
     """Run the demo; the exit status (0: the study finished with completed trials)."""
     name = f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     spec = demo_spec(name, trials, samples)  # a bad argument fails here, before anything is made
-    console = console or Console(highlight=False, soft_wrap=True)
-    workdir = workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    console = console or Console(highlight=False, soft_wrap=True, emoji=False)
+    workdir = make_workdir(workdir)
     db_path = workdir / "autotune.db"
     port = port or free_port()
     api = f"http://127.0.0.1:{port}"
@@ -217,7 +233,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
                                     env={"AUTOTUNE_AUTH": "true"})
             problem = wait_for_health(client, serve, serve_log)
             if problem:
-                console.print(f"[bold red]error:[/] {problem}")
+                console.print(f"[bold red]error:[/] {rich_escape(problem)}")
                 return 1
             console.print(f"service   {api} (database {db_path}, log {serve_log.name})")
             client.create_study(spec)
@@ -243,10 +259,10 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
         console.print("[yellow]interrupted: stopping the workers and the service[/]")
         return 130
     except ServiceUnavailable as e:
-        console.print(f"[bold red]error:[/] {e}; see {workdir / 'serve.log'}")
+        console.print(f"[bold red]error:[/] {rich_escape(str(e))}; see {workdir / 'serve.log'}")
         return 1
     except (DemoError, ApiError) as e:
-        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
         return 1
     finally:
         if client is not None:

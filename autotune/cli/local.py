@@ -34,6 +34,7 @@ from autotune.cli.demo import (
     Processes,
     follow,
     free_port,
+    make_workdir,
     report,
     sigterm_as_interrupt,
     wait_for_health,
@@ -107,17 +108,16 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
     """Tune `spec` on this machine (see the module docstring); (exit status, the verdict or None)."""
     from autotune.contract.registry import parse_workload_option
 
-    console = console or Console(highlight=False, soft_wrap=True)
+    console = console or Console(highlight=False, soft_wrap=True, emoji=False)
     try:  # bad input, said before anything starts
         names = [parse_workload_option(option)[0] for option in allow_workloads]
         devices = local_devices(spec.hardware if "hardware" in spec.model_fields_set else None, workers)
+        workdir = make_workdir(workdir)
     except (TuneError, ValueError) as e:
-        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
         return e.code if isinstance(e, TuneError) else BAD_INPUT, None
     if spec.hardware != devices.hardware:
         spec = spec.model_copy(update={"hardware": devices.hardware})
-    workdir = workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
     db_path = workdir / "autotune.db"
     db_url = f"sqlite:///{db_path}"
     port = port or free_port()
@@ -182,13 +182,13 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
                       "to resume[/]")
         return INTERRUPTED, None
     except TuneError as e:
-        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
         return e.code, None
     except ServiceUnavailable as e:
-        console.print(f"[bold red]error:[/] {e}; see {workdir / 'serve.log'}")
+        console.print(f"[bold red]error:[/] {rich_escape(str(e))}; see {workdir / 'serve.log'}")
         return DID_NOT_FINISH, None
     except (DemoError, ApiError) as e:
-        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
         return BAD_INPUT if isinstance(e, ApiError) and e.status_code == 422 else DID_NOT_FINISH, None
     finally:
         if client is not None:

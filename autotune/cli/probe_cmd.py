@@ -160,7 +160,7 @@ def probe(
         table = Table("knob", "default", "allowed", "what")
         for k in KNOBS.values():
             table.add_row(k.name, json.dumps(k.default), k.allowed(), k.doc)
-        Console().print(table)
+        Console(emoji=False).print(table)
         return
     from autotune.contract.registry import UnknownWorkloadError
     from autotune.engine.probe import ProbeSettings, run_probe
@@ -180,7 +180,7 @@ def probe(
     if as_json:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
     else:
-        print_probe_result(result, Console())
+        print_probe_result(result, Console(emoji=False))
     if result.failure:
         raise typer.Exit(code=1)
 

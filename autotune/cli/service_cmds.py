@@ -68,10 +68,10 @@ def database_command() -> Iterator[None]:
     except errors.Invalid as e:
         raise usage_error(e.detail) from None
     except errors.ServiceError as e:
-        err.print(f"[bold red]error:[/] {e.detail}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {rich_escape(str(e.detail))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
     except migration_error as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {rich_escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
     except SQLAlchemyError as e:
         err.print(f"[bold red]error:[/] the database failed ({type(e).__name__}: {str(e).splitlines()[0]}); check "
@@ -92,7 +92,7 @@ def db_upgrade(
     with database_command():
         before, after = db_module.upgrade_schema(_database_url(db), revision)
     change = f"already at {after}" if before == after else f"{_revision(before)} → {after}"
-    Console().print(f"autotune tables: {change}", highlight=False)
+    Console(emoji=False).print(f"autotune tables: {change}", highlight=False)
 
 
 def db_downgrade(
@@ -104,7 +104,7 @@ def db_downgrade(
     db_module = service().db
     with database_command():
         before, after = db_module.downgrade_schema(_database_url(db), revision)
-    Console().print(f"autotune tables: {_revision(before)} → {_revision(after)}", highlight=False)
+    Console(emoji=False).print(f"autotune tables: {_revision(before)} → {_revision(after)}", highlight=False)
 
 
 def db_current(db: DbOption = None) -> None:
@@ -114,7 +114,7 @@ def db_current(db: DbOption = None) -> None:
         current = db_module.current_schema_revision(_database_url(db))
         head = db_module.head_revision()
     note = " (head)" if current == head else f" (newest: {head}; run `autotune db upgrade`)"
-    Console().print(_revision(current) + note, highlight=False)
+    Console(emoji=False).print(_revision(current) + note, highlight=False)
 
 
 def db_backup(
@@ -136,7 +136,7 @@ def db_backup(
     except backup.BackupFailed as e:
         err.print(f"[bold red]error:[/] {rich_escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
-    Console().print(result.describe(), markup=False, highlight=False, soft_wrap=True)
+    Console(emoji=False).print(result.describe(), markup=False, highlight=False, soft_wrap=True)
 
 
 @contextmanager
@@ -173,7 +173,7 @@ def token_list(db: DbOption = None) -> None:
     with token_store(db) as store:
         tokens = store.tokens()
     if not tokens:
-        Console().print("no tokens yet: create one with `autotune token create --role admin`")
+        Console(emoji=False).print("no tokens yet: create one with `autotune token create --role admin`")
         return
     table = Table("id", "name", "role", "created (UTC)", "last used (UTC)", "revoked (UTC)", title="tokens")
 
@@ -182,7 +182,7 @@ def token_list(db: DbOption = None) -> None:
 
     for t in tokens:
         table.add_row(str(t.id), t.name, t.role, when(t.created_at), when(t.last_used_at), when(t.revoked_at))
-    Console().print(table)
+    Console(emoji=False).print(table)
 
 
 def token_revoke(
@@ -193,4 +193,4 @@ def token_revoke(
     """Revoke a token: the service refuses it within seconds (its row is kept). Exit status 1 if there is none."""
     with token_store(db) as store:
         info = store.revoke(name_or_id)
-    Console().print(f"revoked {info.role} token {info.name!r} (id {info.id})", highlight=False)
+    Console(emoji=False).print(f"revoked {info.role} token {info.name!r} (id {info.id})", highlight=False)

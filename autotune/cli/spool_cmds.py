@@ -95,7 +95,7 @@ def spool_list(
                 "reason": e.reason, "belongs_to": e.home, "path": str(e.path)}) + "\n")
         _say_unreadable(spool)
         return
-    console = Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True, emoji=False)
     if not rows:
         console.print(f"no results in the spool {rich_escape(str(spool.root))}")
     else:
@@ -138,7 +138,7 @@ def spool_deliver(
     from autotune.worker.spool import belongs_to, deliver_entries, service_identity, spool_command
 
     spool = _spool(spool_dir)
-    console = Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True, emoji=False)
     with service_client(api, resolve_token(token, token_file)) as client:
         current = service_identity(client, CLI_RETRY_S, interruptible=None)
         everything = spool.pending()
@@ -231,7 +231,7 @@ def spool_clear(
             err.print(f"kept {len(kept)} result(s) ({_counts(kept)}): --service ID or --all deletes pending "
                       "results, --rejected the rejected ones (`autotune spool list` shows them)",
                       highlight=False, soft_wrap=True)
-    console = Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True, emoji=False)
     if not rows and not notes:
         console.print(f"nothing to delete in the spool {rich_escape(str(spool.root))}")
         return

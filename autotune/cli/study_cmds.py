@@ -229,9 +229,9 @@ def submit(
         try:
             info = client.create_study(spec)
         except Conflict as e:
-            err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
-    console = Console()
+    console = Console(emoji=False)
     space = info.spec.space if isinstance(info.spec.space, str) else "inline"
     console.print(f"created study [bold]{info.name}[/] ({info.state}): {info.spec.workload}/{info.spec.preset}, "
                   f"space {space}, {info.spec.n_trials} trials, sampler {info.spec.sampler}, "
@@ -258,7 +258,7 @@ def status(
     token_file: TokenFileOption = None,
 ) -> None:
     """Show the studies, or one study's trials (state, throughput, NRMSE, feasibility, failure, params)."""
-    console = Console()
+    console = Console(emoji=False)
     with service_client(api, resolve_token(token, token_file)) as client:
         if study is None:
             studies = client.list_studies().data
@@ -349,7 +349,7 @@ def best(
         try:
             rec = client.best(study)
         except NotFound as e:
-            err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2 if "no study named" in e.message else 1) from None
     if uncertified:
         if output_format == "json":
@@ -390,14 +390,14 @@ def report(
             trials = client.trials(study).data
             front = client.pareto(study).data  # the service's front: one definition everywhere
         except NotFound as e:
-            err.print(f"[bold red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
         try:
             recommendation = client.best(study)
         except NotFound:
             recommendation = None  # nothing passes the gate yet: the report says so
     files = write_report(info, trials, recommendation, out, front)
-    console = Console()
+    console = Console(emoji=False)
     console.print(files.headline, highlight=False, markup=False, soft_wrap=True)
     left = f" ({', '.join(f'{name}.png' for name in files.left_out)} left out: see the page)" if files.left_out else ""
     console.print(f"wrote {files.html} and {len(files.figures)} figures{left}", highlight=False)
@@ -417,10 +417,12 @@ def demo(
     Prints the Pareto front, the recommended config and how to open the Optuna dashboard.
     Exit status 0 when the study finished with completed trials.
     """
-    from autotune.cli.demo import run_demo
+    from autotune.cli.demo import WorkdirError, run_demo
 
     try:
         code = run_demo(workdir, trials=trials, workers=workers, port=port, samples=samples)
+    except WorkdirError as e:
+        raise usage_error(str(e)) from None
     except ValueError as e:
         raise usage_error(f"--samples: {e}") from None
     raise typer.Exit(code=code)

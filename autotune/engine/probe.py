@@ -194,7 +194,10 @@ def run_probe(
     cfg = config if isinstance(config, TrainConfig) else parse_config(config)
     d = wl.defaults
     cfg = cfg.resolve(d.batch_size, d.accum_steps, d.lr)
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's message lists every backend it was built with
+        raise ConfigError("device", f"{device!r} is not a device; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device", f"{device} requested but CUDA is not available; use --device cpu")

@@ -83,7 +83,7 @@ class Worker:
         self.show_status = True  # a live status line (off when several groups share the console)
         self.stop_event = threading.Event()
         self.client = client or Client(options.api, options.token, retry_for_s=None, cancel=self.stop_event)
-        self._console = console or Console(soft_wrap=True, highlight=False)
+        self._console = console or Console(soft_wrap=True, highlight=False, emoji=False)
         self.spool = Spool(options.spool_dir or default_spool_dir())
         self.signal_name: str | None = None
         self.signal_number: int | None = None
@@ -331,7 +331,7 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
                 return worker.run()
             finally:
                 worker.client.close()
-        console = console or Console(soft_wrap=True, highlight=False)
+        console = console or Console(soft_wrap=True, highlight=False, emoji=False)
         workers = []
         notice = SkipNotice()  # the loops see the same studies: say which they cannot take once, not once per loop
         for group in groups:

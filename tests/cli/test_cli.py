@@ -14,6 +14,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from autotune.cli import common
 from autotune.cli.main import app
 from autotune.cli.probe_cmd import print_probe_result
 from autotune.contract.config import KNOBS
@@ -128,6 +129,22 @@ def test_a_demo_on_too_few_samples_is_a_usage_error_before_anything_is_made(tmp_
     assert result.exit_code == 2
     assert "--samples: 100 is too few" in result.stderr and "at least 832 samples" in result.stderr
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x"])
+def test_a_device_torch_cannot_name_is_a_usage_error(device: str) -> None:
+    result = invoke("probe", "--device", device)
+    assert result.exit_code == 2, result.output
+    assert f"device: '{device}' is not a device; use cpu, cuda or cuda:N" in result.stderr
+
+
+def test_a_usage_error_prints_its_message_as_written() -> None:
+    """Brackets and colons in a message are text: rich would take "[a, b]" for markup and
+    ":x:" for an emoji."""
+    message = "spec.yaml: write {choices: [fp32, bf16]} for cuda:x: here"
+    with common.err.capture() as printed:
+        assert common.usage_error(message).exit_code == 2
+    assert printed.get() == f"error: {message}\n"
 
 
 def test_unknown_workload_is_a_usage_error() -> None:

@@ -257,6 +257,9 @@ def test_worker_refuses_an_unknown_device() -> None:
     result = invoke("worker", "--device", "tpu")
     assert result.exit_code == 2
     assert "unknown device 'tpu'" in result.stderr
+    result = invoke("worker", "--device", "cuda:x")  # printed as typed: ":x:" is no emoji, "[...]" no markup
+    assert result.exit_code == 2
+    assert "--device cuda:x: expected cuda:N or cuda:N,M,... (GPU indices)" in result.stderr
 
 
 @pytest.mark.slow  # the module's live service and finished study take ~25 s to set up

@@ -180,3 +180,19 @@ def test_a_spec_for_a_gpu_this_host_lacks_exits_2_with_the_reason(tmp_path: Path
     assert done.returncode == 2, output
     assert "error: the spec's hardware is 'NVIDIA No Such GPU'" in output and "Traceback" not in output
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("command", ["tune", "demo"])
+def test_a_workdir_that_cannot_be_made_exits_2_naming_it(tmp_path: Path, command: str) -> None:
+    """--workdir under a file, or a file itself: exit status 2 and one line naming it (it was a
+    traceback), before a service starts."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    (tmp_path / "a-file").write_text("")
+    spec = ["spec.yaml"] if command == "tune" else []
+    for workdir, why in (("a-file/work", "Not a directory"), ("a-file", "a file of that name is in the way")):
+        done = subprocess.run([*CLI[:-1], command, *spec, "--workdir", workdir], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, check=False)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2, output
+        assert f"error: --workdir {tmp_path / workdir}: cannot make it a directory ({why})" in output, output
+        assert "Traceback" not in output and not (tmp_path / "a-file" / "serve.log").exists()
