@@ -167,6 +167,12 @@ def probe(
 
     try:
         cfg = parse_config(load_config_arg(config))
+        if trace is not None:  # before the probe runs, not after it
+            try:
+                trace.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"--trace {trace}: cannot make its folder ({e.strerror or e}); name a path "
+                                 "this user can write") from None
         settings = ProbeSettings(samples=samples, seed=seed, warmup_steps=warmup_steps, windows=windows,
                                  timeout_s=timeout, trace_path=str(trace) if trace else None, trace_steps=trace_steps,
                                  quiesce_compile_workers=not keep_compile_workers)

@@ -308,7 +308,10 @@ def load_config_arg(text: str) -> dict[str, Any]:
             raise ConfigError("config", f"{text!r} is neither a JSON object nor an existing file")
         import yaml
 
-        data = yaml.safe_load(path.read_text())
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError("config", f"{text}: not valid YAML ({' '.join(str(e).split())})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

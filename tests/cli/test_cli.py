@@ -147,6 +147,21 @@ def test_a_usage_error_prints_its_message_as_written() -> None:
     assert printed.get() == f"error: {message}\n"
 
 
+def test_a_config_file_that_is_not_yaml_and_a_trace_path_that_cannot_be_made_are_usage_errors(
+        tmp_path: Path) -> None:
+    """Both said before the probe runs (a YAML error was a traceback; a bad --trace failed the
+    probe after it had trained)."""
+    (tmp_path / "bad.yaml").write_text("batch_size: [1\n")
+    result = invoke("probe", "--config", str(tmp_path / "bad.yaml"))
+    assert result.exit_code == 2, result.output
+    assert f"config: {tmp_path / 'bad.yaml'}: not valid YAML (while parsing a flow sequence" in result.stderr
+    (tmp_path / "a-file").write_text("")
+    result = invoke("probe", "--trace", str(tmp_path / "a-file" / "trace.json"))
+    assert result.exit_code == 2, result.output
+    assert f"--trace {tmp_path / 'a-file' / 'trace.json'}: cannot make its folder (" in result.stderr
+    assert "probe:" not in result.stderr  # no progress line: nothing ran
+
+
 def test_unknown_workload_is_a_usage_error() -> None:
     result = invoke("probe", "--workload", "nope")
     assert result.exit_code == 2
