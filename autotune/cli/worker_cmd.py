@@ -68,6 +68,6 @@ def worker(
                             allow_workloads=tuple(dict.fromkeys(allow_workload)) if allow_workload else None)
     try:
         code = run_worker(options)
-    except ValueError as e:  # the device cannot be used
+    except ValueError as e:  # bad input: the device, --study, the spool (run_worker says which)
         raise usage_error(str(e)) from None
     raise typer.Exit(code=code)

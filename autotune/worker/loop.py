@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import threading
 import time
@@ -35,6 +36,7 @@ from types import FrameType
 from rich.console import Console
 from rich.markup import escape
 
+from autotune.contract.protocol import NAME_PATTERN
 from autotune.contract.registry import export_workload_paths, registered_workloads
 from autotune.contract.results import LeaseRequest, TrialLease
 from autotune.engine.fork_server import ForkServer
@@ -315,9 +317,13 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
     with several, each runs on its own thread (worker id suffixed with its group), the main
     thread forwarding SIGINT/SIGTERM to all of them. Each loop counts its own --max-trials and
     --idle-exit. Exit status: the first non-zero loop status, else 0. Raises ValueError when a
-    device cannot be used, the devices do not split into groups or $AUTOTUNE_WORKER_RETRY_S is
-    not a number of seconds."""
+    device cannot be used, the devices do not split into groups, $AUTOTUNE_WORKER_RETRY_S is
+    not a number of seconds, --study is not a study name or the spool cannot be written."""
     service_retry_s(LEASE_RETRY_S)  # a bad value is refused before anything starts
+    if options.study is not None and not re.match(NAME_PATTERN, options.study):
+        raise ValueError(f"--study {options.study!r}: not a study name (a letter or digit, then letters, digits, "
+                         "'_', '.' or '-', at most 64); `autotune status` lists the studies")
+    Spool(options.spool_dir or default_spool_dir()).check_writable()
     groups = plan_groups(options.device, options.gpus_per_trial)
     cpu_share = claim_cpu_share(options)  # --device cpu without --threads: this worker's share of the host's cores
     server = start_fork_server(options)  # from the main thread, which lives as long as the worker

@@ -234,6 +234,19 @@ class Spool:
         self.unreadable: dict[Path, str] = {}  # files that are not entries (left alone; logged once) -> why
         self.log_unreadable = log_unreadable  # False: the caller says them (`unreadable`)
 
+    def check_writable(self) -> None:
+        """Raise ValueError naming the spool when a result could not be written to it (made with
+        its parents, a file written and removed): a worker says so before it leases anything."""
+        probe = self.root / f".writable.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            with _create(probe):
+                pass
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"--spool-dir {self.root}: cannot write there ({e.strerror or e}); results wait there "
+                             "until the service has them: name a folder this user can write (--spool-dir or "
+                             "$AUTOTUNE_SPOOL_DIR)") from None
+
     def folder(self, service_id: str | None) -> Path:
         """Where the results of service `service_id` lie (None: an unknown service's: the top)."""
         return self.root / folder_name(service_id) if service_id else self.root

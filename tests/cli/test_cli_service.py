@@ -262,6 +262,24 @@ def test_worker_refuses_an_unknown_device() -> None:
     assert "--device cuda:x: expected cuda:N or cuda:N,M,... (GPU indices)" in result.stderr
 
 
+def test_worker_refuses_a_study_name_and_a_spool_it_could_never_use(tmp_path: Path) -> None:
+    """Said before the worker leases anything (a bad name was pydantic's error dump at the first
+    lease; an unwritable spool was said only when a result could not be written to it)."""
+    result = invoke("worker", "--study", "bad name!", "--api", f"http://127.0.0.1:{free_port()}")
+    assert result.exit_code == 2, result.output
+    assert "--study 'bad name!': not a study name" in result.stderr and "validation error" not in result.output
+    (tmp_path / "a-file").write_text("")
+    spool = tmp_path / "a-file" / "spool"
+    result = invoke("worker", "--spool-dir", str(spool), "--api", f"http://127.0.0.1:{free_port()}")
+    assert result.exit_code == 2, result.output
+    assert f"--spool-dir {spool}: cannot write there (Not a directory)" in result.stderr
+    writable = tmp_path / "spool"
+    result = invoke("worker", "--spool-dir", str(writable), "--api", f"http://127.0.0.1:{free_port()}",
+                    "--idle-exit", "0", "--cold-start")
+    assert result.exit_code == 3, result.output  # past the checks: the service does not answer
+    assert writable.is_dir() and list(writable.iterdir()) == []  # the check leaves nothing behind
+
+
 @pytest.mark.slow  # the module's live service and finished study take ~25 s to set up
 def test_report_writes_html_and_valid_pngs(live: tuple[LiveService, str], tmp_path: Path) -> None:
     service, study = live
