@@ -20,6 +20,22 @@ from autotune.worker.client import ApiError, Client, Invalid, ServiceUnavailable
 err = Console(stderr=True, emoji=False)  # ":x:" in a message is text, not an emoji
 
 
+class FolderError(ValueError):
+    """A folder option (--workdir, --out) cannot be made a directory: bad input, said before anything starts."""
+
+
+def make_folder(path: Path, option: str) -> Path:
+    """`path`, absolute and made with its parents; FolderError naming `option` when it cannot be."""
+    path = path.resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file of that name is in the way" if path.exists() else e.strerror or str(e)
+        raise FolderError(f"{option} {path}: cannot make it a directory ({why}); give a directory this user "
+                          "can write") from None
+    return path
+
+
 def usage_error(message: str) -> typer.Exit:
     """Print a usage error (naming the bad input and the fix) and return exit code 2."""
     err.print(f"[bold red]error:[/] {rich_escape(message)}", highlight=False, soft_wrap=True)

@@ -33,6 +33,7 @@ from rich.markup import escape
 from rich.markup import escape as rich_escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from autotune.cli.common import make_folder
 from autotune.cli.report_data import quality_label
 from autotune.cli.tables import LOST_LABEL, UNNEEDED_LABEL, recommendation_table, trials_table, verdict_table
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
@@ -145,22 +146,6 @@ class DemoError(Exception):
     """A step of the demo failed; the message says which and where to look."""
 
 
-class WorkdirError(ValueError):
-    """--workdir cannot be made a directory (bad input, said before anything starts)."""
-
-
-def make_workdir(workdir: Path) -> Path:
-    """`workdir`, absolute and made with its parents; WorkdirError naming it when it cannot be."""
-    workdir = workdir.resolve()
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        why = "a file of that name is in the way" if workdir.exists() else e.strerror or str(e)
-        raise WorkdirError(f"--workdir {workdir}: cannot make it a directory ({why}); give a directory this user "
-                           "can write") from None
-    return workdir
-
-
 def create_token(cli: list[str], db_url: str, role: str, name: str) -> str:
     """A new token of `role` in the demo's database (`autotune token create`, which also creates the tables)."""
     done = subprocess.run([*cli, "token", "create", "--role", role, "--name", name, "--db", db_url],
@@ -210,7 +195,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
     name = f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     spec = demo_spec(name, trials, samples)  # a bad argument fails here, before anything is made
     console = console or Console(highlight=False, soft_wrap=True, emoji=False)
-    workdir = make_workdir(workdir)
+    workdir = make_folder(workdir, "--workdir")
     db_path = workdir / "autotune.db"
     port = port or free_port()
     api = f"http://127.0.0.1:{port}"

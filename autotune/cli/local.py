@@ -29,12 +29,12 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
+from autotune.cli.common import make_folder
 from autotune.cli.demo import (
     DemoError,
     Processes,
     follow,
     free_port,
-    make_workdir,
     report,
     sigterm_as_interrupt,
     wait_for_health,
@@ -112,7 +112,7 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
     try:  # bad input, said before anything starts
         names = [parse_workload_option(option)[0] for option in allow_workloads]
         devices = local_devices(spec.hardware if "hardware" in spec.model_fields_set else None, workers)
-        workdir = make_workdir(workdir)
+        workdir = make_folder(workdir, "--workdir")
     except (TuneError, ValueError) as e:
         console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
         return e.code if isinstance(e, TuneError) else BAD_INPUT, None

@@ -15,7 +15,17 @@ import typer
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
-from autotune.cli.common import ApiOption, TokenFileOption, TokenOption, err, resolve_token, service_client, usage_error
+from autotune.cli.common import (
+    ApiOption,
+    FolderError,
+    TokenFileOption,
+    TokenOption,
+    err,
+    make_folder,
+    resolve_token,
+    service_client,
+    usage_error,
+)
 from autotune.cli.tables import LOST_LABEL, UNNEEDED_LABEL, studies_table, trials_table, verdict_line, verdict_table
 from autotune.contract.views import LOST_TO_RERUN, stopped_unneeded
 from autotune.worker.client import DEFAULT_API, Conflict, NotFound
@@ -384,6 +394,10 @@ def report(
     """
     from autotune.cli.report import write_report
 
+    try:  # before the service is asked: a report that cannot be written is bad input
+        out = make_folder(out, "--out")
+    except FolderError as e:
+        raise usage_error(str(e)) from None
     with service_client(api, resolve_token(token, token_file)) as client:
         try:
             info = client.get_study(study)
@@ -417,11 +431,11 @@ def demo(
     Prints the Pareto front, the recommended config and how to open the Optuna dashboard.
     Exit status 0 when the study finished with completed trials.
     """
-    from autotune.cli.demo import WorkdirError, run_demo
+    from autotune.cli.demo import run_demo
 
     try:
         code = run_demo(workdir, trials=trials, workers=workers, port=port, samples=samples)
-    except WorkdirError as e:
+    except FolderError as e:
         raise usage_error(str(e)) from None
     except ValueError as e:
         raise usage_error(f"--samples: {e}") from None

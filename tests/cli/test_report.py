@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+from live_service import free_port
 
 from autotune.cli.plots import failures_figure, pareto_figure, progress_figure
 from autotune.cli.report import write_report
@@ -325,3 +328,13 @@ def test_importances_png_is_written_from_enough_search_trials(study: StudyInfo, 
     files = write_report(study, many, None, tmp_path)
     assert "importances" in files.figures and 'src="importances.png"' in files.html.read_text()
     assert matplotlib.image.imread(files.figures["importances"]).shape[0] > 100
+
+
+def test_a_report_folder_that_cannot_be_made_exits_2_before_the_service_is_asked(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "report"
+    port = free_port()  # nothing listens: asking the service would be exit 1, "cannot reach"
+    done = subprocess.run([sys.executable, "-m", "autotune.cli", "report", "s1", "--out", str(out), "--api", f"http://127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"error: --out {out}: cannot make it a directory (Not a directory)" in done.stderr

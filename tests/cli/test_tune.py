@@ -196,3 +196,4 @@ def test_a_workdir_that_cannot_be_made_exits_2_naming_it(tmp_path: Path, command
         assert done.returncode == 2, output
         assert f"error: --workdir {tmp_path / workdir}: cannot make it a directory ({why})" in output, output
         assert "Traceback" not in output and not (tmp_path / "a-file" / "serve.log").exists()
+
