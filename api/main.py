@@ -31,7 +31,7 @@ from autotune.api.limits import BodySizeLimit
 from autotune.api.reaper import Reaper
 from autotune.api.routes import health, studies, trials
 from autotune.api.service import TuningService
-from autotune.api.settings import Settings
+from autotune.api.settings import Settings, from_environment
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     several processes) and creates Optuna's on first use. The reaper thread runs while the
     app's lifespan does (uvicorn, or `with TestClient(app)`).
     """
-    settings = settings or Settings()
+    settings = settings or from_environment()
     service = TuningService(settings)
     tokens = TokenVerifier(TokenStore(service.db), cache_s=settings.token_cache_s)
 
@@ -187,7 +187,7 @@ def run_server(db_url: str | None = None, host: str = "127.0.0.1", port: int = 8
         overrides["db_url"] = db_url
     if auth is not None:
         overrides["auth"] = auth
-    settings = Settings(**overrides)
+    settings = from_environment(**overrides)
     check_listen(host, settings)
     check_port(host, port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,3 +27,21 @@ class Settings(BaseSettings):
                        "for studies, worker or admin for trials; off only on a loopback address")
     token_cache_s: float = Field(2.0, ge=0, description="how long a token lookup is cached: a revoked token "
                                  "stops working within this time")
+
+
+class SettingsError(ValueError):
+    """An AUTOTUNE_* environment variable the service cannot read; the message names it and its value."""
+
+
+def from_environment(**overrides: Any) -> Settings:
+    """Settings from the environment (AUTOTUNE_*), `overrides` on top; SettingsError naming each
+    variable whose value does not parse (pydantic's error would name only the field)."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        problems = []
+        for error in e.errors():
+            field = str(error["loc"][0]) if error["loc"] else "?"
+            where = field if field in overrides else f"${Settings.model_config['env_prefix']}{field.upper()}"
+            problems.append(f"{where}: {error['input']!r}: {error['msg']}")
+        raise SettingsError("; ".join(problems) + " (unset it for the default)") from None

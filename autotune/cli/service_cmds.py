@@ -51,7 +51,7 @@ def _database_url(db: str | None) -> str:
     """--db, else the service's own default (AUTOTUNE_DB_URL, else sqlite:///./autotune.db)."""
     if db is not None:
         return db
-    url: str = service().settings.Settings().db_url
+    url: str = service().settings.from_environment().db_url
     return url
 
 
@@ -65,6 +65,8 @@ def database_command() -> Iterator[None]:
     migration_error = service().db.MigrationError
     try:
         yield
+    except service().settings.SettingsError as e:  # an AUTOTUNE_* variable the service cannot read
+        raise usage_error(str(e)) from None
     except errors.Invalid as e:
         raise usage_error(e.detail) from None
     except errors.ServiceError as e:
@@ -132,7 +134,7 @@ def db_backup(
     try:
         result = backup.backup_sqlite(_database_url(db), out, force=force)
     except backup.BackupRefused as e:
-        raise usage_error(rich_escape(str(e))) from None
+        raise usage_error(str(e)) from None
     except backup.BackupFailed as e:
         err.print(f"[bold red]error:[/] {rich_escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None

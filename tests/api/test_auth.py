@@ -28,6 +28,7 @@ from sqlalchemy.pool import NullPool
 
 from autotune.api.auth import TOKEN_PREFIX, TokenStore
 from autotune.api.main import check_listen, create_app, is_loopback
+from autotune.api.settings import SettingsError, from_environment
 from autotune.contract.protocol import StudySpec
 from autotune.worker.client import Client, Unauthorized
 
@@ -251,6 +252,20 @@ def test_serve_refuses_a_non_loopback_address_without_auth(tmp_path: Path) -> No
     assert not db.exists()  # refused before touching anything
     done = cli("serve", "--host", "10.0.0.1", "--db", f"sqlite:///{db}", "--port", "1", env={"AUTOTUNE_AUTH": "false"})
     assert done.returncode == 2 and "without authentication" in done.stderr
+
+
+def test_a_setting_the_service_cannot_read_is_a_usage_error_naming_the_variable(tmp_path: Path) -> None:
+    """AUTOTUNE_AUTH=maybe was a traceback from pydantic; now exit 2 before the database is touched,
+    naming the variable and its value. An option given on the command line overrides it."""
+    db = tmp_path / "s.db"
+    done = cli("serve", "--db", f"sqlite:///{db}", "--port", "1", env={"AUTOTUNE_AUTH": "maybe"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "error: $AUTOTUNE_AUTH: 'maybe': Input should be a valid boolean" in done.stderr
+    assert "Traceback" not in done.stderr and not db.exists()
+    done = cli("db", "upgrade", env={"AUTOTUNE_DB_URL": f"sqlite:///{db}", "AUTOTUNE_LEASE_GRACE_S": "-1"})
+    assert done.returncode == 2 and "$AUTOTUNE_LEASE_GRACE_S: '-1': Input should be greater than 0" in done.stderr
+    with pytest.raises(SettingsError, match=r"^auth: 'maybe'"):  # a keyword the caller gave: named as such
+        from_environment(auth="maybe")
 
 
 def test_token_names_and_roles_are_checked(store: TokenStore) -> None:
