@@ -59,7 +59,7 @@ def _database_url(db: str | None) -> str:
 def database_command() -> Iterator[None]:
     """Errors of a command that works on the database as a message and an exit status
     (2: bad input; 1: anything else: unreachable database, failed migration, unknown token)."""
-    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     errors = service().errors
     migration_error = service().db.MigrationError
@@ -75,6 +75,9 @@ def database_command() -> Iterator[None]:
     except migration_error as e:
         err.print(f"[bold red]error:[/] {rich_escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
+    except ArgumentError as e:  # the URL itself does not parse: bad input
+        raise usage_error(f"--db / AUTOTUNE_DB_URL: {str(e).splitlines()[0]}; write a SQLAlchemy URL, e.g. "
+                          "sqlite:///./autotune.db or postgresql+psycopg://user@host:5432/db") from None
     except SQLAlchemyError as e:
         err.print(f"[bold red]error:[/] the database failed ({type(e).__name__}: {str(e).splitlines()[0]}); check "
                   "--db / AUTOTUNE_DB_URL", highlight=False, soft_wrap=True)

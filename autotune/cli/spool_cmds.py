@@ -97,7 +97,8 @@ def spool_list(
         return
     console = Console(highlight=False, soft_wrap=True, emoji=False)
     if not rows:
-        console.print(f"no results in the spool {rich_escape(str(spool.root))}")
+        missing = "" if spool.root.is_dir() else " (no such folder: is it the worker's --spool-dir?)"
+        console.print(f"no results in the spool {rich_escape(str(spool.root))}{missing}")
     else:
         table = Table("service", "study", "trial", "worker", "throughput", "kept (UTC)", "state",
                       title=f"spool {rich_escape(str(spool.root))}")

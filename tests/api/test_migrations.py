@@ -248,6 +248,15 @@ def test_an_unreachable_database_is_a_clear_cli_error() -> None:
     assert "the database failed (OperationalError" in result.stderr and "check --db / AUTOTUNE_DB_URL" in result.stderr
 
 
+@pytest.mark.parametrize("command", [["db", "current"], ["db", "upgrade"], ["token", "list"]])
+def test_a_database_url_that_does_not_parse_is_bad_input(command: list[str]) -> None:
+    """Exit 2 (bad input) with an example URL; it was exit 1, "the database failed"."""
+    result = CliRunner().invoke(cli_app, [*command, "--db", "nosuch"])
+    assert result.exit_code == 2, result.output
+    assert "--db / AUTOTUNE_DB_URL: Could not parse SQLAlchemy URL" in result.stderr
+    assert "e.g. sqlite:///./autotune.db" in result.stderr
+
+
 def test_the_migrations_are_packaged_inside_autotune() -> None:
     """The repository keeps migrations/ and api/ at the top level; the package holds them as
     autotune.migrations and autotune.api (links), so the wheel installs no top-level package of

@@ -72,6 +72,10 @@ def test_list_as_json_and_of_an_empty_spool(tmp_path: Path) -> None:
     assert rows[4]["reason"].startswith("HTTP 422") and Path(rows[4]["path"]).parent.name == "rejected"
     empty = invoke("list", "--spool-dir", str(tmp_path / "nothing-here"))
     assert empty.exit_code == 0 and "no results in the spool" in empty.stdout
+    assert "(no such folder: is it the worker's --spool-dir?)" in empty.stdout  # a mistyped path says so
+    (tmp_path / "empty").mkdir()
+    empty = invoke("list", "--spool-dir", str(tmp_path / "empty"))
+    assert empty.exit_code == 0 and "no results in the spool" in empty.stdout and "no such folder" not in empty.stdout
 
 
 def test_clear_without_a_choice_deletes_only_what_the_service_has_already(tmp_path: Path) -> None:
