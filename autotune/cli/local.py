@@ -113,6 +113,10 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
         names = [parse_workload_option(option)[0] for option in allow_workloads]
         devices = local_devices(spec.hardware if "hardware" in spec.model_fields_set else None, workers)
         workdir = make_folder(workdir, "--workdir")
+        if out is not None:  # written at the end: a path that cannot take it is said now, not after the study
+            if out.is_dir():
+                raise TuneError(f"--out {out} is a directory: name the file to write, e.g. {out / 'best.yaml'}")
+            make_folder(out.parent, "--out's folder")
     except (TuneError, ValueError) as e:
         console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
         return e.code if isinstance(e, TuneError) else BAD_INPUT, None

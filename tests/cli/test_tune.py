@@ -197,3 +197,20 @@ def test_a_workdir_that_cannot_be_made_exits_2_naming_it(tmp_path: Path, command
         assert f"error: --workdir {tmp_path / workdir}: cannot make it a directory ({why})" in output, output
         assert "Traceback" not in output and not (tmp_path / "a-file" / "serve.log").exists()
 
+
+
+def test_an_out_path_that_cannot_take_best_yaml_exits_2_before_the_study(tmp_path: Path) -> None:
+    """best.yaml is written at the end: a path under a file, or a directory, was a traceback after
+    the whole study had run; now exit 2 before a service starts."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    for out, said in (("a-file/best.yaml", f"--out's folder {tmp_path / 'a-file'}: cannot make it a directory "
+                                           "(a file of that name is in the way)"),
+                      ("a-dir", "--out a-dir is a directory: name the file to write, e.g. a-dir/best.yaml")):
+        done = subprocess.run([*CLI, "spec.yaml", "--workdir", "work", "--out", out], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, check=False)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2, output
+        assert f"error: {said}" in output and "Traceback" not in output, output
+        assert not (tmp_path / "work" / "serve.log").exists()  # no service was started
