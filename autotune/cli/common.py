@@ -36,9 +36,15 @@ def make_folder(path: Path, option: str) -> Path:
     return path
 
 
+def say_error(message: str, console: Console = err) -> None:
+    """Print "error: MESSAGE" on `console` (stderr by default), the message as written: brackets
+    are not markup, and the console has no emoji codes."""
+    console.print(f"[bold red]error:[/] {rich_escape(message)}", highlight=False, soft_wrap=True)
+
+
 def usage_error(message: str) -> typer.Exit:
     """Print a usage error (naming the bad input and the fix) and return exit code 2."""
-    err.print(f"[bold red]error:[/] {rich_escape(message)}", highlight=False, soft_wrap=True)
+    say_error(message)
     return typer.Exit(code=2)
 
 
@@ -102,14 +108,13 @@ def service_client(api: str, token: str | None = None) -> Iterator[Client]:
     try:
         yield client
     except ServiceUnavailable as e:
-        err.print(f"[bold red]error:[/] cannot reach the autotune service at {client.base_url}: start it with "
-                  f"`autotune serve` (or pass --api URL / set AUTOTUNE_API)\n  ({e.cause})", highlight=False,
-                  soft_wrap=True)
+        say_error(f"cannot reach the autotune service at {client.base_url}: start it with `autotune serve` (or pass "
+                  f"--api URL / set AUTOTUNE_API)\n  ({e.cause})")
         raise typer.Exit(code=1) from None
     except Invalid as e:
         raise usage_error(e.message) from None
     except ApiError as e:
-        err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
+        say_error(e.message)
         raise typer.Exit(code=1) from None
     finally:
         client.close()

@@ -30,10 +30,9 @@ from types import FrameType
 
 from rich.console import Console
 from rich.markup import escape
-from rich.markup import escape as rich_escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.cli.common import make_folder
+from autotune.cli.common import make_folder, say_error
 from autotune.cli.report_data import quality_label
 from autotune.cli.tables import LOST_LABEL, UNNEEDED_LABEL, recommendation_table, trials_table, verdict_table
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
@@ -218,7 +217,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
                                     env={"AUTOTUNE_AUTH": "true"})
             problem = wait_for_health(client, serve, serve_log)
             if problem:
-                console.print(f"[bold red]error:[/] {rich_escape(problem)}")
+                say_error(problem, console)
                 return 1
             console.print(f"service   {api} (database {db_path}, log {serve_log.name})")
             client.create_study(spec)
@@ -244,10 +243,10 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
         console.print("[yellow]interrupted: stopping the workers and the service[/]")
         return 130
     except ServiceUnavailable as e:
-        console.print(f"[bold red]error:[/] {rich_escape(str(e))}; see {workdir / 'serve.log'}")
+        say_error(f"{e}; see {workdir / 'serve.log'}", console)
         return 1
     except (DemoError, ApiError) as e:
-        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
+        say_error(str(e), console)
         return 1
     finally:
         if client is not None:

@@ -29,7 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
-from autotune.cli.common import make_folder
+from autotune.cli.common import make_folder, say_error
 from autotune.cli.demo import (
     DemoError,
     Processes,
@@ -118,7 +118,7 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
                 raise TuneError(f"--out {out} is a directory: name the file to write, e.g. {out / 'best.yaml'}")
             make_folder(out.parent, "--out's folder")
     except (TuneError, ValueError) as e:
-        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
+        say_error(str(e), console)
         return e.code if isinstance(e, TuneError) else BAD_INPUT, None
     if spec.hardware != devices.hardware:
         spec = spec.model_copy(update={"hardware": devices.hardware})
@@ -186,13 +186,13 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
                       "to resume[/]")
         return INTERRUPTED, None
     except TuneError as e:
-        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
+        say_error(str(e), console)
         return e.code, None
     except ServiceUnavailable as e:
-        console.print(f"[bold red]error:[/] {rich_escape(str(e))}; see {workdir / 'serve.log'}")
+        say_error(f"{e}; see {workdir / 'serve.log'}", console)
         return DID_NOT_FINISH, None
     except (DemoError, ApiError) as e:
-        console.print(f"[bold red]error:[/] {rich_escape(str(e))}")
+        say_error(str(e), console)
         return BAD_INPUT if isinstance(e, ApiError) and e.status_code == 422 else DID_NOT_FINISH, None
     finally:
         if client is not None:

@@ -12,10 +12,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape as rich_escape
 from rich.table import Table
 
-from autotune.cli.common import err, usage_error
+from autotune.cli.common import err, say_error, usage_error
 from autotune.cli.seam import service
 
 
@@ -70,17 +69,16 @@ def database_command() -> Iterator[None]:
     except errors.Invalid as e:
         raise usage_error(e.detail) from None
     except errors.ServiceError as e:
-        err.print(f"[bold red]error:[/] {rich_escape(str(e.detail))}", highlight=False, soft_wrap=True)
+        say_error(str(e.detail))
         raise typer.Exit(code=1) from None
     except migration_error as e:
-        err.print(f"[bold red]error:[/] {rich_escape(str(e))}", highlight=False, soft_wrap=True)
+        say_error(str(e))
         raise typer.Exit(code=1) from None
     except ArgumentError as e:  # the URL itself does not parse: bad input
         raise usage_error(f"--db / AUTOTUNE_DB_URL: {str(e).splitlines()[0]}; write a SQLAlchemy URL, e.g. "
                           "sqlite:///./autotune.db or postgresql+psycopg://user@host:5432/db") from None
     except SQLAlchemyError as e:
-        err.print(f"[bold red]error:[/] the database failed ({type(e).__name__}: {str(e).splitlines()[0]}); check "
-                  "--db / AUTOTUNE_DB_URL", highlight=False, soft_wrap=True)
+        say_error(f"the database failed ({type(e).__name__}: {str(e).splitlines()[0]}); check --db / AUTOTUNE_DB_URL")
         raise typer.Exit(code=1) from None
 
 
@@ -139,7 +137,7 @@ def db_backup(
     except backup.BackupRefused as e:
         raise usage_error(str(e)) from None
     except backup.BackupFailed as e:
-        err.print(f"[bold red]error:[/] {rich_escape(str(e))}", highlight=False, soft_wrap=True)
+        say_error(str(e))
         raise typer.Exit(code=1) from None
     Console(emoji=False).print(result.describe(), markup=False, highlight=False, soft_wrap=True)
 

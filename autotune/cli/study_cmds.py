@@ -23,6 +23,7 @@ from autotune.cli.common import (
     err,
     make_folder,
     resolve_token,
+    say_error,
     service_client,
     usage_error,
 )
@@ -239,7 +240,7 @@ def submit(
         try:
             info = client.create_study(spec)
         except Conflict as e:
-            err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
+            say_error(e.message)
             raise typer.Exit(code=1) from None
     console = Console(emoji=False)
     space = info.spec.space if isinstance(info.spec.space, str) else "inline"
@@ -359,7 +360,7 @@ def best(
         try:
             rec = client.best(study)
         except NotFound as e:
-            err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
+            say_error(e.message)
             raise typer.Exit(code=2 if "no study named" in e.message else 1) from None
     if uncertified:
         if output_format == "json":
@@ -404,7 +405,7 @@ def report(
             trials = client.trials(study).data
             front = client.pareto(study).data  # the service's front: one definition everywhere
         except NotFound as e:
-            err.print(f"[bold red]error:[/] {rich_escape(e.message)}", highlight=False, soft_wrap=True)
+            say_error(e.message)
             raise typer.Exit(code=1) from None
         try:
             recommendation = client.best(study)
