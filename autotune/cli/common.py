@@ -9,7 +9,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -34,6 +34,36 @@ def make_folder(path: Path, option: str) -> Path:
         raise FolderError(f"{option} {path}: cannot make it a directory ({why}); give a directory this user "
                           "can write") from None
     return path
+
+
+class SpecFileError(ValueError):
+    """A study spec file that cannot be read as one: the message names the file and what is wrong."""
+
+
+def read_spec_file(path: Path) -> dict[str, Any]:
+    """The mapping of study fields in the YAML or JSON file `path`; SpecFileError naming the file
+    when it is missing, not YAML/JSON, or not a mapping."""
+    import yaml
+
+    if not path.is_file():
+        raise SpecFileError(f"{path}: no such file; give a YAML or JSON study spec")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecFileError(f"{path}: not valid YAML/JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise SpecFileError(f"{path}: expected a mapping of study fields (name, space, n_trials, ...)")
+    return data
+
+
+def spec_errors(exc: Any) -> str:
+    """A pydantic ValidationError of a StudySpec as 'field: message' lines."""
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error.get("loc", ()))
+        msg = str(error.get("msg", "")).removeprefix("Value error, ")
+        lines.append(msg if not field or msg.startswith(field) else f"{field}: {msg}")
+    return "; ".join(lines)
 
 
 def say_error(message: str, console: Console = err) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
-from autotune.cli.common import make_folder, say_error
+from autotune.cli.common import SpecFileError, make_folder, read_spec_file, say_error, spec_errors
 from autotune.cli.demo import (
     DemoError,
     Processes,
@@ -43,6 +43,7 @@ from autotune.cli.demo import (
 from autotune.contract.protocol import StudySpec
 from autotune.contract.views import Recommendation
 from autotune.worker.client import ApiError, Client, NotFound, ServiceUnavailable
+from autotune.worker.hardware import surely_no_gpu
 
 CERTIFIED, KEEP_BASELINE, BAD_INPUT, DID_NOT_FINISH, INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -66,20 +67,28 @@ class Devices:
 def local_devices(spec_hardware: str | None, workers: int | None) -> Devices:
     """One worker per CUDA device when this host has any (the hardware class: its GPU's name),
     else `workers` CPU workers (default 2). A spec naming a hardware class this host does not
-    have is refused (its workers would never get a trial)."""
+    have is refused (its workers would never get a trial). On a Linux host without a GPU's
+    device files, torch is not imported (`surely_no_gpu`)."""
+    cpu = Devices(("cpu",) * (workers or 2), "cpu")
+    wants_gpu = spec_hardware not in (None, "cpu")
+    no_gpu = TuneError(f"the spec's hardware is {spec_hardware!r}, and this host has no CUDA GPU: tune on a host "
+                       "with that GPU, or set hardware: cpu")
+    if surely_no_gpu():
+        if wants_gpu:
+            raise no_gpu
+        return cpu
     import torch
 
-    if spec_hardware not in (None, "cpu") or (spec_hardware is None and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise TuneError(f"the spec's hardware is {spec_hardware!r}, and this host has no CUDA GPU: tune on a host "
-                            "with that GPU, or set hardware: cpu")
-        count = torch.cuda.device_count() if workers is None else min(workers, torch.cuda.device_count())
-        name = torch.cuda.get_device_properties(0).name
-        if spec_hardware is not None and spec_hardware != name:
-            raise TuneError(f"the spec's hardware is {spec_hardware!r}, and this host's GPU is {name!r}: set "
-                            f"hardware: {name} (a study's hardware is the GPU its numbers hold for)")
-        return Devices(tuple(f"cuda:{i}" for i in range(count)), name)
-    return Devices(("cpu",) * (workers or 2), "cpu")
+    if not (wants_gpu or (spec_hardware is None and torch.cuda.is_available())):
+        return cpu
+    if not torch.cuda.is_available():
+        raise no_gpu
+    count = torch.cuda.device_count() if workers is None else min(workers, torch.cuda.device_count())
+    name = torch.cuda.get_device_properties(0).name
+    if spec_hardware is not None and spec_hardware != name:
+        raise TuneError(f"the spec's hardware is {spec_hardware!r}, and this host's GPU is {name!r}: set "
+                        f"hardware: {name} (a study's hardware is the GPU its numbers hold for)")
+    return Devices(tuple(f"cuda:{i}" for i in range(count)), name)
 
 
 def _tokens(cli: list[str], workdir: Path, db_url: str) -> tuple[str, str]:
@@ -200,21 +209,40 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
         processes.stop_all()
 
 
+def _study_spec(spec: StudySpec | dict[str, Any] | str | Path, workers: int | None) -> StudySpec:
+    """`tune`'s spec as a StudySpec; TuneError (bad input) naming the file and the field. A spec
+    without `hardware` takes this host's before its space is checked against it."""
+    from pydantic import ValidationError
+
+    if isinstance(spec, StudySpec):
+        return spec
+    where = "the spec"
+    if isinstance(spec, (str, Path)):
+        where = str(spec)
+        try:
+            spec = read_spec_file(Path(spec))
+        except SpecFileError as e:
+            raise TuneError(str(e)) from None
+    if not isinstance(spec, dict):
+        raise TuneError(f"the spec is a {type(spec).__name__}: give a StudySpec, a dict of its fields or a YAML/JSON "
+                        "file's path")
+    if "hardware" not in spec:
+        spec = {**spec, "hardware": local_devices(None, workers).hardware}
+    try:
+        return StudySpec.model_validate(spec)
+    except ValidationError as e:
+        raise TuneError(f"{where}: {spec_errors(e)}") from None
+
+
 def tune(spec: StudySpec | dict[str, Any] | str | Path, *, workdir: str | Path = "autotune-work",
          workers: int | None = None, out: str | Path | None = "best.yaml",
          allow_workloads: Sequence[str] = ()) -> Recommendation:
     """Tune a study on this machine (`autotune tune`): `spec` a StudySpec, its dict, or a YAML/JSON
     file. Returns the verdict (`Recommendation`: `.certified`, `.config`, `.speedup`, ...);
-    raises TuneError when the study could not finish, KeyboardInterrupt when interrupted
+    raises TuneError when the study could not finish, or with `code` 2 (bad input) naming the
+    file and the field when the spec is not a valid one; KeyboardInterrupt when interrupted
     (calling it again resumes)."""
-    if isinstance(spec, (str, Path)):
-        import yaml
-
-        spec = dict(yaml.safe_load(Path(spec).read_text()))
-    if isinstance(spec, dict) and "hardware" not in spec:  # this host's, before the space is checked against it
-        spec = {**spec, "hardware": local_devices(None, workers).hardware}
-    if not isinstance(spec, StudySpec):
-        spec = StudySpec.model_validate(spec)
+    spec = _study_spec(spec, workers)
     code, verdict = run_tune(spec, Path(workdir), workers=workers, out=None if out is None else Path(out),
                              allow_workloads=allow_workloads)
     if code == INTERRUPTED:

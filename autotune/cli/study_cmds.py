@@ -18,13 +18,16 @@ from rich.markup import escape as rich_escape
 from autotune.cli.common import (
     ApiOption,
     FolderError,
+    SpecFileError,
     TokenFileOption,
     TokenOption,
     err,
     make_folder,
+    read_spec_file,
     resolve_token,
     say_error,
     service_client,
+    spec_errors,
     usage_error,
 )
 from autotune.cli.tables import LOST_LABEL, UNNEEDED_LABEL, studies_table, trials_table, verdict_line, verdict_table
@@ -33,16 +36,6 @@ from autotune.worker.client import DEFAULT_API, Conflict, NotFound
 
 if TYPE_CHECKING:
     from autotune.contract.views import StudyInfo
-
-
-def spec_errors(exc: Any) -> str:
-    """A pydantic ValidationError of a StudySpec as 'field: message' lines."""
-    lines = []
-    for error in exc.errors():
-        field = ".".join(str(p) for p in error.get("loc", ()))
-        msg = str(error.get("msg", "")).removeprefix("Value error, ")
-        lines.append(msg if not field or msg.startswith(field) else f"{field}: {msg}")
-    return "; ".join(lines)
 
 
 # Built-in presets sized for a GPU (tens of millions of parameters, ~19 k samples a probe): as a
@@ -155,19 +148,14 @@ def _load_spec(spec_file: Path, name: str | None, check_cpu: bool = True,
     leaves `hardware` out; a usage error naming the file and the field otherwise. With
     `host_hardware`, a spec without `hardware` takes this host's before it is validated (its
     space is checked against that GPU, not the CPU)."""
-    import yaml
     from pydantic import ValidationError
 
     from autotune.contract.protocol import StudySpec
 
-    if not spec_file.is_file():
-        raise usage_error(f"{spec_file}: no such file; give a YAML or JSON study spec")
     try:
-        data = yaml.safe_load(spec_file.read_text())
-    except yaml.YAMLError as e:
-        raise usage_error(f"{spec_file}: not valid YAML/JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise usage_error(f"{spec_file}: expected a mapping of study fields (name, space, n_trials, ...)")
+        data = read_spec_file(spec_file)
+    except SpecFileError as e:
+        raise usage_error(str(e)) from None
     if name is not None:
         data["name"] = name
     implicit_cpu = "hardware" not in data

@@ -7,9 +7,11 @@ device name (e.g. ``NVIDIA H100 80GB HBM3``).
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import socket
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +47,21 @@ def installed_torch_version() -> str | None:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+# The device files through which a GPU runtime that torch.cuda can use reaches its devices on Linux:
+# NVIDIA's driver (/dev/nvidiactl, /dev/nvidiaN), ROCm (/dev/kfd: a ROCm build of torch answers to
+# torch.cuda), WSL2's GPU (/dev/dxg) and NVIDIA Jetson's integrated GPU (/dev/nvhost-*, /dev/nvmap).
+GPU_DEVICE_FILES = ("nvidia*", "kfd", "dxg", "nvhost-*", "nvmap")
+
+
+def surely_no_gpu(dev: str = "/dev") -> bool:
+    """True where this host certainly has no GPU for torch.cuda: Linux, with none of
+    `GPU_DEVICE_FILES` in `dev`. Answered without importing torch (2-3 CPU-seconds); False, so
+    ask torch, on any other system or where `dev` cannot be read."""
+    if sys.platform != "linux" or not os.path.isdir(dev):
+        return False
+    return not any(glob.glob(os.path.join(glob.escape(dev), pattern)) for pattern in GPU_DEVICE_FILES)
 
 
 def detect_cpu(torch_version: str) -> Hardware:

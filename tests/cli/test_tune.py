@@ -214,3 +214,27 @@ def test_an_out_path_that_cannot_take_best_yaml_exits_2_before_the_study(tmp_pat
         assert done.returncode == 2, output
         assert f"error: {said}" in output and "Traceback" not in output, output
         assert not (tmp_path / "work" / "serve.log").exists()  # no service was started
+
+
+def test_the_python_api_names_the_file_and_the_field_of_a_bad_spec(tmp_path: Path) -> None:
+    """`autotune.tune(spec)` with a spec it cannot read: TuneError with code 2 (bad input) naming
+    the file and the field, as `autotune tune` says it (it was pydantic's ValidationError, or a
+    TypeError for a file that is not a mapping), before anything is made."""
+    from autotune import TuneError, tune
+
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**SPEC, "n_trials": 0}))
+    cases: list[tuple[Any, str]] = [
+        (tmp_path / "missing.yaml", f"{tmp_path / 'missing.yaml'}: no such file; give a YAML or JSON study spec"),
+        (tmp_path / "list.yaml", f"{tmp_path / 'list.yaml'}: expected a mapping of study fields"),
+        (str(tmp_path / "broken.yaml"), f"{tmp_path / 'broken.yaml'}: not valid YAML/JSON"),
+        (tmp_path / "bad.yaml", f"{tmp_path / 'bad.yaml'}: n_trials: Input should be greater than or equal to 1"),
+        ({**SPEC, "hardware": "cpu", "sampler": "annealing"}, "the spec: sampler: Input should be"),
+        (["not", "a", "spec"], "the spec is a list: give a StudySpec, a dict of its fields or a YAML/JSON file's path"),
+    ]
+    for spec, said in cases:
+        with pytest.raises(TuneError) as caught:
+            tune(spec, workdir=tmp_path / "work", out=None)
+        assert caught.value.code == 2 and str(caught.value).startswith(said), (spec, str(caught.value))
+    assert not (tmp_path / "work").exists()
