@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -125,8 +126,32 @@ def pyplot() -> Any:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# What a run's numbers depend on, as files: the product (autotune/ and the folders it links to),
+# the benchmarks' own scripts, the example jobs. Read from the disk, not from git.
+SOURCE_FOLDERS = ("autotune", "api", "migrations", "search_spaces", "bench", "examples")
+SOURCE_SUFFIXES = (".py", ".yaml", ".toml")
+SKIPPED_FOLDERS = ("__pycache__", "results", "build")
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """sha256 over the source files under `root`'s SOURCE_FOLDERS (each file's relative path and
+    bytes, in path order; links, caches, results and build output skipped): the code a run
+    measured even where a copy's git metadata is stale (the GPU machine's copy of the working tree
+    read an older commit). Compare a run with a commit by calling this in that commit's checkout."""
+    digest = hashlib.sha256()
+    files = []
+    for folder in SOURCE_FOLDERS:
+        for parent, dirs, names in os.walk(root / folder):  # links to folders are not followed
+            dirs[:] = [d for d in dirs if d not in SKIPPED_FOLDERS and not d.endswith(".egg-info")]
+            files += [Path(parent) / n for n in names if n.endswith(SOURCE_SUFFIXES)]
+    for path in sorted(p for p in files if not p.is_symlink()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def code_version() -> dict[str, Any]:
-    """The code a run measures: the commit checked out and the files changed since (read-only git calls)."""
+    """The code a run measures: the commit checked out, the files changed since (read-only git
+    calls) and `source_digest`, which holds where the git metadata does not."""
 
     def git(*args: str) -> str:
         try:
@@ -135,7 +160,8 @@ def code_version() -> dict[str, Any]:
             return ""
 
     changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD").strip() or None, "changed_files": changed}
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "changed_files": changed,
+            "source_sha256": source_digest()}
 
 
 def finish_run(out: Path, doc: dict[str, Any], png: Path, draw: Callable[[], None], table: str,

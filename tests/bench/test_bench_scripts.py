@@ -67,6 +67,33 @@ def test_the_harness_records_torchs_version_without_importing_torch(monkeypatch:
     assert "torch" not in sys.modules  # read without importing it
 
 
+def test_the_source_digest_follows_the_sources_and_nothing_else(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """studylib.source_digest names the code a run measured from the files themselves (the GPU
+    machine's copy had stale git metadata): a source's bytes or name change it; caches, results,
+    build output and the links into the product's folders do not."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import studylib
+
+    for name, text in {"autotune/a.py": "A = 1\n", "api/b.py": "B = 2\n", "search_spaces/cpu.yaml": "x: 1\n",
+                       "bench/run.py": "", "autotune/__pycache__/a.py": "", "bench/results/r.yaml": "",
+                       "examples/job/build/lib/j.py": "", "README.md": ""}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "autotune" / "api").symlink_to("../api")
+    first = studylib.source_digest(tmp_path)
+    assert studylib.source_digest(tmp_path) == first
+    for name in ("autotune/__pycache__/a.py", "bench/results/r.yaml", "examples/job/build/lib/j.py", "README.md"):
+        (tmp_path / name).write_text("changed")
+        assert studylib.source_digest(tmp_path) == first, name
+    (tmp_path / "api" / "b.py").write_text("B = 3\n")
+    changed = studylib.source_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "api" / "b.py").rename(tmp_path / "api" / "c.py")
+    assert studylib.source_digest(tmp_path) not in (first, changed)
+    assert len(studylib.source_digest()) == 64 and studylib.code_version()["source_sha256"] == studylib.source_digest()
+
+
 # The cpu space's knobs with smaller batches (effective batch <= 8, inverse-loss period <= 2), so
 # that a probe of 96 samples has its 5 warm-up and 5 timed steps at every point of the space; a
 # YAML file, as the benchmark's own space (bench/configs/pruning_space.yaml) is sent.
