@@ -17,7 +17,14 @@ from rich.markup import escape as rich_escape
 
 from autotune.worker.client import ApiError, Client, Invalid, ServiceUnavailable
 
-err = Console(stderr=True, emoji=False)  # ":x:" in a message is text, not an emoji
+
+def make_console(*, stderr: bool = False, **options: Any) -> Console:
+    """A console for the command line's output: emoji codes off (":x:" in a message, a device
+    such as cuda:x:, is text), the rest of rich's `options` as given. Every CLI console is made here."""
+    return Console(stderr=stderr, emoji=False, **options)
+
+
+err = make_console(stderr=True)
 
 
 class FolderError(ValueError):

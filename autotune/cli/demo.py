@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.cli.common import make_folder, say_error
+from autotune.cli.common import make_console, make_folder, say_error
 from autotune.cli.report_data import quality_label
 from autotune.cli.tables import LOST_LABEL, UNNEEDED_LABEL, recommendation_table, trials_table, verdict_table
 from autotune.contract.protocol import ProbeSpec, RemeasureSpec, StudySpec
@@ -193,7 +193,7 @@ def run_demo(workdir: Path, trials: int = 12, workers: int = 2, port: int = 0, s
     """Run the demo; the exit status (0: the study finished with completed trials)."""
     name = f"demo-{datetime.now():%Y%m%d-%H%M%S}"
     spec = demo_spec(name, trials, samples)  # a bad argument fails here, before anything is made
-    console = console or Console(highlight=False, soft_wrap=True, emoji=False)
+    console = console or make_console(highlight=False, soft_wrap=True)
     workdir = make_folder(workdir, "--workdir")
     db_path = workdir / "autotune.db"
     port = port or free_port()

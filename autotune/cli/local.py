@@ -29,7 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
-from autotune.cli.common import SpecFileError, make_folder, read_spec_file, say_error, spec_errors
+from autotune.cli.common import SpecFileError, make_console, make_folder, read_spec_file, say_error, spec_errors
 from autotune.cli.demo import (
     DemoError,
     Processes,
@@ -117,7 +117,7 @@ def run_tune(spec: StudySpec, workdir: Path, *, workers: int | None = None, out:
     """Tune `spec` on this machine (see the module docstring); (exit status, the verdict or None)."""
     from autotune.contract.registry import parse_workload_option
 
-    console = console or Console(highlight=False, soft_wrap=True, emoji=False)
+    console = console or make_console(highlight=False, soft_wrap=True)
     try:  # bad input, said before anything starts
         names = [parse_workload_option(option)[0] for option in allow_workloads]
         devices = local_devices(spec.hardware if "hardware" in spec.model_fields_set else None, workers)

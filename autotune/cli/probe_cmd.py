@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cli.common import err, usage_error
+from autotune.cli.common import err, make_console, usage_error
 from autotune.contract.config import KNOBS, ConfigError, load_config_arg, parse_config
 from autotune.contract.protocol import ProbeSpec
 from autotune.contract.registry import BUILTIN
@@ -160,7 +160,7 @@ def probe(
         table = Table("knob", "default", "allowed", "what")
         for k in KNOBS.values():
             table.add_row(k.name, json.dumps(k.default), k.allowed(), k.doc)
-        Console(emoji=False).print(table)
+        make_console().print(table)
         return
     from autotune.contract.registry import UnknownWorkloadError
     from autotune.engine.probe import ProbeSettings, run_probe
@@ -186,7 +186,7 @@ def probe(
     if as_json:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
     else:
-        print_probe_result(result, Console(emoji=False))
+        print_probe_result(result, make_console())
     if result.failure:
         raise typer.Exit(code=1)
 

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from autotune.cli.common import err, say_error, usage_error
+from autotune.cli.common import err, make_console, say_error, usage_error
 from autotune.cli.seam import service
 
 
@@ -95,7 +94,7 @@ def db_upgrade(
     with database_command():
         before, after = db_module.upgrade_schema(_database_url(db), revision)
     change = f"already at {after}" if before == after else f"{_revision(before)} → {after}"
-    Console(emoji=False).print(f"autotune tables: {change}", highlight=False)
+    make_console().print(f"autotune tables: {change}", highlight=False)
 
 
 def db_downgrade(
@@ -107,7 +106,7 @@ def db_downgrade(
     db_module = service().db
     with database_command():
         before, after = db_module.downgrade_schema(_database_url(db), revision)
-    Console(emoji=False).print(f"autotune tables: {_revision(before)} → {_revision(after)}", highlight=False)
+    make_console().print(f"autotune tables: {_revision(before)} → {_revision(after)}", highlight=False)
 
 
 def db_current(db: DbOption = None) -> None:
@@ -117,7 +116,7 @@ def db_current(db: DbOption = None) -> None:
         current = db_module.current_schema_revision(_database_url(db))
         head = db_module.head_revision()
     note = " (head)" if current == head else f" (newest: {head}; run `autotune db upgrade`)"
-    Console(emoji=False).print(_revision(current) + note, highlight=False)
+    make_console().print(_revision(current) + note, highlight=False)
 
 
 def db_backup(
@@ -139,7 +138,7 @@ def db_backup(
     except backup.BackupFailed as e:
         say_error(str(e))
         raise typer.Exit(code=1) from None
-    Console(emoji=False).print(result.describe(), markup=False, highlight=False, soft_wrap=True)
+    make_console().print(result.describe(), markup=False, highlight=False, soft_wrap=True)
 
 
 @contextmanager
@@ -176,7 +175,7 @@ def token_list(db: DbOption = None) -> None:
     with token_store(db) as store:
         tokens = store.tokens()
     if not tokens:
-        Console(emoji=False).print("no tokens yet: create one with `autotune token create --role admin`")
+        make_console().print("no tokens yet: create one with `autotune token create --role admin`")
         return
     table = Table("id", "name", "role", "created (UTC)", "last used (UTC)", "revoked (UTC)", title="tokens")
 
@@ -185,7 +184,7 @@ def token_list(db: DbOption = None) -> None:
 
     for t in tokens:
         table.add_row(str(t.id), t.name, t.role, when(t.created_at), when(t.last_used_at), when(t.revoked_at))
-    Console(emoji=False).print(table)
+    make_console().print(table)
 
 
 def token_revoke(
@@ -196,4 +195,4 @@ def token_revoke(
     """Revoke a token: the service refuses it within seconds (its row is kept). Exit status 1 if there is none."""
     with token_store(db) as store:
         info = store.revoke(name_or_id)
-    Console(emoji=False).print(f"revoked {info.role} token {info.name!r} (id {info.id})", highlight=False)
+    make_console().print(f"revoked {info.role} token {info.name!r} (id {info.id})", highlight=False)

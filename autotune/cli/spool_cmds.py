@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape as rich_escape
 from rich.table import Table
 
@@ -20,6 +19,7 @@ from autotune.cli.common import (
     TokenFileOption,
     TokenOption,
     err,
+    make_console,
     resolve_token,
     service_client,
     usage_error,
@@ -95,7 +95,7 @@ def spool_list(
                 "reason": e.reason, "belongs_to": e.home, "path": str(e.path)}) + "\n")
         _say_unreadable(spool)
         return
-    console = Console(highlight=False, soft_wrap=True, emoji=False)
+    console = make_console(highlight=False, soft_wrap=True)
     if not rows:
         missing = "" if spool.root.is_dir() else " (no such folder: is it the worker's --spool-dir?)"
         console.print(f"no results in the spool {rich_escape(str(spool.root))}{missing}")
@@ -139,7 +139,7 @@ def spool_deliver(
     from autotune.worker.spool import belongs_to, deliver_entries, service_identity, spool_command
 
     spool = _spool(spool_dir)
-    console = Console(highlight=False, soft_wrap=True, emoji=False)
+    console = make_console(highlight=False, soft_wrap=True)
     with service_client(api, resolve_token(token, token_file)) as client:
         current = service_identity(client, CLI_RETRY_S, interruptible=None)
         everything = spool.pending()
@@ -232,7 +232,7 @@ def spool_clear(
             err.print(f"kept {len(kept)} result(s) ({_counts(kept)}): --service ID or --all deletes pending "
                       "results, --rejected the rejected ones (`autotune spool list` shows them)",
                       highlight=False, soft_wrap=True)
-    console = Console(highlight=False, soft_wrap=True, emoji=False)
+    console = make_console(highlight=False, soft_wrap=True)
     if not rows and not notes:
         console.print(f"nothing to delete in the spool {rich_escape(str(spool.root))}")
         return

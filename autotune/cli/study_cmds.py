@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape as rich_escape
 
 from autotune.cli.common import (
@@ -22,6 +21,7 @@ from autotune.cli.common import (
     TokenFileOption,
     TokenOption,
     err,
+    make_console,
     make_folder,
     read_spec_file,
     resolve_token,
@@ -230,7 +230,7 @@ def submit(
         except Conflict as e:
             say_error(e.message)
             raise typer.Exit(code=1) from None
-    console = Console(emoji=False)
+    console = make_console()
     space = info.spec.space if isinstance(info.spec.space, str) else "inline"
     console.print(f"created study [bold]{info.name}[/] ({info.state}): {info.spec.workload}/{info.spec.preset}, "
                   f"space {space}, {info.spec.n_trials} trials, sampler {info.spec.sampler}, "
@@ -257,7 +257,7 @@ def status(
     token_file: TokenFileOption = None,
 ) -> None:
     """Show the studies, or one study's trials (state, throughput, NRMSE, feasibility, failure, params)."""
-    console = Console(emoji=False)
+    console = make_console()
     with service_client(api, resolve_token(token, token_file)) as client:
         if study is None:
             studies = client.list_studies().data
@@ -400,7 +400,7 @@ def report(
         except NotFound:
             recommendation = None  # nothing passes the gate yet: the report says so
     files = write_report(info, trials, recommendation, out, front)
-    console = Console(emoji=False)
+    console = make_console()
     console.print(files.headline, highlight=False, markup=False, soft_wrap=True)
     left = f" ({', '.join(f'{name}.png' for name in files.left_out)} left out: see the page)" if files.left_out else ""
     console.print(f"wrote {files.html} and {len(files.figures)} figures{left}", highlight=False)

@@ -147,6 +147,18 @@ def test_a_usage_error_prints_its_message_as_written() -> None:
     assert printed.get() == f"error: {message}\n"
 
 
+def test_every_console_of_the_command_line_reads_emoji_codes_as_text() -> None:
+    """Each command's console comes from `common.make_console` (emoji codes off): a console
+    made elsewhere printed a device "cuda:x:" as "cuda❌"."""
+    printed = common.make_console(record=True, width=200)
+    printed.print("--device cuda:x: :thumbs_up:")
+    assert printed.export_text() == "--device cuda:x: :thumbs_up:\n"
+    cli = Path(common.__file__).parent
+    made_elsewhere = [f"{path.name}:{n}" for path in sorted(cli.glob("*.py")) if path.name != "common.py"
+                      for n, line in enumerate(path.read_text().splitlines(), 1) if "Console(" in line]
+    assert made_elsewhere == []
+
+
 def test_a_config_file_that_is_not_yaml_and_a_trace_path_that_cannot_be_made_are_usage_errors(
         tmp_path: Path) -> None:
     """Both said before the probe runs (a YAML error was a traceback; a bad --trace failed the
