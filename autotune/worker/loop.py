@@ -47,7 +47,7 @@ from autotune.worker.cpu_share import CpuShare, claim_cpu_share, omp_threads_cap
 from autotune.worker.delivery import Deliveries
 from autotune.worker.detect import detect_hardware, start_fork_server
 from autotune.worker.gpus import DeviceGroup, plan_groups
-from autotune.worker.hardware import Hardware
+from autotune.worker.hardware import Hardware, surely_no_gpu
 from autotune.worker.options import WorkerOptions, default_worker_id, service_retry_s
 from autotune.worker.results import TrialRun
 from autotune.worker.spool import Spool, default_spool_dir, services_named, spool_command, unauthorized_hint
@@ -325,6 +325,8 @@ def run_worker(options: WorkerOptions, console: Console | None = None) -> int:
                          "'_', '.' or '-', at most 64); `autotune status` lists the studies")
     Spool(options.spool_dir or default_spool_dir()).check_writable()
     groups = plan_groups(options.device, options.gpus_per_trial)
+    if groups[0].is_cuda and surely_no_gpu():  # said before a fork server imports torch to find out
+        raise ValueError(f"--device {options.device}: CUDA is not available on this host; use --device cpu")
     cpu_share = claim_cpu_share(options)  # --device cpu without --threads: this worker's share of the host's cores
     server = start_fork_server(options)  # from the main thread, which lives as long as the worker
     try:

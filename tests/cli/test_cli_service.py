@@ -15,6 +15,8 @@ from live_service import SMALL_SPACE, LiveService, Processes, free_port, log_tex
 from typer.testing import CliRunner
 
 from autotune.cli.main import app
+from autotune.worker import loop as worker_loop
+from autotune.worker.hardware import surely_no_gpu
 
 VERBS = ["serve", "worker", "submit", "status", "stop", "best", "report", "probe", "demo", "tune"]
 
@@ -260,6 +262,21 @@ def test_worker_refuses_an_unknown_device() -> None:
     result = invoke("worker", "--device", "cuda:x")  # printed as typed: ":x:" is no emoji, "[...]" no markup
     assert result.exit_code == 2
     assert "--device cuda:x: expected cuda:N or cuda:N,M,... (GPU indices)" in result.stderr
+
+
+@pytest.mark.skipif(not surely_no_gpu(), reason="this host has a GPU's device files")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:0,1"])
+def test_a_worker_asked_for_cuda_on_a_host_without_a_gpu_is_refused_before_it_starts_anything(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Said at once: the fork server (which imports torch, 4 CPU-seconds) was started first and a
+    child forked from it to find out."""
+    def no_fork_server(options: Any) -> None:
+        raise AssertionError("a fork server was started")
+
+    monkeypatch.setattr(worker_loop, "start_fork_server", no_fork_server)
+    result = invoke("worker", "--device", device, "--gpus-per-trial", "2" if "," in device else "1")
+    assert result.exit_code == 2, result.output
+    assert f"--device {device}: CUDA is not available on this host; use --device cpu" in result.stderr
 
 
 def test_worker_refuses_a_study_name_and_a_spool_it_could_never_use(tmp_path: Path) -> None:
