@@ -113,6 +113,32 @@ def test_a_space_that_draws_configs_the_budget_cannot_time_gets_a_note(
     assert make_study("all-timed", space=space, probe={"samples": 320})["notes"] == []
 
 
+@pytest.mark.parametrize(("batch", "accum"), [
+    ({"low": 4, "high": 16, "step": 4}, {"low": 1, "high": 2}),  # 4, 8, 12, 16 × 1, 2
+    ({"low": 2, "high": 20, "step": 6}, {"low": 1, "high": 3, "step": 2}),  # 2, 8, 14, 20 × 1, 3: high off the step
+])
+def test_an_int_range_gets_the_note_its_values_as_choices_get(make_study: StudyFactory, batch: dict[str, int],
+                                                              accum: dict[str, int]) -> None:
+    """The note reads an int range by its bounds and step (it listed every value at each view of
+    the study), and says what the same values given as choices get it to say."""
+    def choices(r: dict[str, int]) -> dict[str, list[int]]:
+        return {"choices": list(range(r["low"], r["high"] + 1, r.get("step", 1)))}
+
+    as_range = make_study("ranged", space={"params": {"batch_size": batch, "accum_steps": accum}},
+                          probe={"samples": 80})["notes"]
+    as_choices = make_study("listed", space={"params": {"batch_size": choices(batch), "accum_steps": choices(accum)}},
+                            probe={"samples": 80})["notes"]
+    assert as_range == as_choices and len(as_range) == 1
+
+
+def test_the_widest_ranges_the_knobs_allow_get_their_note(make_study: StudyFactory) -> None:
+    widest = {"batch_size": {"low": 1, "high": 65536}, "accum_steps": {"low": 1, "high": 1024}}
+    assert make_study("widest", space={"params": widest}, probe={"samples": 80})["notes"] == [
+        "probe.samples 80 times at most 8 samples per optimizer step (batch_size × accum_steps); the space draws "
+        "up to 67108864 (e.g. 65536 × 1024, 65535 × 1024, 65534 × 1024): such configs fail as trials before "
+        "training. Use probe.samples >= 671088640 to time them all, or narrow the space"]
+
+
 def test_grid_over_a_float_range_is_422(client: TestClient) -> None:
     detail = _error(client, {"name": "g", "sampler": "grid",
                              "space": {"params": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}}}})
