@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from autotune.contract import space as space_module
 from autotune.contract.config import KNOBS, ConfigError, TrainConfig, check_hardware, load_config_arg, parse_config
 from autotune.contract.space import (
     MAX_CHOICES,
@@ -209,6 +210,25 @@ def test_a_space_is_loaded_by_name_never_by_path(name: str) -> None:
         load_space(name)
     assert info.value.field == "space"
     assert "not a space name" in str(info.value) and "no paths" in str(info.value)
+
+
+def test_a_named_space_is_read_again_when_its_file_changes_and_callers_cannot_change_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_space parses a file's text once (each view of a study parsed it again); an edit is
+    seen at once, even one of the same size within the clock's tick, an invalid file is refused,
+    and a caller that changes the Space it got changes nobody else's."""
+    monkeypatch.setattr(space_module, "SPACES_DIR", tmp_path)
+    path = tmp_path / "mine.yaml"
+    path.write_text("params:\n  batch_size: {choices: [4, 8]}\nfixed: {accum_steps: 1}\n")
+    first = load_space("mine")
+    assert first.params["batch_size"].choices == (4, 8)
+    first.fixed["accum_steps"] = 99  # a caller's own copy
+    assert load_space("mine").fixed == {"accum_steps": 1}
+    path.write_text("params:\n  batch_size: {choices: [2, 8]}\nfixed: {accum_steps: 1}\n")  # same size, at once
+    assert load_space("mine").params["batch_size"].choices == (2, 8)
+    path.write_text("params: [unclosed\n")
+    with pytest.raises(SpaceError, match=r"search_spaces/mine\.yaml is not valid YAML"):
+        load_space("mine")
 
 
 def test_an_unknown_space_name_lists_the_known_ones() -> None:
